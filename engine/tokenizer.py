@@ -1,0 +1,67 @@
+"""Tokenizers behind one small interface: encode a chat prompt, decode ids, know the stop tokens.
+
+`HFTokenizer` wraps a transformers tokenizer (its chat template included); `ByteTokenizer` is a
+self-contained byte-level tokenizer for random-init test models (ids 0-255 are bytes, then bos, eos,
+pad), so tests need no tokenizer files.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Protocol
+
+
+class Tokenizer(Protocol):
+    eos_token_ids: frozenset[int]
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]: ...
+
+
+def _messages(user: str, system: Optional[str]) -> list[dict]:
+    return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
+
+
+class HFTokenizer:
+    def __init__(self, tok, extra_eos: tuple[int, ...] = ()):
+        self.tok = tok
+        eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
+        self.eos_token_ids = frozenset(eos | set(extra_eos))
+
+    @classmethod
+    def from_dir(cls, path: str, extra_eos: tuple[int, ...] = ()) -> "HFTokenizer":
+        from transformers import AutoTokenizer
+
+        return cls(AutoTokenizer.from_pretrained(path), extra_eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=True)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=True)
+
+    def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            return self.encode(user)
+        text = self.tok.apply_chat_template(_messages(user, system), add_generation_prompt=True, tokenize=False)
+        return self.tok.encode(text, add_special_tokens=False)
+
+
+class ByteTokenizer:
+    BOS, EOS, PAD = 256, 257, 258
+    vocab_size = 259
+
+    def __init__(self):
+        self.eos_token_ids = frozenset({self.EOS})
+
+    def encode(self, text: str) -> list[int]:
+        return [self.BOS, *text.encode("utf-8")]
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
+
+    def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
+        text = "".join(f"<{m['role']}>{m['content']}\n" for m in _messages(user, system)) + "<assistant>"
+        return self.encode(text)

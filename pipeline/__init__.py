@@ -1,0 +1,1 @@
+"""The runner: config schema, plan (resolve + validate), execution, MLflow tracking, comparison."""

@@ -1,0 +1,44 @@
+"""`python -m pipeline [+experiment=NAME] [overrides...] [-m]`: compose, plan, validate, run, track.
+
+A bad config is reported as one message naming each bad key, its value and what is valid, with exit
+status 2; nothing has been loaded and no MLflow run exists at that point.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from engine.errors import ConfigError
+from pipeline.config import register_configs, to_run_config
+from pipeline.execute import execute
+from pipeline.plan import PlanError, build_plan
+
+log = logging.getLogger("pipeline")
+register_configs()
+
+
+def run(cfg: DictConfig) -> dict:
+    """Everything `main` does, callable from tests with a composed config."""
+    run_cfg = to_run_config(cfg)
+    plan = build_plan(run_cfg)
+    print(plan.describe(), flush=True)
+    if run_cfg.dry_run:
+        return {}
+    return execute(plan)
+
+
+@hydra.main(version_base="1.3", config_path="../conf", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        run(cfg)
+    except (PlanError, ConfigError) as e:
+        print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

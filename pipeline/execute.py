@@ -1,0 +1,34 @@
+"""Run a validated plan: each stage gets exactly what it requires and must return what it provides.
+
+The MLflow run opens only after the plan has validated (a bad config leaves no run behind) and is
+marked FAILED if any stage raises.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+import torch
+
+from pipeline.plan import Plan
+from pipeline.tracking import Tracker
+
+
+def execute(plan: Plan) -> dict[str, Any]:
+    cfg, env = plan.cfg, plan.env
+    torch.manual_seed(cfg.seed)
+    tracker = Tracker(cfg, env.outputs_dir, env.device) if cfg.tracking.enabled else None
+    context: dict[str, Any] = {}
+    with tracker if tracker is not None else contextlib.nullcontext():
+        env.tracker = tracker
+        for stage in plan.stages:
+            t0 = time.perf_counter()
+            out = stage.run(cfg, {k: context[k] for k in stage.requires}, env)
+            if set(out) != set(stage.provides):
+                raise RuntimeError(f"stage {stage.name!r} returned {sorted(out)}, declared {sorted(stage.provides)}")
+            context.update(out)
+            if tracker is not None:
+                tracker.log_metrics({f"stage_s.{stage.name}": time.perf_counter() - t0})
+    return context

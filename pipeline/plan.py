@@ -1,0 +1,144 @@
+"""Resolve a RunConfig into a validated plan of stages, before any weight is read or GPU touched.
+
+    build_plan(cfg) -> Plan           raises PlanError listing every problem (key, value, what is valid)
+    plan.describe() -> str            what dry_run prints: stages, model, device, memory estimate
+
+Resolution: `load` -> (stages later issues add: configure_aux_capture, capture_graphs) -> `cfg.task`.
+Validation, in order: the registries named by the config (task, draft, graph policy), the device
+(`device=cuda` on a host without CUDA is an error, never a silent downgrade), the target's config
+files (`describe_model`), then each stage's own `check`, then the requires/provides chain.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+import stages  # noqa: F401  (registers the stages)
+from engine.errors import ConfigError
+from engine.loading import describe_model
+from pipeline.config import Device, DType, RunConfig
+from pipeline.paths import outputs_dir
+from stages.base import STAGES, Stage, StageEnv, final_stages
+
+# What this build implements; later issues turn these into registries of drafts and graph backends.
+DRAFT_ALGORITHMS = ("none",)
+GRAPH_POLICIES = ("none",)
+DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
+
+
+class PlanError(Exception):
+    """One or more ConfigErrors found while planning; the message lists them all."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        lines = [f"  - {e}" for e in errors]
+        super().__init__("invalid run configuration:\n" + "\n".join(lines))
+
+
+def resolve_device(device: Device) -> torch.device:
+    if device == Device.auto:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == Device.cuda and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda", "CUDA is not available on this host", "cpu, or auto")
+    return torch.device(device.value)
+
+
+def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
+    if dtype == DType.auto:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return DTYPES[dtype]
+
+
+def resolve_stage_names(cfg: RunConfig) -> list[str]:
+    return ["load", cfg.task]
+
+
+@dataclass
+class Plan:
+    cfg: RunConfig
+    stages: list[Stage]
+    env: StageEnv
+
+    @property
+    def names(self) -> list[str]:
+        return [s.name for s in self.stages]
+
+    def memory_estimate(self) -> dict[str, float]:
+        a, elem = self.env.target_args, torch.empty((), dtype=self.env.dtype).element_size()
+        batch = self.cfg.eval.batch_size
+        return {
+            "weights_mb": a.num_params() * elem / 2**20,
+            "kv_cache_mb": a.kv_bytes_per_token(self.env.dtype) * (self.cfg.model.max_seq_len + 1) * batch / 2**20,
+        }
+
+    def describe(self) -> str:
+        env, mem = self.env, self.memory_estimate()
+        lines = [
+            f"experiment: {self.cfg.experiment_name}",
+            f"device: {env.device} ({str(env.dtype).removeprefix('torch.')}), seed {self.cfg.seed}",
+            f"draft: {self.cfg.draft.algorithm}   graph policy: {self.cfg.graph.policy}",
+            "stages:",
+        ]
+        for i, s in enumerate(self.stages, 1):
+            req = ", ".join(s.requires) or "-"
+            prov = ", ".join(s.provides) or "-"
+            lines.append(f"  {i}. {s.name:<22} requires [{req}] provides [{prov}]")
+            if d := s.describe(self.cfg, env):
+                lines.append(f"     {d}")
+        lines.append(f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
+                     f"({self.cfg.eval.batch_size} x {self.cfg.model.max_seq_len} slots)")
+        lines += [f"note: {n}" for n in env.notes]
+        return "\n".join(lines)
+
+
+def _check_registries(cfg: RunConfig) -> list[ConfigError]:
+    errors = []
+    if cfg.task not in final_stages():
+        errors.append(ConfigError("task", cfg.task, "not a stage that can end a plan", final_stages()))
+    if cfg.draft.algorithm not in DRAFT_ALGORITHMS:
+        errors.append(ConfigError("draft.algorithm", cfg.draft.algorithm, "not implemented", DRAFT_ALGORITHMS))
+    if cfg.graph.policy not in GRAPH_POLICIES:
+        errors.append(ConfigError("graph.policy", cfg.graph.policy, "not implemented", GRAPH_POLICIES))
+    return errors
+
+
+def _check_chain(stage_list: list[Stage]) -> list[ConfigError]:
+    errors, available = [], set()
+    for s in stage_list:
+        missing = [k for k in s.requires if k not in available]
+        if missing:
+            errors.append(ConfigError("stages", s.name, f"requires {missing}, which no earlier stage provides",
+                                      f"a plan where a stage providing {missing} comes first"))
+        available.update(s.provides)
+    return errors
+
+
+def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
+    errors = _check_registries(cfg)
+    device, dtype, target_args = torch.device("cpu"), torch.float32, None
+    try:
+        device = resolve_device(cfg.device)
+        dtype = resolve_dtype(cfg.dtype, device)
+    except ConfigError as e:
+        errors.append(e)
+    try:
+        target_args = describe_model(cfg.model, (outputs or outputs_dir()) / "weights")
+    except ConfigError as e:
+        errors.append(e)
+    if errors:  # later checks need a known task and a readable target
+        raise PlanError(errors)
+
+    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs or outputs_dir(), target_args=target_args)
+    stage_list = [STAGES[n]() for n in resolve_stage_names(cfg)]
+    for s in stage_list:
+        try:
+            s.check(cfg, env)
+        except ConfigError as e:
+            errors.append(e)
+    errors += _check_chain(stage_list)
+    if errors:
+        raise PlanError(errors)
+    return Plan(cfg, stage_list, env)

@@ -1,0 +1,106 @@
+"""MLflow tracking: one experiment per experiment name, one run per job, nothing left RUNNING.
+
+The store defaults to SQLite under outputs/ (`sqlite:///<repo>/outputs/mlflow.db`) with artifacts in
+`outputs/mlartifacts/<experiment>`. Everything goes through an explicit `MlflowClient` (no global
+fluent state), so tests can point a tracker at a temporary store.
+
+    with Tracker(cfg, outputs) as t:     # creates the run; params = flattened config; tags = git, device, torch
+        t.log_metrics({...}); t.log_text(text, "results.jsonl")
+    # leaving the block: FINISHED, or FAILED when an exception escapes (the exception propagates)
+"""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+
+from pipeline.config import RunConfig, flatten, to_yaml
+from pipeline.paths import REPO
+
+MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
+
+
+def default_tracking_uri(outputs: Path) -> str:
+    return f"sqlite:///{outputs / 'mlflow.db'}"
+
+
+def git_sha() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        sha = out.stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
+                               capture_output=True, text=True, timeout=5).stdout.strip()
+        return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
+
+
+class Tracker:
+    def __init__(self, cfg: RunConfig, outputs: Path, device: torch.device):
+        from mlflow.tracking import MlflowClient
+
+        t = cfg.tracking
+        outputs.mkdir(parents=True, exist_ok=True)
+        self.uri = t.tracking_uri or default_tracking_uri(outputs)
+        self.client = MlflowClient(tracking_uri=self.uri)
+        self.cfg, self.device = cfg, device
+        self.artifact_root = Path(t.artifact_root or outputs / "mlartifacts")
+        self.run_id: Optional[str] = None
+
+    def _experiment_id(self, name: str) -> str:
+        exp = self.client.get_experiment_by_name(name)
+        if exp is not None:
+            return exp.experiment_id
+        location = (self.artifact_root / name).resolve().as_uri()
+        return self.client.create_experiment(name, artifact_location=location)
+
+    def __enter__(self) -> "Tracker":
+        from mlflow.entities import Param, RunTag
+
+        cfg = self.cfg
+        run = self.client.create_run(self._experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
+        self.run_id = run.info.run_id
+        try:
+            params = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in flatten(cfg).items()]
+            for i in range(0, len(params), 100):
+                self.client.log_batch(self.run_id, params=params[i: i + 100])
+            tags = {"git_sha": git_sha(), "device": device_name(self.device), "torch_version": torch.__version__}
+            self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+            self.log_text(to_yaml(cfg), "config.yaml")
+        except BaseException:
+            self.client.set_terminated(self.run_id, status="FAILED")
+            raise
+        print(f"[mlflow] run {self.run_id} in experiment {cfg.experiment_name!r} ({self.uri})", flush=True)
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self.run_id is not None:
+            self.client.set_terminated(self.run_id, status="FAILED" if exc_type else "FINISHED")
+
+    def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
+        from mlflow.entities import Metric
+        import time
+
+        now = int(time.time() * 1000)
+        batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
+        for i in range(0, len(batch), 1000):
+            self.client.log_batch(self.run_id, metrics=batch[i: i + 1000])
+
+    def log_text(self, text: str, artifact_file: str) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            path = Path(d) / artifact_file
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+            parent = str(Path(artifact_file).parent)
+            self.client.log_artifact(self.run_id, str(path), None if parent == "." else parent)

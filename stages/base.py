@@ -1,0 +1,76 @@
+"""The stage contract and the stage registry.
+
+A stage is a class registered under a name with
+
+    requires   keys of the run context it reads (provided by earlier stages)
+    provides   keys it writes
+    check(cfg, env)   static validation from config files alone (no weights, no GPU); raises ConfigError
+    run(cfg, inputs, env) -> {key: value for key in provides}
+
+`final = True` marks a stage that can end a plan (`task=eval`, later `serve`). The runner
+(`pipeline.execute`) hands each stage only what it requires and checks that it returned exactly what it
+provides, so the contract the plan validated is the contract that runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Optional
+
+import torch
+
+from engine.model import ModelArgs
+from pipeline.config import RunConfig
+
+
+@dataclass
+class StageEnv:
+    """What every stage may use besides its inputs: resolved device/dtype, paths, the tracker."""
+
+    device: torch.device
+    dtype: torch.dtype
+    outputs_dir: Path
+    target_args: ModelArgs  # from config files, before any weight is read
+    tracker: Any = None  # pipeline.tracking.Tracker (None at plan time)
+    notes: list[str] = field(default_factory=list)  # plan remarks shown by dry_run
+
+    @property
+    def weights_dir(self) -> Path:
+        return self.outputs_dir / "weights"
+
+
+class Stage:
+    name: ClassVar[str]
+    requires: ClassVar[tuple[str, ...]] = ()
+    provides: ClassVar[tuple[str, ...]] = ()
+    final: ClassVar[bool] = False
+
+    def check(self, cfg: RunConfig, env: StageEnv) -> None:
+        """Raise engine.errors.ConfigError on a bad config; read no weights."""
+
+    def describe(self, cfg: RunConfig, env: StageEnv) -> str:
+        """One line for the dry-run plan."""
+        return ""
+
+    def run(self, cfg: RunConfig, inputs: dict[str, Any], env: StageEnv) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+STAGES: dict[str, type[Stage]] = {}
+
+
+def register_stage(cls: type[Stage]) -> type[Stage]:
+    if cls.name in STAGES:
+        raise ValueError(f"stage {cls.name!r} registered twice")
+    STAGES[cls.name] = cls
+    return cls
+
+
+def final_stages() -> list[str]:
+    return sorted(n for n, s in STAGES.items() if s.final)
+
+
+def get_stage(name: str, key: str = "task") -> Optional[Stage]:
+    cls = STAGES.get(name)
+    return cls() if cls else None

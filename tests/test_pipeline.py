@@ -1,0 +1,117 @@
+"""End to end on a tiny random model: the runner, the real MLflow store, the comparison report, the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+
+from conftest import compose_cfg
+from engine.errors import ConfigError
+from pipeline.__main__ import run
+from pipeline.compare import compare
+from pipeline.paths import REPO
+
+TINY = ("model=tiny", "eval.limit=3", "eval.max_new_tokens=8", "device=cpu")
+
+
+def client(outputs: Path) -> MlflowClient:
+    return MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
+
+
+def runs_of(outputs: Path, experiment: str):
+    c = client(outputs)
+    exp = c.get_experiment_by_name(experiment)
+    return [] if exp is None else c.search_runs([exp.experiment_id])
+
+
+def download_text(outputs: Path, run_id: str, name: str) -> str:
+    return Path(client(outputs).download_artifacts(run_id, name, str(outputs / "dl"))).read_text()
+
+
+def test_tiny_eval_run_is_tracked(outputs):
+    ctx = run(compose_cfg("+experiment=baseline", *TINY, "eval.batch_size=2", "eval.peers=[hf_generate]"))
+    metrics = ctx["eval_results"]["metrics"]
+    assert metrics["generated_tokens"] == sum(len(r.result.tokens) for r in ctx["eval_results"]["records"])
+    assert metrics["peer_match.hf_generate"] == 1.0  # same weights, greedy, fp32: the same tokens
+
+    (r,) = runs_of(outputs, "baseline")
+    assert r.info.status == "FINISHED"
+    assert r.data.params["model.source"] == "random" and r.data.params["eval.batch_size"] == "2"
+    for tag in ("git_sha", "device", "torch_version"):
+        assert r.data.tags[tag]
+    assert r.data.tags["torch_version"] == torch.__version__
+    for m in ("tokens_per_s", "ttft_ms", "tpot_ms", "generated_tokens", "peak_mem_mb", "ratio_vs.hf_generate"):
+        assert m in r.data.metrics and r.data.metrics[m] > 0
+    assert r.data.metrics["generated_tokens"] == metrics["generated_tokens"]
+
+    lines = [json.loads(x) for x in download_text(outputs, r.info.run_id, "results.jsonl").splitlines()]
+    assert [x["id"] for x in lines] == ["HumanEval/0", "HumanEval/1", "HumanEval/2"]
+    assert all(x["tokens"] == len(x["token_ids"]) > 0 and x["time_s"] > 0 for x in lines)
+    assert "eval:\n  dataset: humaneval" in download_text(outputs, r.info.run_id, "config.yaml")
+
+
+def test_failure_marks_the_run_failed(outputs):
+    # The prompts are longer than this cache: found when the prompts are tokenized, inside the run.
+    with pytest.raises(ConfigError, match="model.max_seq_len=64"):
+        run(compose_cfg(*TINY, "model.max_seq_len=64", "experiment_name=fails"))
+    (r,) = runs_of(outputs, "fails")
+    assert r.info.status == "FAILED"
+
+
+def test_question_jsonl_dataset_path(outputs, tmp_path):
+    qs = tmp_path / "question.jsonl"
+    qs.write_text("".join(json.dumps({"question_id": i, "category": "t", "turns": [f"Say {i}"]}) + "\n"
+                          for i in range(3)))
+    ctx = run(compose_cfg(*TINY, f"eval.dataset={qs}", "tracking=off"))
+    assert [r.prompt.id for r in ctx["eval_results"]["records"]] == ["0", "1", "2"]
+    assert runs_of(outputs, "default") == []  # tracking=off: no run
+
+
+def test_compare_shows_what_differs(outputs):
+    run(compose_cfg(*TINY, "experiment_name=cmp", "eval.batch_size=1"))
+    run(compose_cfg(*TINY, "experiment_name=cmp", "eval.batch_size=3"))
+    text = compare("cmp", f"sqlite:///{outputs / 'mlflow.db'}")
+    assert "2 run(s)" in text
+    rows = {line.split()[0]: line.split()[1:] for line in text.splitlines()[1:] if line.strip()}
+    assert rows["eval.batch_size"] == ["3", "1"]  # newest first
+    assert "model.source" not in rows  # the same in both: not a row
+    assert "tokens_per_s" in rows and "FINISHED" in rows["status"]
+    with pytest.raises(SystemExit, match="no such experiment"):
+        compare("nope", f"sqlite:///{outputs / 'mlflow.db'}")
+
+
+def _cli(*args, outputs: Path):
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_cli_dry_run_prints_plan_and_exits_0(outputs):
+    p = _cli("+experiment=baseline", "model=tiny", "dry_run=true", outputs=outputs)
+    assert p.returncode == 0, p.stderr
+    assert "1. load" in p.stdout and "2. eval" in p.stdout and "experiment: baseline" in p.stdout
+    assert not (outputs / "mlflow.db").exists()  # nothing ran, nothing tracked
+
+
+def test_cli_bad_input_is_one_clear_error(outputs):
+    p = _cli("model=tiny", "eval.dataset=nope", "device=cpu", outputs=outputs)
+    assert p.returncode == 2
+    assert "error: invalid run configuration" in p.stderr and "eval.dataset='nope'" in p.stderr
+    assert "Traceback" not in p.stderr
+    assert not (outputs / "mlflow.db").exists()
+
+
+def test_cli_compare(outputs):
+    run(compose_cfg(*TINY, "experiment_name=clicmp"))
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    p = subprocess.run([sys.executable, "-m", "pipeline.compare", "--experiment", "clicmp"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout

@@ -1,0 +1,95 @@
+"""Plan validation: every bad input is one clear message naming the key, the value and what is valid."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from pipeline.config import to_run_config
+from pipeline.plan import PlanError, build_plan
+
+
+def plan_of(*overrides, outputs=None):
+    return build_plan(to_run_config(compose_cfg(*overrides)), outputs)
+
+
+def plan_error(*overrides, outputs=None) -> str:
+    with pytest.raises(PlanError) as e:
+        plan_of(*overrides, outputs=outputs)
+    return str(e.value)
+
+
+def test_valid_plan_and_its_description(outputs):
+    plan = plan_of("model=tiny", "eval.batch_size=2", "device=cpu", outputs=outputs)
+    assert plan.names == ["load", "eval"]
+    text = plan.describe()
+    for needle in ["1. load", "2. eval", "requires [target]", "4 layers, hidden 64", "cpu (float32)", "KV cache"]:
+        assert needle in text
+    mem = plan.memory_estimate()
+    # tiny: 4 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes x 2049 slots x batch 2
+    assert mem["kv_cache_mb"] == pytest.approx(4 * 2 * 16 * 2 * 4 * 2049 * 2 / 2**20)
+
+
+@pytest.mark.parametrize("overrides, needles", [
+    (["task=serve"], ["task='serve'", "eval"]),
+    (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none"]),
+    (["graph.policy=fullest"], ["graph.policy='fullest'", "none"]),
+    (["eval.dataset=nope_bench"], ["eval.dataset='nope_bench'", "humaneval", "mt_bench"]),
+    (["eval.limit=0"], ["eval.limit=0", ">= 1"]),
+    (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
+    (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
+    (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
+    (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
+    (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
+    (["model.random.vocab_size=100"], ["model.random.vocab_size=100", ">= 259"]),
+])
+def test_bad_values_are_named(overrides, needles, outputs):
+    text = plan_error("model=tiny", *overrides, outputs=outputs)
+    for n in needles:
+        assert n in text, text
+
+
+def test_all_problems_reported_at_once(outputs):
+    text = plan_error("model=tiny", "draft.algorithm=x", "graph.policy=y", outputs=outputs)
+    assert "draft.algorithm='x'" in text and "graph.policy='y'" in text
+
+
+def test_missing_model_file(outputs):
+    text = plan_error("model.path=/nonexistent/model.gguf", outputs=outputs)
+    assert "model.path='/nonexistent/model.gguf'" in text and "no such file" in text
+
+
+def test_file_that_is_not_gguf(tmp_path, outputs):
+    bogus = tmp_path / "weights.gguf"
+    bogus.write_bytes(b"not a gguf file at all")
+    assert "not a GGUF file" in plan_error(f"model.path={bogus}", outputs=outputs)
+
+
+def test_directory_that_is_not_a_checkpoint(tmp_path, outputs):
+    assert "not a checkpoint: no config.json" in plan_error("model=hf", f"model.path={tmp_path}", outputs=outputs)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "no *.safetensors" in plan_error("model=hf", f"model.path={tmp_path}", outputs=outputs)
+
+
+def test_non_llama_checkpoint(tmp_path, outputs):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "t5"}))
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert "model_type 't5'" in plan_error("model=hf", f"model.path={tmp_path}", outputs=outputs)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a host without CUDA")
+def test_cuda_requested_without_cuda(outputs):
+    text = plan_error("model=tiny", "device=cuda", outputs=outputs)
+    assert "device='cuda'" in text and "CUDA is not available" in text and "cpu" in text
+
+
+def test_requires_chain_is_checked(outputs, monkeypatch):
+    import pipeline.plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "resolve_stage_names", lambda cfg: ["eval", "load"])
+    text = plan_error("model=tiny", outputs=outputs)
+    assert "stages='eval'" in text and "requires ['target']" in text
