@@ -1,28 +1,33 @@
-"""Batched autoregressive generation over the target's static KV cache (no draft).
+"""Batched generation over the target's static KV cache: plain decoding and draft-and-verify, one loop.
 
-One batch: a padded prefill of every prompt, then one decode forward per step for the whole batch
-until each sequence has hit a stop token or `max_new_tokens`. Finished rows ride along as padding
-(they write to the cache's dummy slot and their outputs are ignored), so the batch keeps its shape.
+A round proposes k draft tokens (k = 0 without a draft), runs one target forward over the last
+emitted token and the drafts, verifies, and emits the accepted tokens plus one bonus token. With
+k = 0 a round is exactly one decode step, so the baseline and every draft share the prefill, the
+bookkeeping (stop tokens, max_new_tokens, timings) and the cache discipline below.
 
-    prefill  tokens [b, max_prompt]   positions [b, max_prompt]   valid = position < prompt_len
-    decode   tokens [b, 1]            positions = tokens in cache  valid = not finished
+    prefill  tokens [b, T] (right-padded)  positions [b, T]   valid = position < prompt_len
+    round    tokens [b, k+1] = [x_L, d_1..d_k]   positions L..L+k   valid = row still live
 
-Host-side bookkeeping (lengths, finished flags) is plain Python: one device->host copy of the new
-tokens per step, which also marks the step's end for the timings (TTFT, TPOT).
+Rollback after a partial acceptance is free: validity is by position (a query at p sees cache slots
+0..p of its row), so slots written for rejected drafts are simply overwritten later. Finished rows
+ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
+plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
 
+from engine.drafts.base import Draft, FeatureKind, SpecState
 from engine.errors import ConfigError
-from engine.model import LlamaModel, StaticKVCache
+from engine.model import ForwardOutput, LlamaModel
 from engine.sampling import SamplingParams, sample
+from engine.verify import verify
 
 
 @dataclass
@@ -32,6 +37,9 @@ class SequenceResult:
     ttft_s: float  # batch start -> first token on the host
     decode_s: float  # first token -> last token
     finish_reason: str  # "stop" | "length"
+    accepts: list[int] = field(default_factory=list)  # per verify round: draft tokens accepted (a)
+    draft_s: float = 0.0  # this row's batch: time in the draft (propose + extend)
+    verify_s: float = 0.0  # this row's batch: time in target verify forwards
 
     @property
     def tpot_s(self) -> Optional[float]:
@@ -39,40 +47,60 @@ class SequenceResult:
         return self.decode_s / (n - 1) if n > 1 else None
 
 
-def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int) -> None:
+def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int, num_steps: int = 0) -> None:
     worst = max(prompt_lens)
-    if worst + max_new_tokens > max_seq_len:
+    need = worst + max_new_tokens + num_steps
+    if need > max_seq_len:
+        extra = f" + draft.num_steps={num_steps}" if num_steps else ""
         raise ConfigError(
             "model.max_seq_len", max_seq_len,
-            f"a prompt of {worst} tokens + eval.max_new_tokens={max_new_tokens} does not fit the KV cache",
-            f">= {worst + max_new_tokens}, or a smaller eval.max_new_tokens",
+            f"a prompt of {worst} tokens + eval.max_new_tokens={max_new_tokens}{extra} does not fit the KV cache",
+            f">= {need}, or a smaller eval.max_new_tokens",
         )
 
 
-@dataclass
-class CacheRows:
-    """The first `n` rows of a StaticKVCache, sharing its storage (a batch smaller than the cache)."""
+def _features(out: ForwardOutput, kind: FeatureKind) -> Optional[Tensor]:
+    if kind == FeatureKind.aux:
+        if out.aux_hidden_states is None:
+            raise RuntimeError("the draft reads aux hidden states but the target captures none: "
+                               "configure_aux_capture must run before generation")
+        return out.aux_hidden_states
+    return out.hidden_states if kind == FeatureKind.final else None
 
-    k: Tensor
-    v: Tensor
-    max_seq_len: int
-    dummy_slot: int = field(init=False)
 
-    def __post_init__(self):
-        self.dummy_slot = self.max_seq_len
-
-    @classmethod
-    def of(cls, cache: StaticKVCache, n: int) -> "CacheRows":
-        return cls(cache.k[:, :n], cache.v[:, :n], cache.max_seq_len)
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 class Generator:
-    """Greedy or sampled generation for batches of up to `batch_size` prompts."""
+    """Generation for batches of up to `batch_size` prompts, with an optional draft of k tokens."""
 
-    def __init__(self, model: LlamaModel, batch_size: int):
+    def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0):
         self.model, self.batch_size = model, batch_size
+        self.draft, self.k = draft, (num_steps if draft is not None else 0)
         self.cache = model.new_cache(batch_size)
         self.device = model.lm_head.weight.device
+
+    def _prefill(self, prompts, prompt_embeds, cache):
+        b, dev = len(prompts), self.device
+        lens = [len(p) for p in prompts]
+        width = max(lens)
+        tokens = torch.zeros(b, width, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            tokens[i, : len(p)] = torch.tensor(p)
+        tokens = tokens.to(dev)
+        positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
+        valid = positions < torch.tensor(lens, device=dev)[:, None]
+        embeds = None
+        if prompt_embeds is not None and any(e is not None for e in prompt_embeds):
+            embeds = self.model.model.embed_tokens(tokens)  # [b, width, hidden]
+            for i, e in enumerate(prompt_embeds):
+                if e is not None:
+                    embeds[i, : e.shape[0]] = e.to(embeds.dtype)
+        out = self.model(tokens, positions, cache, valid=valid, kv_len=width, input_embeds=embeds,
+                         logits_index=torch.tensor(lens, device=dev) - 1)
+        return out, tokens, valid, embeds
 
     @torch.inference_mode()
     def generate(
@@ -81,66 +109,90 @@ class Generator:
         params: SamplingParams,
         stop_ids: frozenset[int] = frozenset(),
         generator: Optional[torch.Generator] = None,
-        on_step: Optional[Callable[[], None]] = None,
+        prompt_embeds: Optional[list[Optional[Tensor]]] = None,  # per prompt [len, hidden], or None
+        row_ids: Optional[list[int]] = None,  # each prompt's index in the whole set (the oracle reads it)
     ) -> list[SequenceResult]:
-        b = len(prompts)
+        b, k, draft, dev = len(prompts), self.k, self.draft, self.device
         if not 0 < b <= self.batch_size:
             raise ValueError(f"batch of {b} prompts; this generator holds 1..{self.batch_size}")
         lens = [len(p) for p in prompts]
         if min(lens) == 0:
             raise ValueError("empty prompt")
-        check_capacity(lens, params.max_new_tokens, self.model.max_seq_len)
-        cache, dev = CacheRows.of(self.cache, b), self.device
+        check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
+        cache = self.cache.rows(b)
         stop = frozenset() if params.ignore_eos else stop_ids
+        kind = draft.features if draft is not None else FeatureKind.none
+        state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
+                          row_ids if row_ids is not None else list(range(b)), dev)
 
         t0 = time.perf_counter()
-        width = max(lens)
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        positions = torch.arange(width).expand(b, width)  # [b, width]
-        valid = positions < torch.tensor(lens)[:, None]
-        out = self.model(
-            tokens.to(dev), positions.to(dev), cache, valid=valid.to(dev), kv_len=width,
-            logits_index=torch.tensor(lens, device=dev) - 1,
-        )
-        nxt = sample(out.logits[:, -1], params, generator)  # [b]
+        out, tokens, valid, embeds = self._prefill(prompts, prompt_embeds, cache)
+        last = sample(out.logits[:, -1], params, generator)  # [b]
+        if draft is not None:
+            draft.begin(state, _features(out, kind), tokens, valid, embeds, last)
 
         outs: list[list[int]] = [[] for _ in range(b)]
-        done = [False] * b
-        first_t = [0.0] * b
-        last_t = [0.0] * b
-        lengths = list(lens)  # tokens in the cache per row
-        step = 0
-        while True:
-            host = nxt.tolist()  # the step's only sync
-            now = time.perf_counter()
-            step += 1
-            for i, tok in enumerate(host):
-                if done[i]:
+        accepts: list[list[int]] = [[] for _ in range(b)]
+        first_t, last_t = [0.0] * b, [0.0] * b
+        draft_s = verify_s = 0.0
+
+        def emit(new: list[list[int]], now: float) -> None:
+            for i, toks in enumerate(new):
+                if not state.live[i]:
                     continue
-                outs[i].append(tok)
+                for tok in toks:
+                    outs[i].append(tok)
+                    if tok in stop or len(outs[i]) >= params.max_new_tokens:
+                        state.live[i] = False
+                        break
                 first_t[i] = first_t[i] or now
                 last_t[i] = now
-                if tok in stop or len(outs[i]) >= params.max_new_tokens:
-                    done[i] = True
-            if on_step is not None:
-                on_step()
-            if all(done):
-                break
-            live = [not d for d in done]
-            pos = torch.tensor(lengths, device=dev)[:, None]  # [b, 1]
-            out = self.model(
-                nxt[:, None], pos, cache, valid=torch.tensor(live, device=dev)[:, None],
-                kv_len=max(l for l, a in zip(lengths, live) if a) + 1,
-            )
-            lengths = [l + a for l, a in zip(lengths, live)]
-            nxt = sample(out.logits[:, -1], params, generator)
+
+        first = last.tolist()
+        emit([[t] for t in first], time.perf_counter())
+        for i, t in enumerate(first):
+            state.history[i].append(t)
+        steps = torch.arange(k + 1, device=dev)
+        while any(state.live):
+            t_round = time.perf_counter()
+            if draft is not None:
+                proposal = draft.propose(state, k)
+                draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
+                _sync(dev)
+            else:
+                draft_tokens, q = last.new_empty(b, 0), None
+            t_verify = time.perf_counter()
+            lengths = torch.tensor(state.lengths, device=dev)
+            live = torch.tensor(state.live, device=dev)
+            out = self.model(torch.cat([last[:, None], draft_tokens], 1), lengths[:, None] + steps, cache,
+                             valid=live[:, None].expand(b, k + 1), kv_len=max(state.lengths) + k + 1)
+            accepted, bonus = verify(out.logits, draft_tokens, q, params, generator)  # [b], [b]
+            emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
+            emitted[torch.arange(b, device=dev), accepted] = bonus
+            acc_host, em_host = accepted.tolist(), emitted.tolist()  # the round's sync
+            now = time.perf_counter()
+            verify_s += now - t_verify
+            draft_s += t_verify - t_round
+
+            was_live = list(state.live)
+            if draft is not None and k > 0:
+                t_commit = time.perf_counter()
+                draft.commit(state, _features(out, kind), emitted, accepted)
+                _sync(dev)
+                draft_s += time.perf_counter() - t_commit
+            emit([em[: a + 1] for em, a in zip(em_host, acc_host)], now)
+            for i in range(b):
+                if was_live[i]:
+                    accepts[i].append(acc_host[i])
+                    state.history[i] += em_host[i][: acc_host[i] + 1]
+                    state.lengths[i] += acc_host[i] + 1
+            last = bonus
 
         return [
             SequenceResult(
                 tokens=outs[i], prompt_len=lens[i], ttft_s=first_t[i] - t0, decode_s=last_t[i] - first_t[i],
-                finish_reason="stop" if outs[i][-1] in stop else "length",
+                finish_reason="stop" if outs[i][-1] in stop else "length", accepts=accepts[i],
+                draft_s=draft_s, verify_s=verify_s,
             )
             for i in range(b)
         ]

@@ -165,6 +165,13 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
+    def rows(self, n: int) -> "StaticKVCache":
+        """The first n rows, sharing storage (a batch smaller than the cache)."""
+        view = object.__new__(StaticKVCache)
+        view.k, view.v = self.k[:, :n], self.v[:, :n]
+        view.batch_size, view.max_seq_len = n, self.max_seq_len
+        return view
+
 
 # --------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
@@ -180,19 +187,46 @@ class RMSNorm(nn.Module):
         return self.weight * x.to(dtype)
 
 
+@dataclass
+class AttnInputs:
+    """Per-call attention metadata, computed once and shared by every layer."""
+
+    cos: Tensor  # [b, 1, t, head_dim] in the activations' dtype
+    sin: Tensor
+    slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
+    mask: Tensor  # [b, 1, t, kv_len] bool: query at position p sees slots 0..p
+    kv_len: int
+
+    @classmethod
+    def build(cls, positions: Tensor, valid: Optional[Tensor], kv_len: int, rope_cos: Tensor, rope_sin: Tensor,
+              dummy_slot: int, dtype: torch.dtype) -> "AttnInputs":
+        kv_len = min(kv_len, dummy_slot)  # the dummy slot is never attended
+        if valid is not None:
+            slots = positions.masked_fill(~valid, dummy_slot)
+            positions = positions.masked_fill(~valid, 0)
+        else:
+            slots = positions
+        key_pos = torch.arange(kv_len, device=positions.device)
+        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
+        return cls(rope_cos[positions].to(dtype)[:, None], rope_sin[positions].to(dtype)[:, None], slots, mask, kv_len)
+
+
 class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int):
+    """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input."""
+
+    def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
         h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
-        self.q_proj = nn.Linear(h, q, bias=args.qkv_bias)
-        self.k_proj = nn.Linear(h, kv, bias=args.qkv_bias)
-        self.v_proj = nn.Linear(h, kv, bias=args.qkv_bias)
+        d_in = in_features or h
+        self.q_proj = nn.Linear(d_in, q, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, cache: StaticKVCache, slots: Tensor,
-                mask: Tensor, kv_len: int) -> Tensor:
+    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        cos, sin, slots, mask, kv_len = a.cos, a.sin, a.slots, a.mask, a.kv_len
         b, t, _ = x.shape  # [batch, seq, hidden]
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [b, heads, t, d]
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
@@ -231,8 +265,8 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, *attn_args) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), *attn_args)
+    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cache, a)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -305,20 +339,15 @@ class LlamaModel(nn.Module):
         b, t, _ = input_embeds.shape
         kv_len = cache.max_seq_len if kv_len is None else kv_len
 
-        positions = positions if valid is None else positions.masked_fill(~valid, 0)
-        slots = positions if valid is None else positions.masked_fill(~valid, cache.dummy_slot)
-        dtype = input_embeds.dtype
-        cos = self.rope_cos[positions].to(dtype)[:, None]  # [b, 1, t, head_dim]
-        sin = self.rope_sin[positions].to(dtype)[:, None]
-        key_pos = torch.arange(kv_len, device=positions.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]  # [b, 1, t, kv_len]
+        a = AttnInputs.build(positions, valid, kv_len, self.rope_cos, self.rope_sin, cache.dummy_slot,
+                             input_embeds.dtype)
 
         x = input_embeds
-        aux: list[Tensor] = []
+        aux: list[Tensor] = []  # in layer order, whatever the order of the configured ids
         for i, layer in enumerate(self.model.layers):
             if i in self.aux_layer_ids:
                 aux.append(x)
-            x = layer(x, cos, sin, cache, slots, mask, kv_len)
+            x = layer(x, cache, a)
         if self.args.num_layers in self.aux_layer_ids:
             aux.append(x)
         hidden = self.model.norm(x)  # [b, t, hidden]

@@ -69,7 +69,21 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig:
+    # none | eagle3 | eagle | ngram | oracle (engine/drafts: the registry)
     algorithm: str = "none"
+    # eagle3/eagle: a checkpoint directory (config.json + model.safetensors) or a random-init head.
+    init: str = "checkpoint"  # checkpoint | random
+    path: Optional[str] = None
+    num_steps: int = 3  # k: draft tokens proposed per verify; verify runs k + 1 positions
+    # Target layers whose hidden states feed the draft. null: the checkpoint's
+    # eagle_config.eagle_aux_hidden_state_layer_ids (output_of), else [2, N//2, N-3] (input_of).
+    aux_layer_ids: Optional[list[int]] = None
+    aux_layer_convention: str = "input_of"  # input_of (sglang, EAGLE) | output_of (TensorRT-LLM, SpecForge)
+    draft_vocab_size: Optional[int] = None  # random init: reduced draft vocabulary (null: the target's)
+    init_seed: int = 0
+    # ngram (prompt lookup): longest suffix match first.
+    ngram_max: int = 3
+    ngram_min: int = 1
 
 
 @dataclass
@@ -92,6 +106,9 @@ class EvalConfig:
     warmup: bool = True  # one untimed short generation first (kernel selection, allocator)
     # Peers measured on the same prompts in the same job (engine/peers.py), e.g. [hf_generate].
     peers: list[str] = field(default_factory=list)
+    # Also run the no-draft baseline on the same prompts (speedup, match_baseline).
+    # null: on when a draft is configured.
+    baseline: Optional[bool] = None
 
 
 @dataclass

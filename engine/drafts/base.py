@@ -1,0 +1,64 @@
+"""The draft interface every algorithm implements, and the state the speculative loop shares with it.
+
+Round structure (chain drafting, k = num_steps), per sequence with `L` tokens in the target cache and
+its last emitted token `x_L` not yet in it:
+
+    propose(state, k)   -> draft tokens d_1..d_k               [batch, k] (+ their probs [batch, k, vocab])
+    target verify       on [x_L, d_1..d_k] at positions L..L+k   -> features [batch, k+1, F]
+    accept a of them; emit d_1..d_a and the bonus token
+    commit(state, ...)  the draft catches up on the a+1 verified positions (its "draft extend")
+
+`begin` is the draft's prefill after the target's. Drafts that read target features declare which
+(`FeatureKind`): `aux` (EAGLE3: concatenated aux layers) or `final` (EAGLE: the final normed hidden
+state); `none` for weightless drafts (n-gram, oracle).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+from torch import Tensor
+
+
+class FeatureKind(str, enum.Enum):
+    none = "none"
+    final = "final"  # target's final normed hidden states [b, t, hidden]
+    aux = "aux"  # target's aux hidden states, concatenated [b, t, hidden * n_aux]
+
+
+@dataclass
+class SpecState:
+    """Host-side view of the batch, kept by the speculative loop."""
+
+    history: list[list[int]]  # per row: prompt + emitted tokens (the last one not yet in the cache)
+    lengths: list[int]  # per row: tokens in the target cache (= position of the last emitted token)
+    live: list[bool]  # rows still generating
+    row_ids: list[int]  # index of each row's prompt in the whole prompt set (for the oracle)
+    device: object = None
+
+
+@dataclass
+class Proposal:
+    tokens: Tensor  # [b, k] int64, target vocabulary
+    probs: Optional[Tensor] = None  # [b, k, vocab] draft distribution; None: deterministic (one-hot)
+
+
+class Draft:
+    """Base class: weightless drafts override `propose` only."""
+
+    features: FeatureKind = FeatureKind.none
+
+    def begin(self, state: SpecState, feats: Optional[Tensor], prompt_tokens: Tensor, valid: Tensor,
+              input_embeds: Optional[Tensor], first: Tensor) -> None:
+        """Draft prefill. prompt_tokens/valid [b, T]; feats [b, T, F]; input_embeds [b, T, H] (the
+        target's, reused for prompt positions); first [b]: the target's first emitted token."""
+
+    def propose(self, state: SpecState, k: int) -> Proposal:
+        raise NotImplementedError
+
+    def commit(self, state: SpecState, feats: Optional[Tensor], emitted: Tensor, accepted: Tensor) -> None:
+        """Draft extend, called before `state` advances (state.lengths[r] = L, the verify's first
+        position). emitted [b, k+1]: d_1..d_a then the bonus at index a (the rest is garbage);
+        accepted [b] = a; feats [b, k+1, F] at positions L..L+k."""

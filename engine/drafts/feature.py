@@ -1,0 +1,90 @@
+"""`FeatureDraft`: the draft loop shared by the EAGLE-family heads (EAGLE3, EAGLE).
+
+State per row, after `begin` or `commit`: the draft has processed positions 0..L-1 (L = tokens in the
+target cache), and holds `hidden` (its output at L-1) and `next` (its first proposal, d_1).
+
+    begin    pairs (f_j, x_{j+1}) for prompt positions j = 0..L-1 (x_L: the target's first token);
+             reuses the target's input embeddings for prompt positions when the prompt came as embeds
+    propose  d_1 = next; step i = 1..k-1 at position L+i-1 on (h, d_i) -> d_{i+1}
+    commit   pairs (f_j, x_{j+1}) for the verified positions j = L..L+a (x: accepted tokens, then
+             the bonus); overwrites the draft cache where the proposal steps wrote
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.sampling import SamplingParams, probs_from_logits
+
+
+class FeatureDraft(Draft):
+    def __init__(self, head, embed: torch.nn.Embedding, batch_size: int, params: SamplingParams,
+                 generator: Optional[torch.Generator], features: FeatureKind):
+        self.head, self.embed, self.params, self.generator = head, embed, params, generator
+        self.features = features
+        self.cache = head.new_cache(batch_size)
+        self.hidden: Optional[Tensor] = None  # [b, hidden]
+        self.next: Optional[Tensor] = None  # [b] target ids
+        self.next_probs: Optional[Tensor] = None  # [b, vocab] or None (greedy)
+
+    def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Optional[Tensor], kv_len: int,
+                 embeds: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+        b = tokens.shape[0]
+        embeds = self.embed(tokens) if embeds is None else embeds  # [b, t, hidden]
+        a = self.head.attn_inputs(positions, valid, kv_len, embeds.dtype)
+        return self.head(embeds, hidden, self.cache.rows(b), a)
+
+    def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """logits [b, draft_vocab] -> target token ids [b], target-vocab probs [b, vocab] (sampling only)."""
+        if self.params.greedy:
+            return self.head.to_target(logits.argmax(-1)), None
+        q = probs_from_logits(logits, self.params.temperature, self.params.top_p)  # [b, draft_vocab]
+        race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
+        return self.head.to_target((q / race).argmax(-1)), self.head.probs_to_target(q)
+
+    def _take(self, h: Tensor, logits: Tensor, idx: Tensor) -> None:
+        rows = torch.arange(h.shape[0], device=h.device)
+        self.hidden = h[rows, idx]  # [b, hidden]
+        self.next, self.next_probs = self._pick(logits[rows, idx])
+
+    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first) -> None:
+        b, t = prompt_tokens.shape
+        last = valid.sum(1) - 1  # [b] index of each prompt's last token
+        rows = torch.arange(b, device=first.device)
+        shifted = torch.cat([prompt_tokens[:, 1:], prompt_tokens[:, :1]], 1)  # x_{j+1}; last column is filler
+        shifted[rows, last] = first
+        embeds = None
+        if input_embeds is not None:  # the multimodal path: reuse the target's embeddings
+            embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
+            embeds[rows, last] = self.embed(first)
+        positions = torch.arange(t, device=first.device).expand(b, t)
+        h, logits = self._forward(shifted, feats, positions, valid, t, embeds)
+        self._take(h, logits, last)
+
+    def propose(self, state: SpecState, k: int) -> Proposal:
+        dev = self.next.device
+        lengths = torch.tensor(state.lengths, device=dev)
+        live = torch.tensor(state.live, device=dev)[:, None]
+        tokens, probs = [self.next], [self.next_probs]
+        h, tok = self.hidden, self.next
+        for i in range(1, k):
+            h_all, logits = self._forward(tok[:, None], h[:, None], (lengths + i - 1)[:, None], live,
+                                          max(state.lengths) + i)
+            h = h_all[:, 0]
+            tok, p = self._pick(logits[:, 0])
+            tokens.append(tok)
+            probs.append(p)
+        return Proposal(torch.stack(tokens, 1), None if self.params.greedy else torch.stack(probs, 1))
+
+    def commit(self, state, feats, emitted, accepted) -> None:
+        b, width = emitted.shape
+        dev = emitted.device
+        steps = torch.arange(width, device=dev)
+        valid = (steps[None] <= accepted[:, None]) & torch.tensor(state.live, device=dev)[:, None]
+        positions = torch.tensor(state.lengths, device=dev)[:, None] + steps[None]  # L..L+k
+        h, logits = self._forward(emitted, feats, positions, valid, max(state.lengths) + width)
+        self._take(h, logits, accepted)

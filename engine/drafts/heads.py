@@ -1,0 +1,225 @@
+"""EAGLE-family draft heads and their checkpoints: `Eagle3Head` and `EagleHead` (EAGLE-1/2).
+
+Both are one Llama decoder layer over a static KV cache of their own, reusing the target's attention
+module and RoPE; both take the target's token embeddings (shared storage, never a copy).
+
+EAGLE3 (public format, `architectures: ["LlamaForCausalLMEagle3"]`):
+
+    g   = fc(aux)                      aux [b, t, n_aux * target_hidden] -> [b, t, hidden]   (first step)
+    g   = previous draft output        [b, t, hidden]                                        (later steps)
+    x   = cat(input_layernorm(embed(tok)), hidden_norm(g))           [b, t, 2 * hidden]
+    h   = g + o_proj(attn(q/k/v_proj(x)));  h = h + mlp(post_attention_layernorm(h))
+    logits = lm_head(norm(h))          [b, t, draft_vocab];  target id = draft id + d2t[draft id]
+
+    tensors: fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
+             midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
+             norm.weight, lm_head.weight, d2t [draft_vocab] int64, t2d [vocab] bool
+    config:  draft_vocab_size, target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids (output_of)
+
+EAGLE (feature-level, `architectures: ["LlamaForCausalLMEagle"]`): the feature is the target's final
+normed hidden state; h = layer(fc(cat(embed(tok), f))) with no input norm, logits = target lm_head(h).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from engine.errors import ConfigError
+from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, rope_tables
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor shapes from a safetensors header, reading no weights."""
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(n))
+    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
+
+
+class _Head(nn.Module):
+    """Shared plumbing: draft args, RoPE tables, its own cache, target embedding (not a submodule)."""
+
+    architecture: str
+    n_aux: int = 1
+
+    def __init__(self, cfg: dict[str, Any], max_seq_len: int):
+        super().__init__()
+        self.config = dict(cfg)
+        self.args = ModelArgs.from_hf_config({**cfg, "num_hidden_layers": 1})
+        self.max_seq_len = max_seq_len
+
+    def init_buffers(self, device: Optional[torch.device] = None) -> None:
+        with torch.device("cpu"):
+            cos, sin = rope_tables(self.args, self.max_seq_len + 1)
+        device = device or self.fc.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def new_cache(self, batch_size: int) -> StaticKVCache:
+        p = next(self.parameters())
+        return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, p.dtype)
+
+    def attn_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len: int, dtype) -> AttnInputs:
+        return AttnInputs.build(positions, valid, kv_len, self.rope_cos, self.rope_sin, self.max_seq_len, dtype)
+
+    # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids
+
+    def probs_to_target(self, q: Tensor) -> Tensor:
+        return q
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps({**self.config, "architectures": [self.architecture]}, indent=2))
+
+
+class Eagle3Layer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        h = args.hidden_size
+        self.input_layernorm = RMSNorm(h, args.rms_norm_eps)
+        self.hidden_norm = RMSNorm(h, args.rms_norm_eps)
+        self.self_attn = Attention(args, 0, in_features=2 * h)
+        self.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, embeds: Tensor, g: Tensor, cache, a: AttnInputs) -> Tensor:
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)  # [b, t, 2h]
+        h = g + self.self_attn(x, cache, a)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(_Head):
+    architecture = "LlamaForCausalLMEagle3"
+
+    def __init__(self, cfg: dict[str, Any], max_seq_len: int):
+        super().__init__(cfg, max_seq_len)
+        a = self.args
+        self.n_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
+        self.draft_vocab_size = cfg.get("draft_vocab_size") or a.vocab_size
+        self.fc = nn.Linear(self.n_aux * cfg["target_hidden_size"], a.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(a)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, self.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+        self.register_buffer("t2d", torch.arange(a.vocab_size) < self.draft_vocab_size)
+        self.init_buffers()
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
+        g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
+        h = self.midlayer(embeds, g, cache, a)
+        return h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft_vocab]
+
+    def to_target(self, draft_ids: Tensor) -> Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def probs_to_target(self, q: Tensor) -> Tensor:  # [b, draft_vocab] -> [b, vocab]
+        out = q.new_zeros(*q.shape[:-1], self.args.vocab_size)
+        ids = torch.arange(self.draft_vocab_size, device=q.device)
+        return out.index_copy_(-1, self.to_target(ids), q)
+
+
+class EagleHead(_Head):
+    architecture = "LlamaForCausalLMEagle"
+
+    def __init__(self, cfg: dict[str, Any], max_seq_len: int, lm_head: Optional[nn.Linear] = None):
+        super().__init__(cfg, max_seq_len)
+        a = self.args
+        self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=True)
+        layer = nn.Module()
+        layer.self_attn = Attention(a, 0)
+        layer.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        layer.mlp = MLP(a)
+        self.layers = nn.ModuleList([layer])
+        self.target_lm_head = [lm_head]  # the target's, shared: a list keeps it out of state_dict
+        self.init_buffers()
+
+    def forward(self, embeds: Tensor, hidden: Tensor, cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
+        layer = self.layers[0]
+        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [b, t, hidden]
+        h = x + layer.self_attn(x, cache, a)  # EAGLE's first layer has no input norm
+        h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return h, self.target_lm_head[0](h)
+
+
+# ------------------------------------------------------------------------------------- configs
+def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None) -> dict:
+    """A public-format EAGLE3 config.json for a head matching `target` (random init, training)."""
+    return {
+        "architectures": [Eagle3Head.architecture], "model_type": "llama",
+        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
+        "draft_vocab_size": draft_vocab_size or target.vocab_size, "target_hidden_size": target.hidden_size,
+        "max_position_embeddings": target.max_position_embeddings, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
+    }
+
+
+def eagle_config(target: ModelArgs) -> dict:
+    return {
+        "architectures": [EagleHead.architecture], "model_type": "llama",
+        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings,
+    }
+
+
+@dataclass(frozen=True)
+class HeadCheckpoint:
+    """What the plan reads from a draft checkpoint directory: config and tensor shapes, no weights."""
+
+    path: Path
+    config: dict
+    shapes: dict[str, list[int]]
+
+    @classmethod
+    def read(cls, path: str, architecture: str) -> "HeadCheckpoint":
+        p = Path(path).expanduser()
+        if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
+            raise ConfigError("draft.path", path, "not a draft checkpoint (needs config.json and model.safetensors)",
+                              f"a {architecture} checkpoint directory, or draft.init=random")
+        cfg = json.loads((p / "config.json").read_text())
+        arch = (cfg.get("architectures") or ["?"])[0]
+        if arch != architecture:
+            raise ConfigError("draft.path", path, f"architecture {arch!r} does not match the draft algorithm",
+                              architecture)
+        return cls(p, cfg, safetensors_shapes(p / "model.safetensors"))
+
+    def load_into(self, head: _Head) -> _Head:
+        with safe_open(str(self.path / "model.safetensors"), framework="pt") as f:
+            state = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("embed_tokens")}
+        missing, unexpected = head.load_state_dict(state, strict=False)
+        if missing or unexpected:
+            raise ConfigError("draft.path", str(self.path), f"tensors do not match: missing {missing[:4]}, "
+                              f"unexpected {unexpected[:4]}")
+        return head
+
+
+def init_head(head: _Head, seed: int, std: float = 0.02) -> _Head:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in head.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return head

@@ -1,0 +1,171 @@
+"""The draft registry: one entry per algorithm, planned from config files and built at run time.
+
+    plan_draft(cfg, target_args)  -> DraftPlan     config.json + safetensors header only: aux layer
+                                                   ids (config > checkpoint > default), fc width check
+    load_head(plan, target, ...)  -> head | None   weights (or random init), sharing target storage
+    make_draft(plan, head, ...)   -> Draft | None  per-eval draft object (its own KV cache)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+
+from engine import aux_layers
+from engine.drafts.base import Draft, FeatureKind
+from engine.drafts.feature import FeatureDraft
+from engine.drafts.heads import (Eagle3Head, EagleHead, HeadCheckpoint, eagle3_config, eagle_config,
+                                 init_head)
+from engine.drafts.lookup import NgramDraft, OracleDraft
+from engine.errors import ConfigError
+from engine.model import LlamaModel, ModelArgs
+
+INITS = ("checkpoint", "random")
+
+
+@dataclass(frozen=True)
+class DraftPlan:
+    algorithm: str
+    features: FeatureKind
+    aux: Optional[aux_layers.AuxLayers] = None  # EAGLE3: the target layers to capture
+    head_config: Optional[dict] = None  # EAGLE-family: the head's config.json
+    checkpoint: Optional[HeadCheckpoint] = None
+
+    def describe(self) -> str:
+        parts = [self.algorithm]
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint {self.checkpoint.path}")
+        elif self.head_config is not None:
+            parts.append("random-init head")
+        if self.head_config is not None and "draft_vocab_size" in self.head_config:
+            parts.append(f"draft vocab {self.head_config['draft_vocab_size']}")
+        if self.aux is not None:
+            parts.append(f"aux layers {self.aux.describe()}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    features: FeatureKind
+    plan: Callable[[Any, ModelArgs], DraftPlan]
+    needs_baseline: bool = False  # the oracle reads the baseline's outputs
+
+
+def _check_init(cfg) -> None:
+    if cfg.init not in INITS:
+        raise ConfigError("draft.init", cfg.init, "unknown", INITS)
+    if cfg.init == "checkpoint" and not cfg.path:
+        raise ConfigError("draft.path", cfg.path, f"draft.algorithm={cfg.algorithm} with draft.init=checkpoint "
+                          "needs a checkpoint directory", "a checkpoint directory, or draft.init=random")
+
+
+def _check_fc(ckpt: HeadCheckpoint, expected: int, why: str) -> None:
+    shape = ckpt.shapes.get("fc.weight")
+    if shape is None:
+        raise ConfigError("draft.path", str(ckpt.path), "no fc.weight in the checkpoint", "an EAGLE-family head")
+    if shape[1] != expected:
+        raise ConfigError("draft.path", str(ckpt.path),
+                          f"fc.weight takes {shape[1]} inputs, but the target provides {expected} ({why})",
+                          f"a head whose fc takes {expected} inputs, or draft.aux_layer_ids with "
+                          f"{shape[1]} // target hidden layers")
+
+
+def _check_vocab(cfg_json: dict, target: ModelArgs, path) -> None:
+    if cfg_json.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise ConfigError("draft.path", str(path), f"vocab_size {cfg_json['vocab_size']} differs from the "
+                          f"target's {target.vocab_size}", "a head trained for this target")
+
+
+def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
+    _check_init(cfg)
+    ckpt, ckpt_ids = None, None
+    if cfg.init == "checkpoint":
+        ckpt = HeadCheckpoint.read(cfg.path, Eagle3Head.architecture)
+        ckpt_ids = (ckpt.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        th = ckpt.config.get("target_hidden_size", ckpt.config.get("hidden_size"))
+        if th != target.hidden_size:
+            raise ConfigError("draft.path", cfg.path, f"target_hidden_size {th} differs from the target's "
+                              f"hidden size {target.hidden_size}", "a head trained for this target")
+        _check_vocab(ckpt.config, target, cfg.path)
+    aux = aux_layers.resolve(cfg.aux_layer_ids, cfg.aux_layer_convention, ckpt_ids, target.num_layers)
+    n = len(aux.input_of)
+    if ckpt is not None:
+        _check_fc(ckpt, n * target.hidden_size, f"{n} aux layers x target hidden {target.hidden_size}")
+        head_cfg = {**ckpt.config, "eagle_config": {**ckpt.config.get("eagle_config", {}),
+                                                    "eagle_aux_hidden_state_layer_ids": list(aux.output_of)}}
+    else:
+        dv = cfg.draft_vocab_size
+        if dv is not None and not 0 < dv <= target.vocab_size:
+            raise ConfigError("draft.draft_vocab_size", dv, "out of range", f"1..{target.vocab_size}, or null")
+        head_cfg = eagle3_config(target, list(aux.output_of), dv)
+    return DraftPlan("eagle3", FeatureKind.aux, aux, head_cfg, ckpt)
+
+
+def _plan_eagle(cfg, target: ModelArgs) -> DraftPlan:
+    _check_init(cfg)
+    if cfg.aux_layer_ids is not None:
+        raise ConfigError("draft.aux_layer_ids", list(cfg.aux_layer_ids), "EAGLE reads the target's final "
+                          "hidden state, not aux layers", "null (use draft.algorithm=eagle3 for aux layers)")
+    if cfg.init == "random":
+        return DraftPlan("eagle", FeatureKind.final, None, eagle_config(target))
+    ckpt = HeadCheckpoint.read(cfg.path, EagleHead.architecture)
+    _check_vocab(ckpt.config, target, cfg.path)
+    _check_fc(ckpt, 2 * target.hidden_size, f"token embedding {target.hidden_size} + final hidden "
+              f"{target.hidden_size}")
+    return DraftPlan("eagle", FeatureKind.final, None, ckpt.config, ckpt)
+
+
+def _plan_weightless(name: str) -> Callable[[Any, ModelArgs], DraftPlan]:
+    return lambda cfg, target: DraftPlan(name, FeatureKind.none)
+
+
+DRAFTS: dict[str, DraftSpec] = {
+    "eagle3": DraftSpec(FeatureKind.aux, _plan_eagle3),
+    "eagle": DraftSpec(FeatureKind.final, _plan_eagle),
+    "ngram": DraftSpec(FeatureKind.none, _plan_weightless("ngram")),
+    "oracle": DraftSpec(FeatureKind.none, _plan_weightless("oracle"), needs_baseline=True),
+}
+ALGORITHMS = ("none", *DRAFTS)
+
+
+def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
+    if cfg.algorithm == "none":
+        return None
+    if cfg.algorithm not in DRAFTS:
+        raise ConfigError("draft.algorithm", cfg.algorithm, "unknown draft algorithm", ALGORITHMS)
+    if cfg.num_steps < 1:
+        raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
+    if cfg.algorithm == "ngram" and not 1 <= cfg.ngram_min <= cfg.ngram_max:
+        raise ConfigError("draft.ngram_min", cfg.ngram_min, f"must be in [1, draft.ngram_max={cfg.ngram_max}]",
+                          "1 <= ngram_min <= ngram_max")
+    return DRAFTS[cfg.algorithm].plan(cfg, target)
+
+
+def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, dtype) -> Optional[torch.nn.Module]:
+    """The EAGLE-family head on device, sharing the target's embedding (and lm_head for EAGLE)."""
+    if plan is None or plan.head_config is None:
+        return None
+    if plan.algorithm == "eagle3":
+        head = Eagle3Head(plan.head_config, target.max_seq_len)
+    else:
+        head = EagleHead(plan.head_config, target.max_seq_len, lm_head=target.lm_head)
+    head = plan.checkpoint.load_into(head) if plan.checkpoint is not None else init_head(head, seed)
+    head.to(device=device, dtype=dtype).eval().requires_grad_(False)
+    head.init_buffers(device)
+    return head
+
+
+def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: int, params, generator,
+               references: Optional[list[list[int]]] = None, prompt_lens: Optional[list[int]] = None,
+               cfg=None) -> Optional[Draft]:
+    if plan is None:
+        return None
+    if plan.algorithm in ("eagle3", "eagle"):
+        return FeatureDraft(head, target.model.embed_tokens, batch_size, params, generator, plan.features)
+    if plan.algorithm == "ngram":
+        return NgramDraft(cfg.ngram_max, cfg.ngram_min)
+    if references is None:
+        raise RuntimeError("the oracle draft needs the baseline's outputs (eval.baseline=true)")
+    return OracleDraft(references, prompt_lens)

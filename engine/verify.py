@@ -1,0 +1,64 @@
+"""Verification of a chain of k draft tokens against the target's k+1 verify logits.
+
+    logits [b, k+1, vocab]  (position i scores the token after draft token i; i = 0: after x_L)
+    draft  [b, k]           draft tokens, target vocabulary
+    q      [b, k, vocab]    the draft's distribution (None: a deterministic draft, q one-hot)
+    -> accepted [b] (a: the number of leading draft tokens kept), bonus [b] (the token at index a)
+
+Greedy: keep draft tokens while they equal the target's argmax; the bonus is the argmax after the
+last kept one. The output is exactly the target's greedy output.
+
+Sampling (temperature > 0): speculative rejection sampling. Keep d_i with probability
+min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw the bonus from norm(max(0, p_a - q_a));
+if all k survive draw it from p_k. Each emitted token is then distributed exactly as the target's
+(with the same temperature and top-p), whatever the draft proposes.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.sampling import SamplingParams, probs_from_logits
+
+
+def _race(probs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
+    """One draw per row of [b, vocab] probabilities (exponential race: no host sync)."""
+    return (probs / torch.empty_like(probs).exponential_(1.0, generator=generator)).argmax(-1)
+
+
+def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
+    target = logits.argmax(-1)  # [b, k+1]
+    accepted = (draft == target[:, :-1]).int().cumprod(1).sum(1)  # [b]
+    return accepted, target.gather(1, accepted[:, None])[:, 0]
+
+
+def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams,
+                    generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+    b, k1, vocab = logits.shape
+    k = k1 - 1
+    p = probs_from_logits(logits.reshape(b * k1, vocab), params.temperature, params.top_p).view(b, k1, vocab)
+    if q is None:
+        q = F.one_hot(draft, vocab).to(p.dtype)  # [b, k, vocab]
+    p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]  # [b, k]
+    q_d = q.gather(-1, draft[..., None])[..., 0].float()
+    u = torch.rand(b, k, device=logits.device, generator=generator)
+    accepted = (u * q_d < p_d).int().cumprod(1).sum(1)  # [b]
+
+    rows = torch.arange(b, device=logits.device)
+    p_a = p[rows, accepted]  # [b, vocab]
+    q_a = torch.cat([q.float(), torch.zeros_like(p[:, :1])], 1)[rows, accepted]  # zeros where a == k
+    residual = (p_a - q_a).clamp_min(0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_a)  # p == q exactly: draw from p
+    return accepted, _race(residual, generator)
+
+
+def verify(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams,
+           generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    if params.greedy:
+        return verify_greedy(logits, draft)
+    return verify_sampling(logits, draft, q, params, generator)
