@@ -62,4 +62,8 @@ def resolve(configured: Optional[list[int]], convention: str, checkpoint_ids: Op
         ids = normalise(list(checkpoint_ids), "output_of", num_layers,
                         key="draft checkpoint eagle_config.eagle_aux_hidden_state_layer_ids")
         return AuxLayers(ids, "checkpoint")
-    return AuxLayers(eagle3_default(num_layers), "default")
+    default = eagle3_default(num_layers)
+    if len(set(default)) != len(default) or min(default) < 0:
+        raise ConfigError("draft.aux_layer_ids", None, f"the EAGLE3 default [2, N//2, N-3] = {list(default)} "
+                          f"is not valid for a {num_layers}-layer target", "explicit unique ids")
+    return AuxLayers(default, "default")

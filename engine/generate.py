@@ -38,13 +38,20 @@ class SequenceResult:
     decode_s: float  # first token -> last token
     finish_reason: str  # "stop" | "length"
     accepts: list[int] = field(default_factory=list)  # per verify round: draft tokens accepted (a)
-    draft_s: float = 0.0  # this row's batch: time in the draft (propose + extend)
-    verify_s: float = 0.0  # this row's batch: time in target verify forwards
 
     @property
     def tpot_s(self) -> Optional[float]:
         n = len(self.tokens)
         return self.decode_s / (n - 1) if n > 1 else None
+
+
+@dataclass
+class RoundStats:
+    """Accumulated over a generator's batches: rounds (draft + verify) and where their time went."""
+
+    rounds: int = 0
+    draft_s: float = 0.0  # draft propose + draft extend
+    verify_s: float = 0.0  # target verify forwards (a decode step when there is no draft)
 
 
 def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int, num_steps: int = 0) -> None:
@@ -81,6 +88,7 @@ class Generator:
         self.draft, self.k = draft, (num_steps if draft is not None else 0)
         self.cache = model.new_cache(batch_size)
         self.device = model.lm_head.weight.device
+        self.stats = RoundStats()
 
     def _prefill(self, prompts, prompt_embeds, cache):
         b, dev = len(prompts), self.device
@@ -134,7 +142,7 @@ class Generator:
         outs: list[list[int]] = [[] for _ in range(b)]
         accepts: list[list[int]] = [[] for _ in range(b)]
         first_t, last_t = [0.0] * b, [0.0] * b
-        draft_s = verify_s = 0.0
+        stats = self.stats
 
         def emit(new: list[list[int]], now: float) -> None:
             for i, toks in enumerate(new):
@@ -171,15 +179,16 @@ class Generator:
             emitted[torch.arange(b, device=dev), accepted] = bonus
             acc_host, em_host = accepted.tolist(), emitted.tolist()  # the round's sync
             now = time.perf_counter()
-            verify_s += now - t_verify
-            draft_s += t_verify - t_round
+            stats.rounds += 1
+            stats.verify_s += now - t_verify
+            stats.draft_s += t_verify - t_round
 
             was_live = list(state.live)
             if draft is not None and k > 0:
                 t_commit = time.perf_counter()
                 draft.commit(state, _features(out, kind), emitted, accepted)
                 _sync(dev)
-                draft_s += time.perf_counter() - t_commit
+                stats.draft_s += time.perf_counter() - t_commit
             emit([em[: a + 1] for em, a in zip(em_host, acc_host)], now)
             for i in range(b):
                 if was_live[i]:
@@ -192,7 +201,6 @@ class Generator:
             SequenceResult(
                 tokens=outs[i], prompt_len=lens[i], ttft_s=first_t[i] - t0, decode_s=last_t[i] - first_t[i],
                 finish_reason="stop" if outs[i][-1] in stop else "length", accepts=accepts[i],
-                draft_s=draft_s, verify_s=verify_s,
             )
             for i in range(b)
         ]

@@ -7,7 +7,10 @@ The question format (MT-bench / EAGLE): one JSON object per line with `question_
     mt_bench, gsm8k, alpaca, humaneval_80
                 the question.jsonl subsets in `<repo>/../shared/data/<name>/` (benchmarks only)
 
-`eval.dataset` also takes a path to a question.jsonl file.
+`eval.dataset` also takes a path to a question.jsonl file. Two optional fields serve prompts that are
+not plain text (the multimodal path): `prompt_token_ids` (token ids used as they are, no chat
+template; placeholders allowed) and `input_embeds` (a `.pt` file, relative to the jsonl, holding a
+[len(prompt_token_ids), hidden] tensor that replaces the embedding of those ids).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Optional
 
 from engine.errors import ConfigError
 
@@ -29,6 +32,13 @@ class Prompt:
     id: str
     text: str  # the first user turn
     category: str = ""
+    token_ids: Optional[tuple[int, ...]] = None  # given ids: no chat template
+    embeds_path: Optional[str] = None  # [len(token_ids), hidden] tensor file
+
+    def load_embeds(self):
+        import torch
+
+        return None if self.embeds_path is None else torch.load(self.embeds_path, map_location="cpu")
 
 
 def read_question_jsonl(path: Path) -> list[Prompt]:
@@ -39,7 +49,15 @@ def read_question_jsonl(path: Path) -> list[Prompt]:
                 continue
             try:
                 q = json.loads(line)
-                prompts.append(Prompt(str(q["question_id"]), q["turns"][0], q.get("category", "")))
+                ids = q.get("prompt_token_ids")
+                embeds = q.get("input_embeds")
+                if embeds is not None and ids is None:
+                    raise KeyError("input_embeds needs prompt_token_ids of the same length")
+                prompts.append(Prompt(
+                    str(q["question_id"]), q["turns"][0] if q.get("turns") else "", q.get("category", ""),
+                    tuple(ids) if ids is not None else None,
+                    str((path.parent / embeds).resolve()) if embeds is not None else None,
+                ))
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
                 raise ConfigError("eval.dataset", str(path), f"line {n} is not a question record ({e!r})",
                                   "JSON lines with question_id and turns") from None

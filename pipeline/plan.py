@@ -3,10 +3,12 @@
     build_plan(cfg) -> Plan           raises PlanError listing every problem (key, value, what is valid)
     plan.describe() -> str            what dry_run prints: stages, model, device, memory estimate
 
-Resolution: `load` -> (stages later issues add: configure_aux_capture, capture_graphs) -> `cfg.task`.
-Validation, in order: the registries named by the config (task, draft, graph policy), the device
-(`device=cuda` on a host without CUDA is an error, never a silent downgrade), the target's config
-files (`describe_model`), then each stage's own `check`, then the requires/provides chain.
+Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> (`capture_graphs`,
+a later issue) -> `cfg.task`. Validation, in order: the registries named by the config (task, draft,
+graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
+downgrade), the target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint
+config, fc width against the aux layers, aux ids in range), then each stage's own `check`, then the
+requires/provides chain and the rule that aux capture is configured before any stage runs the target.
 """
 
 from __future__ import annotations
@@ -17,14 +19,14 @@ from pathlib import Path
 import torch
 
 import stages  # noqa: F401  (registers the stages)
+from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
 from engine.errors import ConfigError
 from engine.loading import describe_model
 from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir
 from stages.base import STAGES, Stage, StageEnv, final_stages
 
-# What this build implements; later issues turn these into registries of drafts and graph backends.
-DRAFT_ALGORITHMS = ("none",)
+# What this build implements; a later issue turns this into the registry of graph backends.
 GRAPH_POLICIES = ("none",)
 DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
@@ -52,8 +54,9 @@ def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     return DTYPES[dtype]
 
 
-def resolve_stage_names(cfg: RunConfig) -> list[str]:
-    return ["load", cfg.task]
+def resolve_stage_names(cfg: RunConfig, draft: DraftPlan | None) -> list[str]:
+    aux = ["configure_aux_capture"] if draft is not None and draft.aux is not None else []
+    return ["load", *aux, cfg.task]
 
 
 @dataclass
@@ -98,17 +101,21 @@ def _check_registries(cfg: RunConfig) -> list[ConfigError]:
     errors = []
     if cfg.task not in final_stages():
         errors.append(ConfigError("task", cfg.task, "not a stage that can end a plan", final_stages()))
-    if cfg.draft.algorithm not in DRAFT_ALGORITHMS:
-        errors.append(ConfigError("draft.algorithm", cfg.draft.algorithm, "not implemented", DRAFT_ALGORITHMS))
+    if cfg.draft.algorithm not in ALGORITHMS:
+        errors.append(ConfigError("draft.algorithm", cfg.draft.algorithm, "unknown draft algorithm", ALGORITHMS))
     if cfg.graph.policy not in GRAPH_POLICIES:
         errors.append(ConfigError("graph.policy", cfg.graph.policy, "not implemented", GRAPH_POLICIES))
     return errors
 
 
-def _check_chain(stage_list: list[Stage]) -> list[ConfigError]:
+def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[ConfigError]:
+    """requires/provides, and: aux capture is configured before any stage that runs the target."""
     errors, available = [], set()
+    needs_aux = draft is not None and draft.aux is not None
     for s in stage_list:
         missing = [k for k in s.requires if k not in available]
+        if needs_aux and s.runs_target and "aux_layers" not in available:
+            missing.append("aux_layers")
         if missing:
             errors.append(ConfigError("stages", s.name, f"requires {missing}, which no earlier stage provides",
                                       f"a plan where a stage providing {missing} comes first"))
@@ -130,15 +137,20 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
         errors.append(e)
     if errors:  # later checks need a known task and a readable target
         raise PlanError(errors)
+    try:
+        draft = plan_draft(cfg.draft, target_args)
+    except ConfigError as e:
+        raise PlanError([e]) from None
 
-    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs or outputs_dir(), target_args=target_args)
-    stage_list = [STAGES[n]() for n in resolve_stage_names(cfg)]
+    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs or outputs_dir(), target_args=target_args,
+                   draft_plan=draft)
+    stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]
     for s in stage_list:
         try:
             s.check(cfg, env)
         except ConfigError as e:
             errors.append(e)
-    errors += _check_chain(stage_list)
+    errors += _check_chain(stage_list, draft)
     if errors:
         raise PlanError(errors)
     return Plan(cfg, stage_list, env)

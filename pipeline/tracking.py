@@ -66,15 +66,16 @@ class Tracker:
         return self.client.create_experiment(name, artifact_location=location)
 
     def __enter__(self) -> "Tracker":
-        from mlflow.entities import Param, RunTag
+        from mlflow.entities import RunTag
 
         cfg = self.cfg
         run = self.client.create_run(self._experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
         self.run_id = run.info.run_id
         try:
-            params = [Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in flatten(cfg).items()]
-            for i in range(0, len(params), 100):
-                self.client.log_batch(self.run_id, params=params[i: i + 100])
+            params = flatten(cfg)
+            keys = list(params)
+            for i in range(0, len(keys), 100):
+                self.log_params({k: params[k] for k in keys[i: i + 100]})
             tags = {"git_sha": git_sha(), "device": device_name(self.device), "torch_version": torch.__version__}
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
             self.log_text(to_yaml(cfg), "config.yaml")
@@ -87,6 +88,11 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status="FAILED" if exc_type else "FINISHED")
+
+    def log_params(self, params: dict[str, Any]) -> None:
+        from mlflow.entities import Param
+
+        self.client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()])
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
         from mlflow.entities import Metric

@@ -7,7 +7,9 @@ A stage is a class registered under a name with
     check(cfg, env)   static validation from config files alone (no weights, no GPU); raises ConfigError
     run(cfg, inputs, env) -> {key: value for key in provides}
 
-`final = True` marks a stage that can end a plan (`task=eval`, later `serve`). The runner
+`final = True` marks a stage that can end a plan (`task=eval`, later `serve`); `runs_target = True`
+a stage that runs target forwards (eval, serve, capture_graphs), which the plan puts after
+`configure_aux_capture` whenever the draft reads aux layers. The runner
 (`pipeline.execute`) hands each stage only what it requires and checks that it returned exactly what it
 provides, so the contract the plan validated is the contract that runs.
 """
@@ -20,6 +22,7 @@ from typing import Any, ClassVar, Optional
 
 import torch
 
+from engine.drafts.registry import DraftPlan
 from engine.model import ModelArgs
 from pipeline.config import RunConfig
 
@@ -32,6 +35,7 @@ class StageEnv:
     dtype: torch.dtype
     outputs_dir: Path
     target_args: ModelArgs  # from config files, before any weight is read
+    draft_plan: Optional[DraftPlan] = None  # None: no draft
     tracker: Any = None  # pipeline.tracking.Tracker (None at plan time)
     notes: list[str] = field(default_factory=list)  # plan remarks shown by dry_run
 
@@ -45,6 +49,7 @@ class Stage:
     requires: ClassVar[tuple[str, ...]] = ()
     provides: ClassVar[tuple[str, ...]] = ()
     final: ClassVar[bool] = False
+    runs_target: ClassVar[bool] = False  # runs target forwards: aux capture must be configured first
 
     def check(self, cfg: RunConfig, env: StageEnv) -> None:
         """Raise engine.errors.ConfigError on a bad config; read no weights."""
@@ -71,6 +76,3 @@ def final_stages() -> list[str]:
     return sorted(n for n, s in STAGES.items() if s.final)
 
 
-def get_stage(name: str, key: str = "task") -> Optional[Stage]:
-    cls = STAGES.get(name)
-    return cls() if cls else None

@@ -1,13 +1,17 @@
-"""Stage `eval`: generate over a prompt set, measure, and log per-prompt results and metrics.
+"""Stage `eval`: generate over a prompt set, with the configured draft, and measure against peers.
 
-Prompts go through the tokenizer's chat template, are checked against the KV cache length before any
-generation, and run in batches of `eval.batch_size` in dataset order. Timings come from
-`engine.generate` (host wall clock at each step's device->host copy), so they include everything a
-user waits for. Metrics (names from the design):
+Prompts go through the tokenizer's chat template (or come as token ids, optionally with input
+embeddings), are checked against the KV cache before any generation, and run in batches of
+`eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) first runs the no-draft
+baseline on the same prompts, so the job reports its own speedup and whether the output is unchanged.
 
-    tokens_per_s      generated tokens / generation wall time, whole prompt set
-    ttft_ms, tpot_ms  mean time to first token; mean time per output token after the first
-    generated_tokens, peak_mem_mb
+Metrics (names from the design):
+
+    tokens_per_s, ttft_ms, tpot_ms, generated_tokens, peak_mem_mb
+    accept_length            mean tokens emitted per verify round, bonus included
+    accept_rate_pos_<i>      fraction of verify rounds whose draft token i was accepted
+    draft_ms, verify_ms      mean time per draft phase (propose + extend) and per verify forward
+    baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 
 Artifacts: `results.jsonl` (one line per prompt) and the summary printed at the end.
@@ -20,11 +24,12 @@ import resource
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from tqdm.auto import tqdm
 
+from engine.drafts.registry import DRAFTS, make_draft
 from engine.errors import ConfigError
 from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel
@@ -43,16 +48,30 @@ class EvalRecord:
 
     def to_json(self) -> dict[str, Any]:
         r = self.result
-        return {
+        out = {
             "id": self.prompt.id, "category": self.prompt.category, "prompt_tokens": self.prompt_tokens,
             "output": self.text, "tokens": len(r.tokens), "finish_reason": r.finish_reason,
             "ttft_ms": 1e3 * r.ttft_s, "time_s": r.ttft_s + r.decode_s, "token_ids": r.tokens,
         }
+        if r.accepts:
+            out["accept_length"] = statistics.fmean(a + 1 for a in r.accepts)
+        return out
+
+
+@dataclass
+class EvalPrompts:
+    prompts: list[Prompt]
+    encoded: list[list[int]]
+    embeds: Optional[list[Optional[torch.Tensor]]]  # per prompt [len, hidden], or None for all
 
 
 def sampling_params(e) -> SamplingParams:
     return SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
                           ignore_eos=e.ignore_eos)
+
+
+def baseline_on(cfg) -> bool:
+    return cfg.eval.baseline if cfg.eval.baseline is not None else cfg.draft.algorithm != "none"
 
 
 def _peak_mem_mb(device: torch.device) -> float:
@@ -61,16 +80,79 @@ def _peak_mem_mb(device: torch.device) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
-def _mean(xs: list[float]) -> float:
+def _mean(xs) -> float:
+    xs = list(xs)
     return statistics.fmean(xs) if xs else float("nan")
+
+
+def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
+    e, tok = cfg.eval, target.tokenizer
+    prompts = load_prompts(e.dataset, e.limit)
+    encoded, embeds = [], []
+    hidden = target.model.args.hidden_size
+    for p in prompts:
+        if p.token_ids is not None:
+            encoded.append(list(p.token_ids))
+        else:
+            encoded.append(tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text))
+        x = p.load_embeds()
+        if x is not None and tuple(x.shape) != (len(encoded[-1]), hidden):
+            raise ConfigError("eval.dataset", e.dataset, f"prompt {p.id}: input_embeds of shape {tuple(x.shape)}",
+                              f"[{len(encoded[-1])}, {hidden}] (prompt_token_ids x target hidden)")
+        embeds.append(x)
+    check_capacity([len(x) for x in encoded], e.max_new_tokens, cfg.model.max_seq_len,
+                   cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0)
+    return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
+
+
+def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, target: LoadedModel,
+                 rng: torch.Generator, batch_size: int, desc: str) -> tuple[list[EvalRecord], float]:
+    """Every prompt through `gen` in batches; returns the records and the generation wall time."""
+    tok, records, wall = target.tokenizer, [], 0.0
+    bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
+    for i in range(0, len(data.prompts), batch_size):
+        batch = data.encoded[i: i + batch_size]
+        embeds = data.embeds[i: i + batch_size] if data.embeds is not None else None
+        t0 = time.perf_counter()
+        results = gen.generate(batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds,
+                               row_ids=list(range(i, i + len(batch))))
+        wall += time.perf_counter() - t0
+        for p, x, r in zip(data.prompts[i: i + batch_size], batch, results):
+            records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
+    bar.close()
+    return records, wall
+
+
+def throughput_metrics(records: list[EvalRecord], wall: float) -> dict[str, float]:
+    generated = sum(len(r.result.tokens) for r in records)
+    return {
+        "tokens_per_s": generated / wall,
+        "ttft_ms": 1e3 * _mean(r.result.ttft_s for r in records),
+        "tpot_ms": 1e3 * _mean(r.result.tpot_s for r in records if r.result.tpot_s is not None),
+        "generated_tokens": generated,
+        "num_prompts": len(records),
+        "generation_s": wall,
+    }
+
+
+def draft_metrics(records: list[EvalRecord], gen: Generator, k: int) -> dict[str, float]:
+    accepts = [a for r in records for a in r.result.accepts]
+    out = {"accept_length": _mean(a + 1 for a in accepts), "verify_rounds": len(accepts),
+           "draft_ms": 1e3 * gen.stats.draft_s / max(gen.stats.rounds, 1),
+           "verify_ms": 1e3 * gen.stats.verify_s / max(gen.stats.rounds, 1)}
+    out.update({f"accept_rate_pos_{i}": _mean(a > i for a in accepts) for i in range(k)})
+    return out
 
 
 @register_stage
 class EvalStage(Stage):
     name = "eval"
-    requires = ("target",)
+    requires = ("target", "draft_head")
     provides = ("eval_results",)
     final = True
+    runs_target = True
 
     def check(self, cfg, env: StageEnv) -> None:
         e = cfg.eval
@@ -91,71 +173,87 @@ class EvalStage(Stage):
         for peer in e.peers:
             if peer not in PEERS:
                 raise ConfigError("eval.peers", peer, "unknown peer", sorted(PEERS))
+        spec = DRAFTS.get(cfg.draft.algorithm)
+        if spec is not None and spec.needs_baseline:
+            if not baseline_on(cfg):
+                raise ConfigError("eval.baseline", e.baseline, f"draft.algorithm={cfg.draft.algorithm} "
+                                  "proposes the baseline's own outputs", "true (or null)")
+            if e.temperature > 0:
+                raise ConfigError("eval.temperature", e.temperature, f"draft.algorithm={cfg.draft.algorithm} "
+                                  "replays greedy outputs", "0")
 
     def describe(self, cfg, env: StageEnv) -> str:
         e = cfg.eval
         mode = "greedy" if e.temperature == 0 else f"temperature {e.temperature}, top_p {e.top_p}"
-        peers = f", peers {list(e.peers)}" if e.peers else ""
+        extra = [f"peers {list(e.peers)}"] if e.peers else []
+        if env.draft_plan is not None:
+            extra.append(f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps}"
+                         + (" + no-draft baseline" if baseline_on(cfg) else ""))
         return (f"{e.dataset} (limit {e.limit}), batch {e.batch_size}, {e.max_new_tokens} new tokens, "
-                f"{mode}{', ignore_eos' if e.ignore_eos else ''}{peers}")
+                f"{mode}{', ignore_eos' if e.ignore_eos else ''}" + "".join(f", {x}" for x in extra))
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         target: LoadedModel = inputs["target"]
-        e, tok = cfg.eval, target.tokenizer
-        prompts = load_prompts(e.dataset, e.limit)
-        encoded = [tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text)
-                   for p in prompts]
-        check_capacity([len(x) for x in encoded], e.max_new_tokens, cfg.model.max_seq_len)
+        e = cfg.eval
+        data = encode_prompts(cfg, target)
         params = sampling_params(e)
-        gen = Generator(target.model, e.batch_size)
         rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
-        if e.warmup:
-            gen.generate(encoded[: e.batch_size], SamplingParams(max_new_tokens=4), tok.eos_token_ids, rng)
+
+        metrics: dict[str, float] = {}
+        baseline: Optional[list[EvalRecord]] = None
+        if baseline_on(cfg):
+            base_gen = Generator(target.model, e.batch_size)
+            self._warmup(base_gen, data, target, rng, e)
+            baseline, wall = generate_all(base_gen, data, params, target, rng, e.batch_size, "baseline")
+            metrics["baseline_tokens_per_s"] = throughput_metrics(baseline, wall)["tokens_per_s"]
+            del base_gen
+
+        plan, k = env.draft_plan, cfg.draft.num_steps
+        draft = make_draft(plan, inputs["draft_head"], target.model, e.batch_size, params, rng,
+                           references=[r.result.tokens for r in baseline] if baseline else None,
+                           prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft)
+        gen = Generator(target.model, e.batch_size, draft, k)
+        if plan is None or not plan.algorithm == "oracle":
+            self._warmup(gen, data, target, rng, e)
+        gen.stats.__init__()
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
+        records, wall = generate_all(gen, data, params, target, rng, e.batch_size,
+                                     "eval" if plan is None else f"eval[{plan.algorithm}]")
 
-        records: list[EvalRecord] = []
-        wall = 0.0
-        bar = tqdm(total=len(prompts), desc="eval", unit="prompt", dynamic_ncols=True)
-        for i in range(0, len(prompts), e.batch_size):
-            batch = encoded[i: i + e.batch_size]
-            t0 = time.perf_counter()
-            results = gen.generate(batch, params, tok.eos_token_ids, rng)
-            wall += time.perf_counter() - t0
-            for p, x, r in zip(prompts[i: i + e.batch_size], batch, results):
-                records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
-            bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
-        bar.close()
-
-        generated = sum(len(r.result.tokens) for r in records)
-        metrics = {
-            "tokens_per_s": generated / wall,
-            "ttft_ms": 1e3 * _mean([r.result.ttft_s for r in records]),
-            "tpot_ms": 1e3 * _mean([r.result.tpot_s for r in records if r.result.tpot_s is not None]),
-            "generated_tokens": generated,
-            "peak_mem_mb": _peak_mem_mb(env.device),
-            "num_prompts": len(records),
-            "generation_s": wall,
-        }
+        metrics.update(throughput_metrics(records, wall))
+        metrics["peak_mem_mb"] = _peak_mem_mb(env.device)
+        if plan is not None:
+            metrics.update(draft_metrics(records, gen, k))
+        if baseline is not None:
+            metrics["speedup"] = metrics["tokens_per_s"] / metrics["baseline_tokens_per_s"]
+            if params.greedy:
+                same = sum(r.result.tokens == b.result.tokens for r, b in zip(records, baseline))
+                metrics["match_baseline"] = same / len(records)
         for name in e.peers:
-            metrics.update(self._run_peer(name, target, encoded, params, records, e.batch_size, env, cfg.seed))
+            metrics.update(self._run_peer(name, target, data.encoded, params, records, e.batch_size, env, cfg.seed))
             metrics[f"ratio_vs.{name}"] = metrics["tokens_per_s"] / metrics[f"peer_tokens_per_s.{name}"]
 
-        tracker = env.tracker
-        if tracker is not None:
-            tracker.log_metrics(metrics)
-            tracker.log_text("\n".join(json.dumps(r.to_json()) for r in records) + "\n", "results.jsonl")
+        if env.tracker is not None:
+            env.tracker.log_metrics(metrics)
+            env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in records) + "\n", "results.jsonl")
         print(summary_table(cfg, env, metrics))
-        return {"eval_results": {"metrics": metrics, "records": records}}
+        return {"eval_results": {"metrics": metrics, "records": records, "baseline": baseline}}
+
+    @staticmethod
+    def _warmup(gen: Generator, data: EvalPrompts, target: LoadedModel, rng, e) -> None:
+        if e.warmup:
+            n = min(e.batch_size, len(data.encoded))
+            gen.generate(data.encoded[:n], SamplingParams(max_new_tokens=4), target.tokenizer.eos_token_ids, rng,
+                         prompt_embeds=data.embeds[:n] if data.embeds is not None else None)
 
     @staticmethod
     def _run_peer(name, target, encoded, params, records, batch_size, env, seed) -> dict[str, float]:
         print(f"[eval] peer {name} on the same {len(encoded)} prompts...", flush=True)
         res = PEERS[name](target, encoded, params, batch_size, target.tokenizer.eos_token_ids,
                           env.device, env.dtype, seed)
-        peer_tps = res.generated_tokens / res.wall_s
-        out = {f"peer_tokens_per_s.{name}": peer_tps, f"peer_generated_tokens.{name}": res.generated_tokens}
+        out = {f"peer_tokens_per_s.{name}": res.generated_tokens / res.wall_s,
+               f"peer_generated_tokens.{name}": res.generated_tokens}
         if params.greedy:
             same = sum(r.result.tokens == o for r, o in zip(records, res.outputs))
             out[f"peer_match.{name}"] = same / len(records)
@@ -164,6 +262,7 @@ class EvalStage(Stage):
 
 def summary_table(cfg, env: StageEnv, metrics: dict[str, float]) -> str:
     rows = [("model", cfg.model.name), ("device", f"{env.device} {str(env.dtype).removeprefix('torch.')}"),
+            ("draft", f"{cfg.draft.algorithm}" + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")),
             ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"), ("batch size", cfg.eval.batch_size)]
     rows += [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in metrics.items() if k != "num_prompts"]
     width = max(len(str(k)) for k, _ in rows)

@@ -26,7 +26,7 @@ def test_valid_plan_and_its_description(outputs):
     plan = plan_of("model=tiny", "eval.batch_size=2", "device=cpu", outputs=outputs)
     assert plan.names == ["load", "eval"]
     text = plan.describe()
-    for needle in ["1. load", "2. eval", "requires [target]", "4 layers, hidden 64", "cpu (float32)", "KV cache"]:
+    for needle in ["1. load", "2. eval", "requires [target, draft_head]", "4 layers, hidden 64", "cpu (float32)", "KV cache"]:
         assert needle in text
     mem = plan.memory_estimate()
     # tiny: 4 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes x 2049 slots x batch 2
@@ -35,7 +35,7 @@ def test_valid_plan_and_its_description(outputs):
 
 @pytest.mark.parametrize("overrides, needles", [
     (["task=serve"], ["task='serve'", "eval"]),
-    (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none"]),
+    (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none, eagle3, eagle, ngram, oracle"]),
     (["graph.policy=fullest"], ["graph.policy='fullest'", "none"]),
     (["eval.dataset=nope_bench"], ["eval.dataset='nope_bench'", "humaneval", "mt_bench"]),
     (["eval.limit=0"], ["eval.limit=0", ">= 1"]),
@@ -90,6 +90,6 @@ def test_cuda_requested_without_cuda(outputs):
 def test_requires_chain_is_checked(outputs, monkeypatch):
     import pipeline.plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "resolve_stage_names", lambda cfg: ["eval", "load"])
+    monkeypatch.setattr(plan_mod, "resolve_stage_names", lambda cfg, draft: ["eval", "load"])
     text = plan_error("model=tiny", outputs=outputs)
-    assert "stages='eval'" in text and "requires ['target']" in text
+    assert "stages='eval'" in text and "requires ['target', 'draft_head']" in text
