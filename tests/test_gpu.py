@@ -48,3 +48,19 @@ def test_smollm2_on_cuda_fp32_matches_transformers(outputs):
     ctx = run(compose_cfg("+experiment=baseline", "eval.limit=4", "eval.max_new_tokens=32", "dtype=float32",
                           "eval.batch_size=2", "eval.peers=[hf_generate]"))
     assert ctx["eval_results"]["metrics"]["peer_match.hf_generate"] == 1.0
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "ngram", "oracle"])
+def test_cuda_speculative_greedy_is_lossless(algorithm):
+    from test_speculative import build, run_all
+
+    _, target = pair()
+    target = target.cuda()
+    target.init_buffers(torch.device("cuda"))
+    prompts = _prompts(4)
+    params = SamplingParams(max_new_tokens=29, ignore_eos=True)
+    base = [r.tokens for r in run_all(Generator(target, 4), prompts, params, 4)]
+    gen = build(target, algorithm, 4, params, references=base, prompts=prompts)
+    if gen.draft is not None and hasattr(gen.draft, "head"):
+        assert gen.draft.head.fc.weight.is_cuda
+    assert [r.tokens for r in run_all(gen, prompts, params, 4)] == base

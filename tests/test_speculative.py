@@ -29,7 +29,7 @@ def build(target, algorithm, batch, params, references=None, prompts=None, k=3, 
                       aux_layer_ids=AUX if algorithm == "eagle3" else None, **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
-    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
     draft = make_draft(plan, head, target, batch, params, gen, references=references,
                        prompt_lens=[len(p) for p in prompts] if prompts else None, cfg=cfg)
     return Generator(target, batch, draft, k)
