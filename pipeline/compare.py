@@ -59,7 +59,10 @@ def compare(experiment: str, tracking_uri: Optional[str] = None, last: int = 10,
     wanted += [m for m in sorted(set().union(*(r.data.metrics for r in runs)))
                if not metrics and (m.startswith("ratio_vs.") or m.startswith("peer_tokens_per_s."))]
     rows += [[m, *(_fmt(r.data.metrics.get(m)) for r in runs)] for m in wanted]
-    shared = ", ".join(f"{k}={runs[0].data.params[k]}" for k in same if k.split(".")[0] in ("model", "eval", "draft", "graph"))
+    random_target = runs[0].data.params.get("model.source") == "random"
+    shared = ", ".join(f"{k}={runs[0].data.params[k]}" for k in same
+                       if k.split(".")[0] in ("model", "eval", "draft", "graph")
+                       and (random_target or not k.startswith("model.random.")))
     return f"experiment {experiment!r}: {len(runs)} run(s)\n" + _table(header, rows) + (f"\nshared: {shared}" if shared else "")
 
 

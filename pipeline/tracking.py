@@ -11,6 +11,7 @@ fluent state), so tests can point a tracker at a temporary store.
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import tempfile
@@ -32,6 +33,8 @@ def default_tracking_uri(outputs: Path) -> str:
 def git_sha() -> str:
     try:
         out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        if out.returncode != 0:  # not a checkout (e.g. a copied tree)
+            return os.environ.get("SPECPIPE_GIT_SHA", "unknown")
         sha = out.stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
                                capture_output=True, text=True, timeout=5).stdout.strip()
