@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.errors import ConfigError
-from engine.model import LlamaModel, ModelArgs
+from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -221,23 +221,9 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
     return random_args(r)
 
 
-def init_random(model: LlamaModel, seed: int, std: float = 0.02) -> LlamaModel:
-    """Normal(0, std) weights, unit norms (as transformers' Llama init), from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model
-
-
 def _load_random(cfg, weights_dir: Path) -> LoadedModel:
     model = LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len)
-    return LoadedModel(init_random(model, cfg.random.init_seed), ByteTokenizer(), "random")
+    return LoadedModel(init_normal_(model, cfg.random.init_seed), ByteTokenizer(), "random")
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {

@@ -96,6 +96,20 @@ class ModelArgs:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+def init_normal_(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
+    """Normal(0, std) weights, unit norms, zero biases (transformers' Llama init), from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith("bias"):
+                p.zero_()
+            else:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return module
+
+
 # --------------------------------------------------------------------------------------------- RoPE
 def _inv_freq_default(args: ModelArgs) -> Tensor:
     d = args.head_dim

@@ -13,7 +13,8 @@ from conftest import compose_cfg
 from test_model import _prompts, pair
 from test_pipeline import download_text, runs_of
 from engine import aux_layers
-from engine.drafts.heads import Eagle3Head, eagle3_config, init_head
+from engine.drafts.heads import Eagle3Head, eagle3_config
+from engine.model import init_normal_
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
@@ -56,7 +57,7 @@ def test_checkpoint_ids_vs_config_override():
 
 # ------------------------------------------------------------------------------------------ checkpoints
 def saved_head(tmp_path: Path, target, aux_output_of=(0, 1, 2), draft_vocab=200) -> Path:
-    head = init_head(Eagle3Head(eagle3_config(target.args, list(aux_output_of), draft_vocab), 64), seed=4)
+    head = init_normal_(Eagle3Head(eagle3_config(target.args, list(aux_output_of), draft_vocab), 64), seed=4)
     head.d2t.copy_(torch.arange(draft_vocab) // 3)  # a non-trivial draft -> target mapping
     head.t2d.zero_()
     head.t2d[torch.arange(draft_vocab) + head.d2t] = True

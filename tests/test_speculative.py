@@ -151,17 +151,17 @@ def test_rejection_sampling_rule_is_exact():
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     """Token frequencies at positions 1..3 over many sequences: with a draft = without one."""
     from engine.model import LlamaModel, ModelArgs
-    from engine.loading import init_random
+    from engine.model import init_normal_
 
     args = ModelArgs(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
                      num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
-    tgt = init_random(LlamaModel(args, 16), seed=3, std=0.5)
+    tgt = init_normal_(LlamaModel(args, 16), seed=3, std=0.5)
     n, prompt = 3000, [1, 2, 3]
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
     plain = Generator(tgt, n).generate([prompt] * n, params, generator=torch.Generator().manual_seed(0))
     gen = build(tgt, algorithm, n, params, k=2, gen=torch.Generator().manual_seed(5))
     if algorithm == "eagle3":
-        init_random(gen.draft.head, seed=9, std=0.5)  # a draft distribution far from the target's
+        init_normal_(gen.draft.head, seed=9, std=0.5)  # a draft distribution far from the target's
     spec = gen.generate([prompt] * n, params, generator=torch.Generator().manual_seed(1))
     for pos in (1, 2, 3):
         a = torch.bincount(torch.tensor([r.tokens[pos] for r in plain]), minlength=8).float() / n

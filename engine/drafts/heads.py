@@ -156,21 +156,8 @@ class EagleHead(_Head):
 
 
 # ------------------------------------------------------------------------------------- configs
-def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None) -> dict:
-    """A public-format EAGLE3 config.json for a head matching `target` (random init, training)."""
-    return {
-        "architectures": [Eagle3Head.architecture], "model_type": "llama",
-        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
-        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
-        "draft_vocab_size": draft_vocab_size or target.vocab_size, "target_hidden_size": target.hidden_size,
-        "max_position_embeddings": target.max_position_embeddings, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
-    }
-
-
 def eagle_config(target: ModelArgs) -> dict:
+    """config.json of a one-layer EAGLE head of the target's shape (random init, training)."""
     return {
         "architectures": [EagleHead.architecture], "model_type": "llama",
         "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
@@ -178,6 +165,15 @@ def eagle_config(target: ModelArgs) -> dict:
         "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
         "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
         "max_position_embeddings": target.max_position_embeddings,
+    }
+
+
+def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None) -> dict:
+    """A public-format EAGLE3 config.json for a head matching `target` (random init, training)."""
+    return {
+        **eagle_config(target), "architectures": [Eagle3Head.architecture], "tie_word_embeddings": False,
+        "draft_vocab_size": draft_vocab_size or target.vocab_size, "target_hidden_size": target.hidden_size,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
     }
 
 
@@ -210,16 +206,3 @@ class HeadCheckpoint:
             raise ConfigError("draft.path", str(self.path), f"tensors do not match: missing {missing[:4]}, "
                               f"unexpected {unexpected[:4]}")
         return head
-
-
-def init_head(head: _Head, seed: int, std: float = 0.02) -> _Head:
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in head.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith("bias"):
-                p.zero_()
-            else:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return head

@@ -16,11 +16,10 @@ import torch
 from engine import aux_layers
 from engine.drafts.base import Draft, FeatureKind
 from engine.drafts.feature import FeatureDraft
-from engine.drafts.heads import (Eagle3Head, EagleHead, HeadCheckpoint, eagle3_config, eagle_config,
-                                 init_head)
+from engine.drafts.heads import Eagle3Head, EagleHead, HeadCheckpoint, eagle3_config, eagle_config
 from engine.drafts.lookup import NgramDraft, OracleDraft
 from engine.errors import ConfigError
-from engine.model import LlamaModel, ModelArgs
+from engine.model import LlamaModel, ModelArgs, init_normal_
 
 INITS = ("checkpoint", "random")
 
@@ -151,7 +150,7 @@ def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, 
         head = Eagle3Head(plan.head_config, target.max_seq_len)
     else:
         head = EagleHead(plan.head_config, target.max_seq_len, lm_head=target.lm_head)
-    head = plan.checkpoint.load_into(head) if plan.checkpoint is not None else init_head(head, seed)
+    head = plan.checkpoint.load_into(head) if plan.checkpoint is not None else init_normal_(head, seed)
     head.to(device=device, dtype=dtype).eval().requires_grad_(False)
     head.init_buffers(device)
     return head
