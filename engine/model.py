@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -203,30 +203,42 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class AttnInputs:
-    """Per-call attention metadata, computed once and shared by every layer."""
+    """Per-call attention metadata shared by every layer: RoPE rows, cache slots, query positions.
+
+    The mask depends on `kv_len`, which a graph with eager attention breaks (breakable, piecewise)
+    chooses per replay; it is built by the first attention call (`mask(kv_len)`).
+    """
 
     cos: Tensor  # [b, 1, t, head_dim] in the activations' dtype
     sin: Tensor
     slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
-    mask: Tensor  # [b, 1, t, kv_len] bool: query at position p sees slots 0..p
-    kv_len: int
+    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0)
+    max_kv: int  # the cache's slots (the dummy slot excluded)
 
     @classmethod
-    def build(cls, positions: Tensor, valid: Optional[Tensor], kv_len: int, rope_cos: Tensor, rope_sin: Tensor,
+    def build(cls, positions: Tensor, valid: Optional[Tensor], rope_cos: Tensor, rope_sin: Tensor,
               dummy_slot: int, dtype: torch.dtype) -> "AttnInputs":
-        kv_len = min(kv_len, dummy_slot)  # the dummy slot is never attended
         if valid is not None:
             slots = positions.masked_fill(~valid, dummy_slot)
             positions = positions.masked_fill(~valid, 0)
         else:
             slots = positions
-        key_pos = torch.arange(kv_len, device=positions.device)
-        mask = (key_pos[None, None, :] <= positions[:, :, None])[:, None]
-        return cls(rope_cos[positions].to(dtype)[:, None], rope_sin[positions].to(dtype)[:, None], slots, mask, kv_len)
+        return cls(rope_cos[positions].to(dtype)[:, None], rope_sin[positions].to(dtype)[:, None], slots,
+                   positions, dummy_slot)
+
+    def mask(self, kv_len: int) -> Tensor:
+        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
+        kv_len = min(kv_len, self.max_kv)
+        key_pos = torch.arange(kv_len, device=self.qpos.device)
+        return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
 
 
 class Attention(nn.Module):
-    """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input."""
+    """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input.
+
+    Split in two for graphs with eager attention: `project` (q/k/v, RoPE, cache write: capturable) and
+    `attend` (SDPA over the live prefix of the cache: the break).
+    """
 
     def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None):
         super().__init__()
@@ -239,24 +251,30 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
 
-    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
-        cos, sin, slots, mask, kv_len = a.cos, a.sin, a.slots, a.mask, a.kv_len
-        b, t, _ = x.shape  # [batch, seq, hidden]
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # [b, heads, t, d]
+    def project(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        """x [b, t, d_in] -> q [b, heads, t, head_dim]; writes this call's k/v at their slots."""
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        # Write this call's keys/values at their slots, then attend over the live prefix of the cache.
+        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [b, kv_heads, S+1, d]
-        idx = slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
+        idx = a.slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
-        out = F.scaled_dot_product_attention(
-            q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-            enable_gqa=self.n_kv != self.n_heads,
-        )  # [b, heads, t, d]
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim))
+        return q
+
+    def attend(self, q: Tensor, cache: StaticKVCache, mask: Tensor) -> Tensor:
+        """q [b, heads, t, d] over cache[:kv_len] (kv_len = mask's last dim) -> [b, t, heads * d]."""
+        b, _, t, _ = q.shape
+        kv_len = mask.shape[-1]
+        k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
+        out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+                                             enable_gqa=self.n_kv != self.n_heads)  # [b, heads, t, d]
+        return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
+
+    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs, mask: Tensor) -> Tensor:
+        return self.o_proj(self.attend(self.project(x, cache, a), cache, mask))
 
 
 class MLP(nn.Module):
@@ -279,8 +297,11 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cache, a)
+    def pre(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        return self.self_attn.project(self.input_layernorm(x), cache, a)  # q
+
+    def post(self, x: Tensor, o: Tensor) -> Tensor:
+        x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -297,9 +318,37 @@ class _Backbone(nn.Module):
 @dataclass
 class ForwardOutput:
     logits: Tensor  # [batch, n_logits, vocab] (n_logits: seq, or 1 with logits_index)
-    hidden_states: Tensor  # [batch, seq, hidden]: final normed hidden states
+    hidden_states: Optional[Tensor] = None  # [batch, seq, hidden]: final normed hidden states
     aux_hidden_states: Optional[Tensor] = None  # [batch, seq, hidden * len(aux_layers)]
     input_embeds: Optional[Tensor] = None  # [batch, seq, hidden]: what the first layer took
+
+    @classmethod
+    def from_env(cls, env: dict) -> "ForwardOutput":
+        return cls(env["logits"], env.get("hidden"), env.get("aux"), env.get("embeds"))
+
+
+@dataclass
+class Step:
+    """One piece of a forward: a capturable segment, or a break (attention) that a graph policy with
+    eager breaks runs outside the graph. `fn(env)` reads and writes named tensors in `env`."""
+
+    name: str
+    fn: Callable[[dict], None]
+    is_break: bool = False
+    meta: dict = field(default_factory=dict)
+
+
+def chain(*fns: Callable[[dict], None]) -> Callable[[dict], None]:
+    def run(env: dict) -> None:
+        for f in fns:
+            f(env)
+    return run
+
+
+def run_steps(steps: list[Step], env: dict) -> dict:
+    for s in steps:
+        s.fn(env)
+    return env
 
 
 class LlamaModel(nn.Module):
@@ -337,6 +386,66 @@ class LlamaModel(nn.Module):
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
 
     # -- forward ----------------------------------------------------------------------------------
+    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False
+                ) -> list[Step]:
+        """The forward as segments and attention breaks over an env dict (see `Step`).
+
+        env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
+                 (embeds_input), logits_index [b] (logits_at_index)
+        env out: logits [b, t or 1, vocab], hidden [b, t, h], aux [b, t, h * n_aux] or None,
+                 embeds [b, t, h] (what the first layer took)
+        The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
+        built with, in `Step.meta`.
+        """
+        layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
+
+        def start(env):
+            x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
+            env["embeds"] = env["x"] = x
+            env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
+                                           cache.dummy_slot, x.dtype)
+            env["aux_list"] = []
+
+        def pre(i):
+            def fn(env):
+                if i in aux_ids:
+                    env["aux_list"].append(env["x"])
+                env["q"] = layers[i].pre(env["x"], cache, env["attn"])
+            return fn
+
+        def attend(i):
+            def fn(env):
+                if i == 0:
+                    env["mask"] = env["attn"].mask(env["kv_len"])
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"])
+            return fn
+
+        def post(i):
+            def fn(env):
+                env["x"] = layers[i].post(env["x"], env["o"])
+            return fn
+
+        def finish(env):
+            x = env["x"]
+            if n in aux_ids:
+                env["aux_list"].append(x)
+            env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
+            hidden = env["hidden"] = self.model.norm(x)  # [b, t, hidden]
+            if logits_at_index:
+                rows = torch.arange(hidden.shape[0], device=hidden.device)
+                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])  # [b, 1, vocab]
+            else:
+                env["logits"] = self.lm_head(hidden)
+
+        steps = [Step("embed+pre0", chain(start, pre(0)))]
+        for i in range(n):
+            steps.append(Step(f"attn{i}", attend(i), is_break=True))
+            steps.append(Step(f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
+                              chain(post(i), pre(i + 1) if i + 1 < n else finish)))
+        for s in steps:
+            s.meta = {"aux_layer_ids": aux_ids}
+        return steps
+
     def forward(
         self,
         tokens: Optional[Tensor],  # [batch, seq] int64
@@ -348,31 +457,9 @@ class LlamaModel(nn.Module):
         input_embeds: Optional[Tensor] = None,  # [batch, seq, hidden], replaces embedding of tokens
         logits_index: Optional[Tensor] = None,  # [batch]: compute logits at this seq index only
     ) -> ForwardOutput:
-        if input_embeds is None:
-            input_embeds = self.model.embed_tokens(tokens)  # [b, t, hidden]
-        b, t, _ = input_embeds.shape
-        kv_len = cache.max_seq_len if kv_len is None else kv_len
-
-        a = AttnInputs.build(positions, valid, kv_len, self.rope_cos, self.rope_sin, cache.dummy_slot,
-                             input_embeds.dtype)
-
-        x = input_embeds
-        aux: list[Tensor] = []  # in layer order, whatever the order of the configured ids
-        for i, layer in enumerate(self.model.layers):
-            if i in self.aux_layer_ids:
-                aux.append(x)
-            x = layer(x, cache, a)
-        if self.args.num_layers in self.aux_layer_ids:
-            aux.append(x)
-        hidden = self.model.norm(x)  # [b, t, hidden]
-        if logits_index is not None:
-            rows = hidden[torch.arange(b, device=hidden.device), logits_index][:, None]  # [b, 1, hidden]
-            logits = self.lm_head(rows)
-        else:
-            logits = self.lm_head(hidden)
-        return ForwardOutput(
-            logits=logits,
-            hidden_states=hidden,
-            aux_hidden_states=torch.cat(aux, dim=-1) if aux else None,
-            input_embeds=input_embeds,
-        )
+        """Eager: the program's steps run in order."""
+        env = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": input_embeds,
+               "logits_index": logits_index, "kv_len": cache.max_seq_len if kv_len is None else kv_len}
+        run_steps(self.program(cache, embeds_input=input_embeds is not None,
+                               logits_at_index=logits_index is not None), env)
+        return ForwardOutput.from_env(env)

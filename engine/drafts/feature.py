@@ -18,25 +18,31 @@ import torch
 from torch import Tensor
 
 from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.model import run_steps
 from engine.sampling import SamplingParams, probs_from_logits
 
 
 class FeatureDraft(Draft):
-    def __init__(self, head, embed: torch.nn.Embedding, batch_size: int, params: SamplingParams,
-                 generator: Optional[torch.Generator], features: FeatureKind):
-        self.head, self.embed, self.params, self.generator = head, embed, params, generator
+    def __init__(self, head, batch_size: int, params: SamplingParams, generator: Optional[torch.Generator],
+                 features: FeatureKind):
+        self.head, self.params, self.generator = head, params, generator
         self.features = features
         self.cache = head.new_cache(batch_size)
         self.hidden: Optional[Tensor] = None  # [b, hidden]
         self.next: Optional[Tensor] = None  # [b] target ids
         self.next_probs: Optional[Tensor] = None  # [b, vocab] or None (greedy)
 
+    @property
+    def embed(self) -> torch.nn.Embedding:
+        return self.head.embed
+
     def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Optional[Tensor], kv_len: int,
                  embeds: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        b = tokens.shape[0]
-        embeds = self.embed(tokens) if embeds is None else embeds  # [b, t, hidden]
-        a = self.head.attn_inputs(positions, valid, kv_len, embeds.dtype)
-        return self.head(embeds, hidden, self.cache.rows(b), a)
+        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]"""
+        env = {"tokens": tokens, "hidden": hidden, "positions": positions, "valid": valid, "kv_len": kv_len,
+               "input_embeds": embeds}
+        run_steps(self.head.program(self.cache.rows(tokens.shape[0]), embeds_input=embeds is not None), env)
+        return env["out_hidden"], env["logits"]
 
     def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """logits [b, draft_vocab] -> target token ids [b], target-vocab probs [b, vocab] (sampling only)."""

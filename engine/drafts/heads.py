@@ -34,7 +34,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.errors import ConfigError
-from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, rope_tables
+from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, Step, rope_tables
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
@@ -56,6 +56,7 @@ class _Head(nn.Module):
         self.config = dict(cfg)
         self.args = ModelArgs.from_hf_config({**cfg, "num_hidden_layers": 1})
         self.max_seq_len = max_seq_len
+        self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         with torch.device("cpu"):
@@ -68,8 +69,35 @@ class _Head(nn.Module):
         p = next(self.parameters())
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, p.dtype)
 
-    def attn_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len: int, dtype) -> AttnInputs:
-        return AttnInputs.build(positions, valid, kv_len, self.rope_cos, self.rope_sin, self.max_seq_len, dtype)
+    def bind(self, target) -> "_Head":
+        """Share the target's token embedding (same storage; kept out of state_dict)."""
+        self.embed_ref = [target.model.embed_tokens]
+        return self
+
+    @property
+    def embed(self) -> nn.Embedding:
+        return self.embed_ref[0]
+
+    def program(self, cache: StaticKVCache, *, embeds_input: bool = False) -> list[Step]:
+        """One draft forward as steps (segment, attention break, segment) over an env dict.
+
+        env in:  tokens [b, t], hidden [b, t, F or hidden], positions [b, t], valid [b, t], kv_len,
+                 input_embeds [b, t, hidden] (embeds_input)
+        env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), logits [b, t, draft vocab]
+        """
+        def start(env):
+            e = env["input_embeds"] if embeds_input else self.embed(env["tokens"])  # [b, t, hidden]
+            env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
+                                           cache.dummy_slot, e.dtype)
+            self.pre(env, e, cache)
+
+        def attend(env):
+            env["mask"] = env["attn"].mask(env["kv_len"])
+            env["o"] = self.attention.attend(env["q"], cache, env["mask"])
+
+        meta = {"embed_ptr": self.embed.weight.data_ptr()}
+        return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
+                Step("draft_post", self.post, meta=meta)]
 
     # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.
     def to_target(self, draft_ids: Tensor) -> Tensor:
@@ -96,10 +124,6 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, embeds: Tensor, g: Tensor, cache, a: AttnInputs) -> Tensor:
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(g)], dim=-1)  # [b, t, 2h]
-        h = g + self.self_attn(x, cache, a)
-        return h + self.mlp(self.post_attention_layernorm(h))
 
 
 class Eagle3Head(_Head):
@@ -118,10 +142,22 @@ class Eagle3Head(_Head):
         self.register_buffer("t2d", torch.arange(a.vocab_size) < self.draft_vocab_size)
         self.init_buffers()
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
+    @property
+    def attention(self) -> Attention:
+        return self.midlayer.self_attn
+
+    def pre(self, env: dict, embeds: Tensor, cache) -> None:
+        hidden = env["hidden"]
         g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
-        h = self.midlayer(embeds, g, cache, a)
-        return h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft_vocab]
+        m = self.midlayer
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2 * hidden]
+        env["g"], env["q"] = g, m.self_attn.project(x, cache, env["attn"])
+
+    def post(self, env: dict) -> None:
+        m = self.midlayer
+        h = env["g"] + m.self_attn.o_proj(env["o"])
+        h = h + m.mlp(m.post_attention_layernorm(h))
+        env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -135,7 +171,7 @@ class Eagle3Head(_Head):
 class EagleHead(_Head):
     architecture = "LlamaForCausalLMEagle"
 
-    def __init__(self, cfg: dict[str, Any], max_seq_len: int, lm_head: Optional[nn.Linear] = None):
+    def __init__(self, cfg: dict[str, Any], max_seq_len: int):
         super().__init__(cfg, max_seq_len)
         a = self.args
         self.fc = nn.Linear(2 * a.hidden_size, a.hidden_size, bias=True)
@@ -144,15 +180,26 @@ class EagleHead(_Head):
         layer.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         layer.mlp = MLP(a)
         self.layers = nn.ModuleList([layer])
-        self.target_lm_head = [lm_head]  # the target's, shared: a list keeps it out of state_dict
+        self.target_lm_head: list[nn.Linear] = []  # the target's, shared by bind(); a list keeps it out of state_dict
         self.init_buffers()
 
-    def forward(self, embeds: Tensor, hidden: Tensor, cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
+    @property
+    def attention(self) -> Attention:
+        return self.layers[0].self_attn
+
+    def bind(self, target) -> "EagleHead":
+        self.target_lm_head = [target.lm_head]
+        return super().bind(target)
+
+    def pre(self, env: dict, embeds: Tensor, cache) -> None:
+        x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE
+        env["g"], env["q"] = x, self.attention.project(x, cache, env["attn"])
+
+    def post(self, env: dict) -> None:
         layer = self.layers[0]
-        x = self.fc(torch.cat([embeds, hidden], dim=-1))  # [b, t, hidden]
-        h = x + layer.self_attn(x, cache, a)  # EAGLE's first layer has no input norm
+        h = env["g"] + layer.self_attn.o_proj(env["o"])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return h, self.target_lm_head[0](h)
+        env["out_hidden"], env["logits"] = h, self.target_lm_head[0](h)
 
 
 # ------------------------------------------------------------------------------------- configs

@@ -149,11 +149,11 @@ def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, 
     if plan.algorithm == "eagle3":
         head = Eagle3Head(plan.head_config, target.max_seq_len)
     else:
-        head = EagleHead(plan.head_config, target.max_seq_len, lm_head=target.lm_head)
+        head = EagleHead(plan.head_config, target.max_seq_len)
     head = plan.checkpoint.load_into(head) if plan.checkpoint is not None else init_normal_(head, seed)
     head.to(device=device, dtype=dtype).eval().requires_grad_(False)
     head.init_buffers(device)
-    return head
+    return head.bind(target)
 
 
 def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: int, params, generator,
@@ -162,7 +162,7 @@ def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: 
     if plan is None:
         return None
     if plan.algorithm in ("eagle3", "eagle"):
-        return FeatureDraft(head, target.model.embed_tokens, batch_size, params, generator, plan.features)
+        return FeatureDraft(head, batch_size, params, generator, plan.features)
     if plan.algorithm == "ngram":
         return NgramDraft(cfg.ngram_max, cfg.ngram_min)
     if references is None:
