@@ -25,6 +25,8 @@ from torch import Tensor
 
 from engine.drafts.base import Draft, FeatureKind, SpecState
 from engine.errors import ConfigError
+from engine.graphs.graph_set import GraphSet
+from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel
 from engine.sampling import SamplingParams, sample
 from engine.verify import verify
@@ -83,12 +85,31 @@ def _sync(device: torch.device) -> None:
 class Generator:
     """Generation for batches of up to `batch_size` prompts, with an optional draft of k tokens."""
 
-    def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0):
+    def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0,
+                 graphs: Optional[GraphSet] = None):
         self.model, self.batch_size = model, batch_size
         self.draft, self.k = draft, (num_steps if draft is not None else 0)
-        self.cache = model.new_cache(batch_size)
         self.device = model.lm_head.weight.device
         self.stats = RoundStats()
+        self.round_runner = self.prefill_runner = None
+        if graphs is not None:  # the graphs replay over the set's cache: use it
+            if graphs.batch_size < batch_size:
+                raise ValueError(f"graphs hold {graphs.batch_size} rows, this generator {batch_size}")
+            self.cache = graphs.cache
+            self.round_runner = graphs.get("verify" if self.k > 0 else "decode")
+            self.prefill_runner = graphs.get("prefill")
+        else:
+            self.cache = model.new_cache(batch_size)
+        kind = draft.features if draft is not None else FeatureKind.none
+        self.mode = CaptureHiddenMode.FULL if kind != FeatureKind.none else CaptureHiddenMode.NULL
+
+    def _forward(self, runner, live: dict, kv_len: int, cache) -> ForwardOutput:
+        """Through the phase's graph runner when there is one (it falls back by itself), else eager."""
+        if runner is None:
+            return self.model(live["tokens"], live["positions"], cache, valid=live["valid"], kv_len=kv_len,
+                              input_embeds=live.get("input_embeds"), logits_index=live.get("logits_index"))
+        out, _ = runner(live, kv_len, self.mode)
+        return ForwardOutput(out["logits"], out.get("hidden"), out.get("aux"), out.get("embeds"))
 
     def _prefill(self, prompts, prompt_embeds, cache):
         b, dev = len(prompts), self.device
@@ -100,15 +121,17 @@ class Generator:
         tokens = tokens.to(dev)
         positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
         valid = positions < torch.tensor(lens, device=dev)[:, None]
+        given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)
         embeds = None
-        if prompt_embeds is not None and any(e is not None for e in prompt_embeds):
+        if given or self.prefill_runner is not None:  # the piecewise prefill graph takes embeddings
             embeds = self.model.model.embed_tokens(tokens)  # [b, width, hidden]
-            for i, e in enumerate(prompt_embeds):
+            for i, e in enumerate(prompt_embeds or []):
                 if e is not None:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)
-        out = self.model(tokens, positions, cache, valid=valid, kv_len=width, input_embeds=embeds,
-                         logits_index=torch.tensor(lens, device=dev) - 1)
-        return out, tokens, valid, embeds
+        live = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": embeds,
+                "logits_index": torch.tensor(lens, device=dev) - 1}
+        out = self._forward(self.prefill_runner, live, width, cache)
+        return out, tokens, valid, embeds if given else None
 
     @torch.inference_mode()
     def generate(
@@ -172,8 +195,10 @@ class Generator:
             t_verify = time.perf_counter()
             lengths = torch.tensor(state.lengths, device=dev)
             live = torch.tensor(state.live, device=dev)
-            out = self.model(torch.cat([last[:, None], draft_tokens], 1), lengths[:, None] + steps, cache,
-                             valid=live[:, None].expand(b, k + 1), kv_len=max(state.lengths) + k + 1)
+            out = self._forward(self.round_runner, {"tokens": torch.cat([last[:, None], draft_tokens], 1),
+                                                    "positions": lengths[:, None] + steps,
+                                                    "valid": live[:, None].expand(b, k + 1)},
+                                max(state.lengths) + k + 1, cache)
             accepted, bonus = verify(out.logits, draft_tokens, q, params, generator)  # [b], [b]
             emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
             emitted[torch.arange(b, device=dev), accepted] = bonus

@@ -53,7 +53,7 @@ def compare(experiment: str, tracking_uri: Optional[str] = None, last: int = 10,
     same = [k for k in keys if k not in differ]
     rows = [["status", *(r.info.status for r in runs)], ["run_id", *(r.info.run_id[:8] for r in runs)],
             ["git_sha", *(r.data.tags.get("git_sha", "-")[:10] for r in runs)],
-            ["device", *(r.data.tags.get("device", "-") for r in runs)]]
+            ["device_name", *(r.data.tags.get("device", "-") for r in runs)]]
     rows += [[k, *(_fmt(r.data.params.get(k)) for r in runs)] for k in differ]
     wanted = metrics or [m for m in KEY_METRICS if any(m in r.data.metrics for r in runs)]
     wanted += [m for m in sorted(set().union(*(r.data.metrics for r in runs)))

@@ -88,7 +88,24 @@ class DraftConfig:
 
 @dataclass
 class GraphConfig:
+    # none | full | piecewise | breakable | debug (engine/graphs/backends.py). `policy` sets both;
+    # target_policy / draft_policy override one side (e.g. target full, draft breakable).
     policy: str = "none"
+    target_policy: Optional[str] = None
+    draft_policy: Optional[str] = None
+    # Batch sizes to capture (decode, verify, draft step/extend); null: 1, 2, 4, ... up to max_batch_size.
+    capture_sizes: Optional[list[int]] = None
+    max_batch_size: Optional[int] = None  # null: eval.batch_size
+    # piecewise: prompt-length buckets for the target prefill (longer prompts prefill eagerly).
+    prefill_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+
+    @property
+    def target(self) -> str:
+        return self.target_policy or self.policy
+
+    @property
+    def draft(self) -> str:
+        return self.draft_policy or self.policy
 
 
 @dataclass

@@ -3,8 +3,8 @@
     build_plan(cfg) -> Plan           raises PlanError listing every problem (key, value, what is valid)
     plan.describe() -> str            what dry_run prints: stages, model, device, memory estimate
 
-Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> (`capture_graphs`,
-a later issue) -> `cfg.task`. Validation, in order: the registries named by the config (task, draft,
+Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> `capture_graphs`
+(when a graph policy is not `none`) -> `cfg.task`. Validation, in order: the registries named by the config (task, draft,
 graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
 downgrade), the target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint
 config, fc width against the aux layers, aux ids in range), then each stage's own `check`, then the
@@ -21,13 +21,13 @@ import torch
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
 from engine.errors import ConfigError
+from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir
 from stages.base import STAGES, Stage, StageEnv, final_stages
+from stages.capture_graphs import uses_graphs
 
-# What this build implements; a later issue turns this into the registry of graph backends.
-GRAPH_POLICIES = ("none",)
 DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
 
@@ -56,7 +56,8 @@ def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
 
 def resolve_stage_names(cfg: RunConfig, draft: DraftPlan | None) -> list[str]:
     aux = ["configure_aux_capture"] if draft is not None and draft.aux is not None else []
-    return ["load", *aux, cfg.task]
+    graphs = ["capture_graphs"] if uses_graphs(cfg) else []
+    return ["load", *aux, *graphs, cfg.task]
 
 
 @dataclass
@@ -82,7 +83,8 @@ class Plan:
         lines = [
             f"experiment: {self.cfg.experiment_name}",
             f"device: {env.device} ({str(env.dtype).removeprefix('torch.')}), seed {self.cfg.seed}",
-            f"draft: {self.cfg.draft.algorithm}   graph policy: {self.cfg.graph.policy}",
+            f"draft: {self.cfg.draft.algorithm}   graph policy: target {self.cfg.graph.target}, "
+            f"draft {self.cfg.graph.draft}",
             "stages:",
         ]
         for i, s in enumerate(self.stages, 1):
@@ -103,8 +105,10 @@ def _check_registries(cfg: RunConfig) -> list[ConfigError]:
         errors.append(ConfigError("task", cfg.task, "not a stage that can end a plan", final_stages()))
     if cfg.draft.algorithm not in ALGORITHMS:
         errors.append(ConfigError("draft.algorithm", cfg.draft.algorithm, "unknown draft algorithm", ALGORITHMS))
-    if cfg.graph.policy not in GRAPH_POLICIES:
-        errors.append(ConfigError("graph.policy", cfg.graph.policy, "not implemented", GRAPH_POLICIES))
+    for key, policy in (("graph.policy", cfg.graph.policy), ("graph.target_policy", cfg.graph.target_policy),
+                        ("graph.draft_policy", cfg.graph.draft_policy)):
+        if policy is not None and policy not in POLICIES:
+            errors.append(ConfigError(key, policy, "unknown graph policy", POLICIES))
     return errors
 
 

@@ -47,6 +47,7 @@ class StageEnv:
 class Stage:
     name: ClassVar[str]
     requires: ClassVar[tuple[str, ...]] = ()
+    optional: ClassVar[tuple[str, ...]] = ()  # read when an earlier stage provided them (e.g. graphs)
     provides: ClassVar[tuple[str, ...]] = ()
     final: ClassVar[bool] = False
     runs_target: ClassVar[bool] = False  # runs target forwards: aux capture must be configured first

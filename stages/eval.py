@@ -150,6 +150,7 @@ def draft_metrics(records: list[EvalRecord], gen: Generator, k: int) -> dict[str
 class EvalStage(Stage):
     name = "eval"
     requires = ("target", "draft_head")
+    optional = ("graphs",)
     provides = ("eval_results",)
     final = True
     runs_target = True
@@ -201,8 +202,9 @@ class EvalStage(Stage):
 
         metrics: dict[str, float] = {}
         baseline: Optional[list[EvalRecord]] = None
+        graphs = inputs.get("graphs")
         if baseline_on(cfg):
-            base_gen = Generator(target.model, e.batch_size)
+            base_gen = Generator(target.model, e.batch_size, graphs=graphs)
             self._warmup(base_gen, data, target, rng, e)
             baseline, wall = generate_all(base_gen, data, params, target, rng, e.batch_size, "baseline")
             metrics["baseline_tokens_per_s"] = throughput_metrics(baseline, wall)["tokens_per_s"]
@@ -211,13 +213,14 @@ class EvalStage(Stage):
         plan, k = env.draft_plan, cfg.draft.num_steps
         draft = make_draft(plan, inputs["draft_head"], target.model, e.batch_size, params, rng,
                            references=[r.result.tokens for r in baseline] if baseline else None,
-                           prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft)
-        gen = Generator(target.model, e.batch_size, draft, k)
+                           prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft, graphs=graphs)
+        gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
         if plan is None or not plan.algorithm == "oracle":
             self._warmup(gen, data, target, rng, e)
         gen.stats.__init__()
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
+        counts0 = graphs.metrics() if graphs is not None else {}
         records, wall = generate_all(gen, data, params, target, rng, e.batch_size,
                                      "eval" if plan is None else f"eval[{plan.algorithm}]")
 
@@ -225,6 +228,9 @@ class EvalStage(Stage):
         metrics["peak_mem_mb"] = _peak_mem_mb(env.device)
         if plan is not None:
             metrics.update(draft_metrics(records, gen, k))
+        if graphs is not None:  # replays and fallbacks of the measured (non-baseline) pass
+            metrics.update({key: v - counts0[key] for key, v in graphs.metrics().items()
+                            if key.startswith(("graph_replays", "graph_fallbacks"))})
         if baseline is not None:
             metrics["speedup"] = metrics["tokens_per_s"] / metrics["baseline_tokens_per_s"]
             if params.greedy:

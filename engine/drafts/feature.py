@@ -18,16 +18,22 @@ import torch
 from torch import Tensor
 
 from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.graphs.runner import CaptureHiddenMode
 from engine.model import run_steps
 from engine.sampling import SamplingParams, probs_from_logits
 
 
 class FeatureDraft(Draft):
     def __init__(self, head, batch_size: int, params: SamplingParams, generator: Optional[torch.Generator],
-                 features: FeatureKind):
+                 features: FeatureKind, graphs=None):
         self.head, self.params, self.generator = head, params, generator
         self.features = features
-        self.cache = head.new_cache(batch_size)
+        self.step_runner = self.extend_runner = None
+        if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
+            self.cache = graphs.draft_cache
+            self.step_runner, self.extend_runner = graphs.get("draft_step"), graphs.get("draft_extend")
+        else:
+            self.cache = head.new_cache(batch_size)
         self.hidden: Optional[Tensor] = None  # [b, hidden]
         self.next: Optional[Tensor] = None  # [b] target ids
         self.next_probs: Optional[Tensor] = None  # [b, vocab] or None (greedy)
@@ -37,10 +43,15 @@ class FeatureDraft(Draft):
         return self.head.embed
 
     def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Optional[Tensor], kv_len: int,
-                 embeds: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]"""
+                 embeds: Optional[Tensor] = None, runner=None) -> tuple[Tensor, Tensor]:
+        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]; through `runner` when given."""
         env = {"tokens": tokens, "hidden": hidden, "positions": positions, "valid": valid, "kv_len": kv_len,
                "input_embeds": embeds}
+        if runner is not None and embeds is None:
+            b, t = tokens.shape
+            env["valid"] = valid.expand(b, t) if valid is not None else torch.ones_like(tokens, dtype=torch.bool)
+            out, _ = runner(env, kv_len, CaptureHiddenMode.FULL if t > 1 else CaptureHiddenMode.LAST)
+            return out["out_hidden"], out["logits"]
         run_steps(self.head.program(self.cache.rows(tokens.shape[0]), embeds_input=embeds is not None), env)
         return env["out_hidden"], env["logits"]
 
@@ -79,7 +90,7 @@ class FeatureDraft(Draft):
         h, tok = self.hidden, self.next
         for i in range(1, k):
             h_all, logits = self._forward(tok[:, None], h[:, None], (lengths + i - 1)[:, None], live,
-                                          max(state.lengths) + i)
+                                          max(state.lengths) + i, runner=self.step_runner)
             h = h_all[:, 0]
             tok, p = self._pick(logits[:, 0])
             tokens.append(tok)
@@ -92,5 +103,6 @@ class FeatureDraft(Draft):
         steps = torch.arange(width, device=dev)
         valid = (steps[None] <= accepted[:, None]) & torch.tensor(state.live, device=dev)[:, None]
         positions = torch.tensor(state.lengths, device=dev)[:, None] + steps[None]  # L..L+k
-        h, logits = self._forward(emitted, feats, positions, valid, max(state.lengths) + width)
+        h, logits = self._forward(emitted, feats, positions, valid, max(state.lengths) + width,
+                                  runner=self.extend_runner)
         self._take(h, logits, accepted)

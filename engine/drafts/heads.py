@@ -146,6 +146,11 @@ class Eagle3Head(_Head):
     def attention(self) -> Attention:
         return self.midlayer.self_attn
 
+    @property
+    def feature_width(self) -> int:
+        """Width of the target features the draft extend takes: n_aux x target hidden."""
+        return self.fc.in_features
+
     def pre(self, env: dict, embeds: Tensor, cache) -> None:
         hidden = env["hidden"]
         g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
@@ -186,6 +191,10 @@ class EagleHead(_Head):
     @property
     def attention(self) -> Attention:
         return self.layers[0].self_attn
+
+    @property
+    def feature_width(self) -> int:
+        return self.args.hidden_size  # the target's final hidden state
 
     def bind(self, target) -> "EagleHead":
         self.target_lm_head = [target.lm_head]

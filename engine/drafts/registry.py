@@ -158,11 +158,11 @@ def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, 
 
 def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: int, params, generator,
                references: Optional[list[list[int]]] = None, prompt_lens: Optional[list[int]] = None,
-               cfg=None) -> Optional[Draft]:
+               cfg=None, graphs=None) -> Optional[Draft]:
     if plan is None:
         return None
     if plan.algorithm in ("eagle3", "eagle"):
-        return FeatureDraft(head, batch_size, params, generator, plan.features)
+        return FeatureDraft(head, batch_size, params, generator, plan.features, graphs)
     if plan.algorithm == "ngram":
         return NgramDraft(cfg.ngram_max, cfg.ngram_min)
     if references is None:

@@ -1,0 +1,110 @@
+"""Graph backends: how a program (segments and attention breaks, see engine.model.Step) is captured
+and replayed. A backend knows nothing of buckets, padding or slicing: that is the runner's job.
+
+    none       not a backend: the runner is not built, every call is eager
+    debug      replays eagerly over the runner's static buffers: the CPU stand-in that exercises the
+               runner's padding, slicing and can-run logic, and tells a capture bug from a runner bug
+    full       the whole program in one CUDA graph, attention included (over a static kv_len)
+    breakable  each run of segments between breaks is one CUDA graph; breaks (attention) run eagerly
+               between replays, over the live kv_len; all segments of all buckets share one pool
+    piecewise  the same mechanics per token-count bucket; serves prefill and extend
+
+A break writes its outputs into the tensors it produced at capture time (`copy_`), so the captured
+segment after it reads them at fixed addresses; outputs whose shape depends on kv_len (the mask)
+are read by breaks only and are rebound instead.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+
+from engine.model import Step, run_steps
+
+NEEDS_CUDA = {"full", "breakable", "piecewise"}
+DYNAMIC_KV = {"debug", "breakable", "piecewise"}  # attention sees the live kv_len at replay
+
+
+class Captured:
+    """A program bound to one bucket's env; `replay(env)` runs it and leaves the outputs in env."""
+
+    def replay(self, env: dict) -> None:
+        raise NotImplementedError
+
+
+class EagerReplay(Captured):
+    def __init__(self, steps: list[Step]):
+        self.steps = steps
+
+    def replay(self, env: dict) -> None:
+        run_steps(self.steps, env)
+
+
+def _warmup(steps: list[Step], env: dict, device: torch.device) -> None:
+    """Run once on a side stream before capture (allocator, cuBLAS handles), as capture requires."""
+    s = torch.cuda.Stream(device)
+    s.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(s):
+        run_steps(steps, env)
+    torch.cuda.current_stream(device).wait_stream(s)
+
+
+class FullGraph(Captured):
+    def __init__(self, steps: list[Step], env: dict, pool, device: torch.device):
+        _warmup(steps, env, device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            run_steps(steps, env)
+
+    def replay(self, env: dict) -> None:
+        self.graph.replay()
+
+
+class SegmentedGraph(Captured):
+    """Captured segments with eager breaks between them, replayed in order."""
+
+    def __init__(self, steps: list[Step], env: dict, pool, device: torch.device):
+        _warmup(steps, env, device)
+        self.parts: list[tuple[str, object]] = []  # ("graph", CUDAGraph) | ("break", (Step, {key: tensor}))
+        run: list[Step] = []
+        for step in steps + [None]:
+            if step is None or step.is_break:
+                if run:
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g, pool=pool):
+                        run_steps(run, env)
+                    self.parts.append(("graph", g))
+                    run = []
+                if step is not None:
+                    before = dict(env)
+                    step.fn(env)
+                    written = {k: v for k, v in env.items() if before.get(k) is not v and torch.is_tensor(v)}
+                    self.parts.append(("break", (step, written)))
+            else:
+                run.append(step)
+
+    def replay(self, env: dict) -> None:
+        for kind, part in self.parts:
+            if kind == "graph":
+                part.replay()
+                continue
+            step, static = part
+            step.fn(env)
+            for k, t in static.items():
+                if env[k] is not t and env[k].shape == t.shape:
+                    t.copy_(env[k])  # the next segment reads the capture-time tensor
+                    env[k] = t
+
+
+def _debug(steps, env, pool, device) -> Captured:
+    return EagerReplay(steps)
+
+
+BACKENDS: dict[str, Callable[[list[Step], dict, Optional[object], torch.device], Captured]] = {
+    "debug": _debug,
+    "full": FullGraph,
+    "breakable": SegmentedGraph,
+    "piecewise": SegmentedGraph,
+}
+POLICIES = ("none", *BACKENDS)

@@ -1,0 +1,93 @@
+"""Stage `capture_graphs`: build and capture the run's graphs per the `graph` config group.
+
+Runs after `load` (the draft head already shares the target's embedding) and after
+`configure_aux_capture` (the target's verify/prefill graphs include the aux outputs): the plan
+enforces the order, and every graph records the aux ids and embedding storage it was captured with,
+so a replay against a model that changed since raises instead of returning wrong tensors.
+
+Provides `graphs` (engine.graphs.graph_set.GraphSet: the runners, the caches they replay over, one
+memory pool). Logs `capture_s`, `graph_mem_mb` (totals and `.<phase>`).
+"""
+
+from __future__ import annotations
+
+from engine.errors import ConfigError
+from engine.graphs.backends import NEEDS_CUDA, POLICIES
+from engine.graphs.graph_set import GraphSet
+from engine.graphs.runner import default_sizes
+from stages.base import Stage, StageEnv, register_stage
+
+
+def capture_sizes(cfg) -> list[int]:
+    g = cfg.graph
+    return sorted(set(g.capture_sizes)) if g.capture_sizes else default_sizes(max_batch(cfg))
+
+
+def max_batch(cfg) -> int:
+    return cfg.graph.max_batch_size or cfg.eval.batch_size
+
+
+def uses_graphs(cfg) -> bool:
+    return cfg.graph.target != "none" or (cfg.draft.algorithm != "none" and cfg.graph.draft != "none")
+
+
+@register_stage
+class CaptureGraphsStage(Stage):
+    name = "capture_graphs"
+    requires = ("target", "draft_head")
+    provides = ("graphs",)
+    runs_target = True
+
+    def check(self, cfg, env: StageEnv) -> None:
+        g = cfg.graph
+        for key, policy in (("graph.policy", g.policy), ("graph.target_policy", g.target),
+                            ("graph.draft_policy", g.draft)):
+            if policy not in POLICIES:
+                raise ConfigError(key, policy, "unknown graph policy", POLICIES)
+        if env.device.type != "cuda":
+            for key, policy in (("graph.target_policy", g.target), ("graph.draft_policy", g.draft)):
+                if policy in NEEDS_CUDA:
+                    raise ConfigError(key, policy, f"captures CUDA graphs but the run's device is {env.device}",
+                                      "graph=none (eager) or graph=debug (the runner logic, eagerly)")
+        sizes = capture_sizes(cfg)
+        if min(sizes) < 1:
+            raise ConfigError("graph.capture_sizes", list(g.capture_sizes), "batch sizes must be >= 1", ">= 1")
+        if max(sizes) > max_batch(cfg):
+            raise ConfigError("graph.capture_sizes", sizes, f"larger than the cache's {max_batch(cfg)} rows",
+                              f"sizes <= graph.max_batch_size (or eval.batch_size) = {max_batch(cfg)}")
+        if max_batch(cfg) < cfg.eval.batch_size:
+            raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below eval.batch_size={cfg.eval.batch_size}",
+                              f">= {cfg.eval.batch_size}, or null")
+        if cfg.eval.batch_size > max(sizes):
+            k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+            env.notes.append(
+                f"batches of {max(sizes) + 1}..{cfg.eval.batch_size} rows ({(max(sizes) + 1) * (k + 1)}+ verify "
+                f"tokens) exceed the largest capture size {max(sizes)}: they run eagerly (counted as fallbacks)")
+
+    def describe(self, cfg, env: StageEnv) -> str:
+        k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+        sizes = capture_sizes(cfg)
+        line = (f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
+                f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), largest first, one memory pool")
+        if cfg.graph.target == "piecewise":
+            line += f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens"
+        return line
+
+    def run(self, cfg, inputs, env: StageEnv) -> dict:
+        plan, head = env.draft_plan, inputs["draft_head"]
+        if head is not None and head.embed is not inputs["target"].model.model.embed_tokens:
+            raise RuntimeError("the draft head does not share the target's embedding: capturing its graphs now "
+                               "would bake in memory that is not the target's")
+        k = cfg.draft.num_steps if plan is not None else 0
+        graphs = GraphSet(
+            inputs["target"].model, head, max_batch(cfg), k, cfg.graph.target,
+            cfg.graph.draft if plan is not None else "none", capture_sizes(cfg),
+            [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
+            features=plan is not None and plan.features.value != "none",
+        ).capture()
+        m = graphs.metrics()
+        if env.tracker is not None:
+            env.tracker.log_metrics({k: v for k, v in m.items() if k.startswith(("capture_s", "graph_mem_mb"))})
+        print(f"[capture_graphs] {len(graphs.runners)} phases, {sum(len(r.buckets) for r in graphs.runners.values())} "
+              f"graphs in {m['capture_s']:.2f}s, {m['graph_mem_mb']:.1f} MB", flush=True)
+        return {"graphs": graphs}
