@@ -62,11 +62,18 @@ class FullGraph(Captured):
 
 
 class SegmentedGraph(Captured):
-    """Captured segments with eager breaks between them, replayed in order."""
+    """Captured segments with eager breaks between them, replayed in order.
+
+    A break must read exactly the tensors it read at capture time (the captured segment before it
+    refreshes them in place), not whatever a later segment bound to the same env key: each break
+    keeps a snapshot of the env it saw. What a break writes is copied into the tensors it produced
+    at capture time (the captured segment after it reads those addresses); a write whose shape
+    changed with the live kv_len (the mask) is read by later breaks only, and is passed on to them.
+    """
 
     def __init__(self, steps: list[Step], env: dict, pool, device: torch.device):
         _warmup(steps, env, device)
-        self.parts: list[tuple[str, object]] = []  # ("graph", CUDAGraph) | ("break", (Step, {key: tensor}))
+        self.parts: list[tuple[str, object]] = []  # ("graph", CUDAGraph) | ("break", (Step, seen, written))
         run: list[Step] = []
         for step in steps + [None]:
             if step is None or step.is_break:
@@ -77,24 +84,27 @@ class SegmentedGraph(Captured):
                     self.parts.append(("graph", g))
                     run = []
                 if step is not None:
-                    before = dict(env)
+                    seen = dict(env)
                     step.fn(env)
-                    written = {k: v for k, v in env.items() if before.get(k) is not v and torch.is_tensor(v)}
-                    self.parts.append(("break", (step, written)))
+                    written = {k: v for k, v in env.items() if seen.get(k) is not v and torch.is_tensor(v)}
+                    self.parts.append(("break", (step, seen, written)))
             else:
                 run.append(step)
 
     def replay(self, env: dict) -> None:
+        fresh: dict = {}  # this replay's break outputs that could not go into a static tensor
         for kind, part in self.parts:
             if kind == "graph":
                 part.replay()
                 continue
-            step, static = part
-            step.fn(env)
+            step, seen, static = part
+            local = {**seen, **fresh, "kv_len": env["kv_len"]}
+            step.fn(local)
             for k, t in static.items():
-                if env[k] is not t and env[k].shape == t.shape:
-                    t.copy_(env[k])  # the next segment reads the capture-time tensor
-                    env[k] = t
+                if local[k].shape == t.shape:
+                    t.copy_(local[k])  # the next segment reads the capture-time tensor
+                else:
+                    fresh[k] = local[k]
 
 
 def _debug(steps, env, pool, device) -> Captured:
