@@ -247,4 +247,19 @@ def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype)
     loaded = _source(cfg).load(cfg, weights_dir)
     loaded.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     loaded.model.init_buffers(device)  # rope tables stay float32
+    loaded.model.attention_kernel = use_attention_kernel(cfg.attention, device)
     return loaded
+
+
+ATTENTION = ("auto", "sdpa", "triton")
+
+
+def use_attention_kernel(choice: str, device: torch.device) -> bool:
+    from kernels.decode_attention import triton
+
+    if choice not in ATTENTION:
+        raise ConfigError("model.attention", choice, "unknown attention implementation", ATTENTION)
+    if choice == "triton" and (triton is None or device.type != "cuda"):
+        raise ConfigError("model.attention", choice, f"needs triton and a CUDA device (run device: {device})",
+                          "sdpa, or auto")
+    return choice == "triton" or (choice == "auto" and device.type == "cuda" and triton is not None)

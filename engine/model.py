@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kernels.decode_attention import decode_attention
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -264,17 +266,18 @@ class Attention(nn.Module):
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
         return q
 
-    def attend(self, q: Tensor, cache: StaticKVCache, mask: Tensor) -> Tensor:
-        """q [b, heads, t, d] over cache[:kv_len] (kv_len = mask's last dim) -> [b, t, heads * d]."""
+    def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs) -> Tensor:
+        """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the
+        mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos)."""
         b, _, t, _ = q.shape
-        kv_len = mask.shape[-1]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-                                             enable_gqa=self.n_kv != self.n_heads)  # [b, heads, t, d]
+        if mask is None:
+            out = decode_attention(q, k_cache, v_cache, a.qpos)
+        else:
+            kv_len = mask.shape[-1]
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
+                                                 enable_gqa=self.n_kv != self.n_heads)  # [b, heads, t, d]
         return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
-
-    def forward(self, x: Tensor, cache: StaticKVCache, a: AttnInputs, mask: Tensor) -> Tensor:
-        return self.o_proj(self.attend(self.project(x, cache, a), cache, mask))
 
 
 class MLP(nn.Module):
@@ -361,6 +364,7 @@ class LlamaModel(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.init_buffers()
         self.aux_layer_ids: tuple[int, ...] = ()
+        self.attention_kernel = False  # True: Triton decode attention (live prefix only), else SDPA
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast)."""
@@ -413,11 +417,13 @@ class LlamaModel(nn.Module):
                 env["q"] = layers[i].pre(env["x"], cache, env["attn"])
             return fn
 
+        kernel = self.attention_kernel
+
         def attend(i):
             def fn(env):
                 if i == 0:
-                    env["mask"] = env["attn"].mask(env["kv_len"])
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"])
+                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"])
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
             return fn
 
         def post(i):

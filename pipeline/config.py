@@ -64,6 +64,9 @@ class ModelConfig:
     path: Optional[str] = None
     # Static KV cache slots per sequence: prompt + new tokens must fit.
     max_seq_len: int = 2048
+    # Attention: sdpa (torch SDPA over cache[:kv_len] with a mask), triton (kernels/decode_attention:
+    # reads each row's live prefix, also inside a CUDA graph), auto (triton on CUDA, sdpa on CPU).
+    attention: str = "auto"
     random: RandomArchConfig = field(default_factory=RandomArchConfig)
 
 

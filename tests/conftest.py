@@ -7,6 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from hydra import compose, initialize
 from omegaconf import DictConfig
 

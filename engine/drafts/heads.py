@@ -57,6 +57,7 @@ class _Head(nn.Module):
         self.args = ModelArgs.from_hf_config({**cfg, "num_hidden_layers": 1})
         self.max_seq_len = max_seq_len
         self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
+        self.attention_kernel = False  # follows the target's choice in bind()
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         with torch.device("cpu"):
@@ -72,6 +73,7 @@ class _Head(nn.Module):
     def bind(self, target) -> "_Head":
         """Share the target's token embedding (same storage; kept out of state_dict)."""
         self.embed_ref = [target.model.embed_tokens]
+        self.attention_kernel = target.attention_kernel
         return self
 
     @property
@@ -92,8 +94,8 @@ class _Head(nn.Module):
             self.pre(env, e, cache)
 
         def attend(env):
-            env["mask"] = env["attn"].mask(env["kv_len"])
-            env["o"] = self.attention.attend(env["q"], cache, env["mask"])
+            env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
+            env["o"] = self.attention.attend(env["q"], cache, env["mask"], env["attn"])
 
         meta = {"embed_ptr": self.embed.weight.data_ptr()}
         return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
