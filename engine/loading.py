@@ -247,19 +247,29 @@ def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype)
     loaded = _source(cfg).load(cfg, weights_dir)
     loaded.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     loaded.model.init_buffers(device)  # rope tables stay float32
-    loaded.model.attention_kernel = use_attention_kernel(cfg.attention, device)
+    loaded.model.attention_kernel, fused = resolve_kernels(cfg, device)
+    if fused:
+        loaded.model.use_fused_kernels()
     return loaded
 
 
 ATTENTION = ("auto", "sdpa", "triton")
 
 
-def use_attention_kernel(choice: str, device: torch.device) -> bool:
+def resolve_kernels(cfg, device: torch.device) -> tuple[bool, bool]:
+    """(Triton attention, fused kernels) for model.attention / model.fused on this device. The
+    kernels need CUDA, or TRITON_INTERPRET=1 (the interpreter, for tests)."""
+    import os
+
     from kernels.decode_attention import triton
 
-    if choice not in ATTENTION:
-        raise ConfigError("model.attention", choice, "unknown attention implementation", ATTENTION)
-    if choice == "triton" and (triton is None or device.type != "cuda"):
-        raise ConfigError("model.attention", choice, f"needs triton and a CUDA device (run device: {device})",
-                          "sdpa, or auto")
-    return choice == "triton" or (choice == "auto" and device.type == "cuda" and triton is not None)
+    if cfg.attention not in ATTENTION:
+        raise ConfigError("model.attention", cfg.attention, "unknown attention implementation", ATTENTION)
+    runnable = triton is not None and (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1")
+    where = f"needs triton and a CUDA device (run device: {device})"
+    if cfg.attention == "triton" and not runnable:
+        raise ConfigError("model.attention", cfg.attention, where, "sdpa, or auto")
+    if cfg.fused and not runnable:
+        raise ConfigError("model.fused", cfg.fused, where, "false, or null")
+    attention = cfg.attention == "triton" or (cfg.attention == "auto" and runnable and device.type == "cuda")
+    return attention, attention if cfg.fused is None else bool(cfg.fused)

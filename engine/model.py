@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.decode_attention import decode_attention
+from kernels.fused import add_rmsnorm, rope_cache_write, silu_mul
 
 
 @dataclass(frozen=True)
@@ -307,6 +308,41 @@ class DecoderLayer(nn.Module):
         x = x + self.self_attn.o_proj(o)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    # -- fused path (kernels/fused.py): residual adds ride in the next RMSNorm ----------------------
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up weights become views of one tensor each: one matmul instead of 3 and 2."""
+        att, mlp = self.self_attn, self.mlp
+        for owner, names, fused in ((att, ("q_proj", "k_proj", "v_proj"), "qkv"), (mlp, ("gate_proj", "up_proj"), "gate_up")):
+            mods = [getattr(owner, n) for n in names]
+            w = torch.cat([m.weight for m in mods]).contiguous()
+            bias = torch.cat([m.bias for m in mods]).contiguous() if mods[0].bias is not None else None
+            offset = 0
+            for m in mods:
+                rows = m.weight.shape[0]
+                m.weight = nn.Parameter(w[offset: offset + rows], requires_grad=False)
+                if bias is not None:
+                    m.bias = nn.Parameter(bias[offset: offset + rows], requires_grad=False)
+                offset += rows
+            setattr(self, f"{fused}_weight", w)
+            setattr(self, f"{fused}_bias", bias)
+
+    def pre_fused(self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs,
+                  cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (residual stream entering this layer, q [b, heads, t, d]); k/v written to the cache."""
+        att = self.self_attn
+        h, n = add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
+        qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
+        q = rope_cache_write(qkv, cos, sin, a.slots, cache.k[att.layer_idx], cache.v[att.layer_idx],
+                             att.n_heads, att.n_kv)
+        return h, q
+
+    def post_fused(self, h: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
+        """-> (stream after attention, MLP output: the delta the next norm adds)."""
+        h, n = add_rmsnorm(h, self.self_attn.o_proj(o), self.post_attention_layernorm.weight,
+                           self.post_attention_layernorm.variance_epsilon)
+        act = silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias))
+        return h, self.mlp.down_proj(act)
+
 
 class _Backbone(nn.Module):
     """`model.*` in HF naming: embeddings, layers, final norm."""
@@ -365,6 +401,7 @@ class LlamaModel(nn.Module):
         self.init_buffers()
         self.aux_layer_ids: tuple[int, ...] = ()
         self.attention_kernel = False  # True: Triton decode attention (live prefix only), else SDPA
+        self.fused = False  # True: fused norm / RoPE + cache write / SwiGLU kernels (use_fused_kernels)
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast)."""
@@ -402,6 +439,8 @@ class LlamaModel(nn.Module):
         built with, in `Step.meta`.
         """
         layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
+        if self.fused:
+            return self._fused_program(cache, embeds_input, logits_at_index)
 
         def start(env):
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
@@ -451,6 +490,68 @@ class LlamaModel(nn.Module):
         for s in steps:
             s.meta = {"aux_layer_ids": aux_ids}
         return steps
+
+    def _fused_program(self, cache: StaticKVCache, embeds_input: bool, logits_at_index: bool) -> list[Step]:
+        """The same forward with the fused kernels: env keeps the residual stream `x` and the pending
+        `delta` that the next RMSNorm adds. Same env contract as `program`."""
+        layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
+
+        def start(env):
+            x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
+            env["embeds"] = env["x"] = x
+            env["delta"] = None
+            a = env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
+                                               cache.dummy_slot, x.dtype)
+            env["cos"], env["sin"] = self.rope_cos[a.qpos], self.rope_sin[a.qpos]  # [b, t, d] fp32
+            env["aux_list"] = []
+
+        def pre(i):
+            def fn(env):
+                env["x"], env["q"] = layers[i].pre_fused(env["x"], env["delta"], cache, env["attn"], env["cos"],
+                                                         env["sin"])
+                if i in aux_ids:
+                    env["aux_list"].append(env["x"])
+            return fn
+
+        def attend(i):
+            def fn(env):
+                if i == 0:
+                    env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
+            return fn
+
+        def post(i):
+            def fn(env):
+                env["x"], env["delta"] = layers[i].post_fused(env["x"], env["o"])
+            return fn
+
+        def finish(env):
+            norm = self.model.norm
+            x, hidden = add_rmsnorm(env["x"], env["delta"], norm.weight, norm.variance_epsilon)
+            if n in aux_ids:
+                env["aux_list"].append(x)
+            env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
+            env["hidden"] = hidden
+            if logits_at_index:
+                rows = torch.arange(hidden.shape[0], device=hidden.device)
+                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])
+            else:
+                env["logits"] = self.lm_head(hidden)
+
+        steps = [Step("embed+pre0", chain(start, pre(0)))]
+        for i in range(n):
+            steps.append(Step(f"attn{i}", attend(i), is_break=True))
+            steps.append(Step(f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
+                              chain(post(i), pre(i + 1) if i + 1 < n else finish)))
+        for s in steps:
+            s.meta = {"aux_layer_ids": aux_ids}
+        return steps
+
+    def use_fused_kernels(self) -> None:
+        """Switch to the fused Triton path (kernels/fused.py); projections are fused in place."""
+        for layer in self.model.layers:
+            layer.fuse_projections()
+        self.fused = True
 
     def forward(
         self,

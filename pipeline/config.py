@@ -67,6 +67,9 @@ class ModelConfig:
     # Attention: sdpa (torch SDPA over cache[:kv_len] with a mask), triton (kernels/decode_attention:
     # reads each row's live prefix, also inside a CUDA graph), auto (triton on CUDA, sdpa on CPU).
     attention: str = "auto"
+    # Fused Triton kernels for RMSNorm (+ residual add), RoPE + KV-cache write and SwiGLU, with fused
+    # q/k/v and gate/up projections. null: on exactly when the attention kernel is.
+    fused: Optional[bool] = None
     random: RandomArchConfig = field(default_factory=RandomArchConfig)
 
 

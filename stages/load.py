@@ -12,7 +12,7 @@ import time
 
 from engine.drafts.registry import load_head
 from engine.errors import ConfigError
-from engine.loading import load_model, use_attention_kernel
+from engine.loading import load_model, resolve_kernels
 from stages.base import Stage, StageEnv, register_stage
 
 
@@ -24,7 +24,7 @@ class LoadStage(Stage):
     def check(self, cfg, env: StageEnv) -> None:
         if cfg.model.max_seq_len < 2:
             raise ConfigError("model.max_seq_len", cfg.model.max_seq_len, "too small", ">= 2")
-        use_attention_kernel(cfg.model.attention, env.device)
+        resolve_kernels(cfg.model, env.device)
 
     def describe(self, cfg, env: StageEnv) -> str:
         a = env.target_args

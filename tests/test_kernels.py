@@ -69,12 +69,85 @@ def test_model_with_the_kernel_equals_sdpa(device):
         target.attention_kernel = False
 
 
-def test_triton_attention_needs_cuda(outputs):
+def test_triton_kernels_need_cuda(outputs, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("checks the error on a host without CUDA")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from conftest import compose_cfg
     from pipeline.config import to_run_config
     from pipeline.plan import PlanError, build_plan
 
     with pytest.raises(PlanError, match=r"model.attention='triton'.*sdpa, or auto"):
         build_plan(to_run_config(compose_cfg("model=tiny", "model.attention=triton", "device=cpu")), outputs)
+    with pytest.raises(PlanError, match=r"model.fused=True.*needs triton and a CUDA device"):
+        build_plan(to_run_config(compose_cfg("model=tiny", "model.fused=true", "device=cpu")), outputs)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_delta", [True, False])
+def test_add_rmsnorm_matches_reference(device, with_delta):
+    from kernels import fused
+
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(5, 3, 96, generator=g).to(device)
+    delta = torch.randn(5, 3, 96, generator=g).to(device) if with_delta else None
+    w = torch.rand(96, generator=g).to(device) + 0.5
+    h, y = fused.add_rmsnorm(x, delta, w, 1e-5)
+    rh, ry = fused.add_rmsnorm_reference(x, delta, w, 1e-5)
+    assert torch.allclose(h, rh, atol=1e-6) and torch.allclose(y, ry, atol=1e-5)
+    from engine.model import RMSNorm  # the model's module is the reference's definition too
+    norm = RMSNorm(96, 1e-5).to(device)
+    norm.weight.data.copy_(w)
+    assert torch.allclose(norm(rh), ry, atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_rope_cache_write_matches_reference(device):
+    from kernels import fused
+
+    g = torch.Generator().manual_seed(3)
+    b, t, heads, kv, d, slots = 2, 3, 4, 2, 16, 40
+    qkv = torch.randn(b, t, (heads + 2 * kv) * d, generator=g).to(device)
+    ang = torch.rand(b, t, d // 2, generator=g).to(device) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    slot = torch.tensor([[5, 6, 40], [0, 1, 2]], device=device)  # 40: the dummy slot
+    caches = [torch.zeros(b, kv, slots + 1, d, device=device) for _ in range(4)]
+    q = fused.rope_cache_write(qkv, cos, sin, slot, caches[0], caches[1], heads, kv)
+    rq = fused.rope_cache_write_reference(qkv, cos, sin, slot, caches[2], caches[3], heads, kv)
+    assert torch.allclose(q, rq, atol=1e-5)
+    assert torch.allclose(caches[0], caches[2], atol=1e-5) and torch.allclose(caches[1], caches[3], atol=1e-6)
+    assert caches[0].abs().sum() > 0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_silu_mul_matches_reference(device):
+    from kernels import fused
+
+    gu = torch.randn(4, 2, 2 * 1536, generator=torch.Generator().manual_seed(4)).to(device)
+    assert torch.allclose(fused.silu_mul(gu), fused.silu_mul_reference(gu), atol=1e-6)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_fused_model_equals_unfused(device):
+    """The whole target through the fused kernels (norm, RoPE + cache write, SwiGLU, fused
+    projections) and the attention kernel: same logits, aux states and greedy output."""
+    from test_model import _prompts, pair
+    from engine.generate import Generator
+    from engine.sampling import SamplingParams
+
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    target.set_aux_layers([1, 3])
+    ids = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(5)).to(device)
+    pos = torch.arange(9, device=device).expand(2, 9)
+    ref = target(ids, pos, target.new_cache(2), kv_len=9)
+    prompts = _prompts(3, seed=32)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    ref_tokens = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
+    target.attention_kernel = True
+    target.use_fused_kernels()
+    got = target(ids, pos, target.new_cache(2), kv_len=9)
+    assert torch.allclose(got.logits, ref.logits, atol=1e-4)
+    assert torch.allclose(got.aux_hidden_states, ref.aux_hidden_states, atol=1e-4)
+    assert [r.tokens for r in Generator(target, 3).generate(prompts, params)] == ref_tokens

@@ -1,0 +1,160 @@
+"""Fused elementwise kernels for the decode path: fewer, larger kernels between the matrix products.
+
+    add_rmsnorm(x, delta, weight, eps) -> (h, y)      h = x + delta (the residual stream, fp32 sum
+                                                       rounded to x's dtype); y = weight * rmsnorm(h)
+        x, delta [rows, hidden]; delta may be None (then h = x)
+    rope_cache_write(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads) -> q
+        qkv [b, t, (heads + 2 * kv_heads) * d], one fused projection; cos/sin [b, t, d] (fp32);
+        RoPE on q and k (half-rotation layout), k and v written at cache[b, :, slots[b, t]];
+        returns q [b, heads, t, d]
+    silu_mul(gu) -> silu(gu[..., :I]) * gu[..., I:]      gu [rows, 2 * I]
+
+Each replaces 6-14 small PyTorch kernels per call; math in fp32, results rounded to the input dtype
+(as transformers rounds RMSNorm's normalised value before the weight). The `*_reference` functions
+are the plain-torch definitions they are tested against (TRITON_INTERPRET=1 on CPU, and on the GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from kernels.decode_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+
+# ------------------------------------------------------------------------------------- references
+def add_rmsnorm_reference(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    h = x if delta is None else (x.float() + delta.float()).to(x.dtype)
+    hf = h.float()
+    n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return h, weight * n
+
+
+def _rotate_half(x: Tensor) -> Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def rope_cache_write_reference(qkv, cos, sin, slots, k_cache, v_cache, heads: int, kv_heads: int) -> Tensor:
+    b, t, _ = qkv.shape
+    d = k_cache.shape[-1]
+    q, k, v = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
+    q = q.view(b, t, heads, d).transpose(1, 2)  # [b, heads, t, d]
+    k = k.view(b, t, kv_heads, d).transpose(1, 2)
+    v = v.view(b, t, kv_heads, d).transpose(1, 2)
+    c, s = cos[:, None].float(), sin[:, None].float()
+    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    idx = slots[:, None, :, None].expand(b, kv_heads, t, d)
+    k_cache.scatter_(2, idx, k.to(k_cache.dtype))
+    v_cache.scatter_(2, idx, v.to(v_cache.dtype))
+    return q.to(qkv.dtype)
+
+
+def silu_mul_reference(gu: Tensor) -> Tensor:
+    g, u = gu.float().chunk(2, dim=-1)
+    return (torch.nn.functional.silu(g) * u).to(gu.dtype)
+
+
+# ------------------------------------------------------------------------------------- kernels
+if triton is not None:
+
+    @triton.jit
+    def _add_rmsnorm_kernel(X, D, W, H, Y, eps, n_cols, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        m = cols < n_cols
+        x = tl.load(X + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            x = x + tl.load(D + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+            x = x.to(H.dtype.element_ty)
+            tl.store(H + row * n_cols + cols, x, mask=m)
+            x = x.to(tl.float32)
+        rstd = 1.0 / tl.sqrt(tl.sum(x * x, 0) / n_cols + eps)
+        n = (x * rstd).to(Y.dtype.element_ty).to(tl.float32)
+        w = tl.load(W + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(Y + row * n_cols + cols, (w * n).to(Y.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _rope_cache_kernel(QKV, COS, SIN, SLOTS, KC, VC, QO,
+                           s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, s_sl_b, s_kc_b, s_kc_h, s_kc_s,
+                           s_qo_b, s_qo_h, s_qo_t,
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr):
+        b, t, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # h over heads + kv_heads
+        half = tl.arange(0, D // 2)
+        cs = COS + b * s_cs_b + t * s_cs_t
+        sn = SIN + b * s_cs_b + t * s_cs_t
+        c1, c2 = tl.load(cs + half), tl.load(cs + D // 2 + half)
+        s1, s2 = tl.load(sn + half), tl.load(sn + D // 2 + half)
+        row = QKV + b * s_qkv_b + t * s_qkv_t + h * D  # q heads, then k heads (v follows k)
+        x1 = tl.load(row + half).to(tl.float32)
+        x2 = tl.load(row + D // 2 + half).to(tl.float32)
+        o1 = x1 * c1 - x2 * s1
+        o2 = x2 * c2 + x1 * s2
+        if h < HEADS:
+            out = QO + b * s_qo_b + h * s_qo_h + t * s_qo_t
+            tl.store(out + half, o1.to(QO.dtype.element_ty))
+            tl.store(out + D // 2 + half, o2.to(QO.dtype.element_ty))
+        else:
+            kvh = h - HEADS
+            slot = tl.load(SLOTS + b * s_sl_b + t)
+            kdst = KC + b * s_kc_b + kvh * s_kc_h + slot * s_kc_s
+            tl.store(kdst + half, o1.to(KC.dtype.element_ty))
+            tl.store(kdst + D // 2 + half, o2.to(KC.dtype.element_ty))
+            vrow = row + KV_HEADS * D  # v of this kv head
+            vdst = VC + b * s_kc_b + kvh * s_kc_h + slot * s_kc_s
+            tl.store(vdst + half, tl.load(vrow + half).to(VC.dtype.element_ty))
+            tl.store(vdst + D // 2 + half, tl.load(vrow + D // 2 + half).to(VC.dtype.element_ty))
+
+    @triton.jit
+    def _silu_mul_kernel(GU, OUT, n_cols, BLOCK: tl.constexpr):
+        row, blk = tl.program_id(0), tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        m = cols < n_cols
+        g = tl.load(GU + row * 2 * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(GU + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(OUT + row * n_cols + cols, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
+
+
+def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    if triton is None:
+        return add_rmsnorm_reference(x, delta, weight, eps)
+    shape, n = x.shape, x.shape[-1]
+    x2 = x.reshape(-1, n).contiguous()
+    d2 = delta.reshape(-1, n).contiguous() if delta is not None else x2
+    h = torch.empty_like(x2) if delta is not None else x2
+    y = torch.empty_like(x2)
+    _add_rmsnorm_kernel[(x2.shape[0],)](x2, d2, weight, h, y, eps, n, HAS_DELTA=delta is not None,
+                                        BLOCK=triton.next_power_of_2(n))
+    return h.view(shape), y.view(shape)
+
+
+def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
+                     heads: int, kv_heads: int) -> Tensor:
+    if triton is None:
+        return rope_cache_write_reference(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
+    b, t, _ = qkv.shape
+    d = k_cache.shape[-1]
+    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    q = torch.empty(b, heads, t, d, dtype=qkv.dtype, device=qkv.device)
+    _rope_cache_kernel[(b, t, heads + kv_heads)](
+        qkv, cos, sin, slots, k_cache, v_cache, q,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), slots.stride(0),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
+        HEADS=heads, KV_HEADS=kv_heads, D=d,
+    )
+    return q
+
+
+def silu_mul(gu: Tensor) -> Tensor:
+    if triton is None:
+        return silu_mul_reference(gu)
+    shape, n = gu.shape, gu.shape[-1] // 2
+    g2 = gu.reshape(-1, 2 * n).contiguous()
+    out = torch.empty(g2.shape[0], n, dtype=gu.dtype, device=gu.device)
+    block = 1024
+    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, out, n, BLOCK=block)
+    return out.view(*shape[:-1], n)
