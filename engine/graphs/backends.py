@@ -16,6 +16,7 @@ are read by breaks only and are rebound instead.
 
 from __future__ import annotations
 
+import gc
 from typing import Callable, Optional
 
 import torch
@@ -41,21 +42,33 @@ class EagerReplay(Captured):
         run_steps(self.steps, env)
 
 
-def _warmup(steps: list[Step], env: dict, device: torch.device) -> None:
-    """Run once on a side stream before capture (allocator, cuBLAS handles), as capture requires."""
-    s = torch.cuda.Stream(device)
-    s.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(s):
-        run_steps(steps, env)
-    torch.cuda.current_stream(device).wait_stream(s)
+class _CaptureStream:
+    """Warm-up and capture on one side stream: cuBLAS sets up its workspace for a stream on first use,
+    which must not happen inside a capture, so the stream that captures is the one that warmed up."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.stream = device, torch.cuda.Stream(device)
+
+    def __enter__(self) -> torch.cuda.Stream:
+        gc.collect()  # no finalizer may free device memory while a capture is open
+        torch.cuda.synchronize(self.device)
+        self.stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._ctx = torch.cuda.stream(self.stream)
+        self._ctx.__enter__()
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        self._ctx.__exit__(*exc)
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
 class FullGraph(Captured):
     def __init__(self, steps: list[Step], env: dict, pool, device: torch.device):
-        _warmup(steps, env, device)
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
-            run_steps(steps, env)
+        with _CaptureStream(device) as stream:
+            run_steps(steps, env)  # warm-up
+            with torch.cuda.graph(self.graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                run_steps(steps, env)
 
     def replay(self, env: dict) -> None:
         self.graph.replay()
@@ -72,24 +85,25 @@ class SegmentedGraph(Captured):
     """
 
     def __init__(self, steps: list[Step], env: dict, pool, device: torch.device):
-        _warmup(steps, env, device)
         self.parts: list[tuple[str, object]] = []  # ("graph", CUDAGraph) | ("break", (Step, seen, written))
-        run: list[Step] = []
-        for step in steps + [None]:
-            if step is None or step.is_break:
-                if run:
-                    g = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(g, pool=pool):
-                        run_steps(run, env)
-                    self.parts.append(("graph", g))
-                    run = []
-                if step is not None:
-                    seen = dict(env)
-                    step.fn(env)
-                    written = {k: v for k, v in env.items() if seen.get(k) is not v and torch.is_tensor(v)}
-                    self.parts.append(("break", (step, seen, written)))
-            else:
-                run.append(step)
+        with _CaptureStream(device) as stream:
+            run_steps(steps, env)  # warm-up
+            run: list[Step] = []
+            for step in steps + [None]:
+                if step is None or step.is_break:
+                    if run:
+                        g = torch.cuda.CUDAGraph()
+                        with torch.cuda.graph(g, pool=pool, stream=stream, capture_error_mode="thread_local"):
+                            run_steps(run, env)
+                        self.parts.append(("graph", g))
+                        run = []
+                    if step is not None:
+                        seen = dict(env)
+                        step.fn(env)
+                        written = {k: v for k, v in env.items() if seen.get(k) is not v and torch.is_tensor(v)}
+                        self.parts.append(("break", (step, seen, written)))
+                else:
+                    run.append(step)
 
     def replay(self, env: dict) -> None:
         fresh: dict = {}  # this replay's break outputs that could not go into a static tensor
