@@ -217,6 +217,8 @@ class AttnInputs:
     slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
     qpos: Tensor  # [b, t] position each query attends up to (padding -> 0)
     max_kv: int  # the cache's slots (the dummy slot excluded)
+    cos32: Tensor  # [b, t, head_dim] float32 (the fused RoPE kernel's input)
+    sin32: Tensor
 
     @classmethod
     def build(cls, positions: Tensor, valid: Optional[Tensor], rope_cos: Tensor, rope_sin: Tensor,
@@ -226,8 +228,8 @@ class AttnInputs:
             positions = positions.masked_fill(~valid, 0)
         else:
             slots = positions
-        return cls(rope_cos[positions].to(dtype)[:, None], rope_sin[positions].to(dtype)[:, None], slots,
-                   positions, dummy_slot)
+        cos32, sin32 = rope_cos[positions], rope_sin[positions]
+        return cls(cos32.to(dtype)[:, None], sin32.to(dtype)[:, None], slots, positions, dummy_slot, cos32, sin32)
 
     def mask(self, kv_len: int) -> Tensor:
         """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
@@ -301,14 +303,29 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
-    def pre(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
-        return self.self_attn.project(self.input_layernorm(x), cache, a)  # q
+    # The residual stream is carried as (x, delta): the add of a sublayer's output happens in the next
+    # norm, which lets the fused path do add + RMSNorm in one kernel; the plain path adds first.
+    def pre(self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs,
+            fused: bool) -> tuple[Tensor, Tensor]:
+        """-> (the residual stream entering this layer, q [b, heads, t, d]); writes k/v to the cache."""
+        att, norm = self.self_attn, self.input_layernorm
+        if not fused:
+            h = x if delta is None else x + delta
+            return h, att.project(norm(h), cache, a)
+        h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
+        qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
+        return h, rope_cache_write(qkv, a.cos32, a.sin32, a.slots, cache.k[att.layer_idx], cache.v[att.layer_idx],
+                                   att.n_heads, att.n_kv)
 
-    def post(self, x: Tensor, o: Tensor) -> Tensor:
-        x = x + self.self_attn.o_proj(o)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def post(self, h: Tensor, o: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
+        """-> (the stream after attention, the MLP output: the delta the next norm adds)."""
+        norm = self.post_attention_layernorm
+        if not fused:
+            h = h + self.self_attn.o_proj(o)
+            return h, self.mlp(norm(h))
+        h, n = add_rmsnorm(h, self.self_attn.o_proj(o), norm.weight, norm.variance_epsilon)
+        return h, self.mlp.down_proj(silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias)))
 
-    # -- fused path (kernels/fused.py): residual adds ride in the next RMSNorm ----------------------
     def fuse_projections(self) -> None:
         """q/k/v and gate/up weights become views of one tensor each: one matmul instead of 3 and 2."""
         att, mlp = self.self_attn, self.mlp
@@ -325,23 +342,6 @@ class DecoderLayer(nn.Module):
                 offset += rows
             setattr(self, f"{fused}_weight", w)
             setattr(self, f"{fused}_bias", bias)
-
-    def pre_fused(self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs,
-                  cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
-        """-> (residual stream entering this layer, q [b, heads, t, d]); k/v written to the cache."""
-        att = self.self_attn
-        h, n = add_rmsnorm(x, delta, self.input_layernorm.weight, self.input_layernorm.variance_epsilon)
-        qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
-        q = rope_cache_write(qkv, cos, sin, a.slots, cache.k[att.layer_idx], cache.v[att.layer_idx],
-                             att.n_heads, att.n_kv)
-        return h, q
-
-    def post_fused(self, h: Tensor, o: Tensor) -> tuple[Tensor, Tensor]:
-        """-> (stream after attention, MLP output: the delta the next norm adds)."""
-        h, n = add_rmsnorm(h, self.self_attn.o_proj(o), self.post_attention_layernorm.weight,
-                           self.post_attention_layernorm.variance_epsilon)
-        act = silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias))
-        return h, self.mlp.down_proj(act)
 
 
 class _Backbone(nn.Module):
@@ -439,24 +439,22 @@ class LlamaModel(nn.Module):
         built with, in `Step.meta`.
         """
         layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
-        if self.fused:
-            return self._fused_program(cache, embeds_input, logits_at_index)
+        fused, kernel = self.fused, self.attention_kernel
 
         def start(env):
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
             env["embeds"] = env["x"] = x
+            env["delta"] = None  # residual stream = x + delta
             env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
                                            cache.dummy_slot, x.dtype)
             env["aux_list"] = []
 
         def pre(i):
             def fn(env):
-                if i in aux_ids:
+                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
+                if i in aux_ids:  # the stream entering layer i
                     env["aux_list"].append(env["x"])
-                env["q"] = layers[i].pre(env["x"], cache, env["attn"])
             return fn
-
-        kernel = self.attention_kernel
 
         def attend(i):
             def fn(env):
@@ -467,74 +465,23 @@ class LlamaModel(nn.Module):
 
         def post(i):
             def fn(env):
-                env["x"] = layers[i].post(env["x"], env["o"])
-            return fn
-
-        def finish(env):
-            x = env["x"]
-            if n in aux_ids:
-                env["aux_list"].append(x)
-            env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
-            hidden = env["hidden"] = self.model.norm(x)  # [b, t, hidden]
-            if logits_at_index:
-                rows = torch.arange(hidden.shape[0], device=hidden.device)
-                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])  # [b, 1, vocab]
-            else:
-                env["logits"] = self.lm_head(hidden)
-
-        steps = [Step("embed+pre0", chain(start, pre(0)))]
-        for i in range(n):
-            steps.append(Step(f"attn{i}", attend(i), is_break=True))
-            steps.append(Step(f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
-                              chain(post(i), pre(i + 1) if i + 1 < n else finish)))
-        for s in steps:
-            s.meta = {"aux_layer_ids": aux_ids}
-        return steps
-
-    def _fused_program(self, cache: StaticKVCache, embeds_input: bool, logits_at_index: bool) -> list[Step]:
-        """The same forward with the fused kernels: env keeps the residual stream `x` and the pending
-        `delta` that the next RMSNorm adds. Same env contract as `program`."""
-        layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
-
-        def start(env):
-            x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
-            env["embeds"] = env["x"] = x
-            env["delta"] = None
-            a = env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                               cache.dummy_slot, x.dtype)
-            env["cos"], env["sin"] = self.rope_cos[a.qpos], self.rope_sin[a.qpos]  # [b, t, d] fp32
-            env["aux_list"] = []
-
-        def pre(i):
-            def fn(env):
-                env["x"], env["q"] = layers[i].pre_fused(env["x"], env["delta"], cache, env["attn"], env["cos"],
-                                                         env["sin"])
-                if i in aux_ids:
-                    env["aux_list"].append(env["x"])
-            return fn
-
-        def attend(i):
-            def fn(env):
-                if i == 0:
-                    env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
-            return fn
-
-        def post(i):
-            def fn(env):
-                env["x"], env["delta"] = layers[i].post_fused(env["x"], env["o"])
+                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
             return fn
 
         def finish(env):
             norm = self.model.norm
-            x, hidden = add_rmsnorm(env["x"], env["delta"], norm.weight, norm.variance_epsilon)
+            if fused:
+                x, hidden = add_rmsnorm(env["x"], env["delta"], norm.weight, norm.variance_epsilon)
+            else:
+                x = env["x"] + env["delta"]
+                hidden = norm(x)
             if n in aux_ids:
                 env["aux_list"].append(x)
             env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
-            env["hidden"] = hidden
+            env["hidden"] = hidden  # [b, t, hidden]
             if logits_at_index:
                 rows = torch.arange(hidden.shape[0], device=hidden.device)
-                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])
+                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])  # [b, 1, vocab]
             else:
                 env["logits"] = self.lm_head(hidden)
 
