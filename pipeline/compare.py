@@ -44,6 +44,7 @@ def compare(experiment: str, tracking_uri: Optional[str] = None, last: int = 10,
     status = "" if include_failed else "attributes.status = 'FINISHED'"
     runs = client.search_runs([exp.experiment_id], filter_string=status, order_by=["attributes.start_time DESC"],
                               max_results=last)
+    runs = [r for r in runs if "sweep.overrides" not in r.data.tags]  # sweep parents hold no results
     if not runs:
         return f"experiment {experiment!r}: no {'' if include_failed else 'finished '}runs"
 

@@ -22,6 +22,7 @@ import torch
 
 from pipeline.config import RunConfig, flatten, to_yaml
 from pipeline.paths import REPO
+from pipeline.sweep import PARENT_ENV
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
@@ -44,7 +45,7 @@ def git_sha() -> str:
 
 
 def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
+    if device is not None and device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"cpu ({platform.processor() or platform.machine()})"
 
@@ -61,7 +62,7 @@ class Tracker:
         self.artifact_root = Path(t.artifact_root or outputs / "mlartifacts")
         self.run_id: Optional[str] = None
 
-    def _experiment_id(self, name: str) -> str:
+    def experiment_id(self, name: str) -> str:
         exp = self.client.get_experiment_by_name(name)
         if exp is not None:
             return exp.experiment_id
@@ -72,7 +73,7 @@ class Tracker:
         from mlflow.entities import RunTag
 
         cfg = self.cfg
-        run = self.client.create_run(self._experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
+        run = self.client.create_run(self.experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
         self.run_id = run.info.run_id
         try:
             params = flatten(cfg)
@@ -80,6 +81,8 @@ class Tracker:
             for i in range(0, len(keys), 100):
                 self.log_params({k: params[k] for k in keys[i: i + 100]})
             tags = {"git_sha": git_sha(), "device": device_name(self.device), "torch_version": torch.__version__}
+            if os.environ.get(PARENT_ENV):  # a job of a Hydra sweep: nest under the sweep's run
+                tags["mlflow.parentRunId"] = os.environ[PARENT_ENV]
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
             self.log_text(to_yaml(cfg), "config.yaml")
         except BaseException:
@@ -91,6 +94,8 @@ class Tracker:
     def __exit__(self, exc_type, exc, tb) -> None:
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status="FAILED" if exc_type else "FINISHED")
+        if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run failed too
+            self.client.set_terminated(os.environ[PARENT_ENV], status="FAILED")
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -115,3 +115,19 @@ def test_cli_compare(outputs):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stderr
     assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout
+
+
+def test_sweep_nests_jobs_under_a_parent_run(outputs, tmp_path):
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    p = subprocess.run([sys.executable, "-m", "pipeline", "-m", "model=tiny", "eval.limit=1", "eval.max_new_tokens=2",
+                        "eval.batch_size=1,2", "device=cpu", "experiment_name=sweep", f"hydra.sweep.dir={tmp_path}/mr"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    runs = runs_of(outputs, "sweep")
+    parents = [r for r in runs if "sweep.overrides" in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2 and len(runs) == 3
+    assert "eval.batch_size=1,2" in parents[0].data.tags["sweep.overrides"]
+    assert parents[0].info.status == "FINISHED" and all(c.info.status == "FINISHED" for c in children)
+    assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
+    assert sorted(c.data.params["eval.batch_size"] for c in children) == ["1", "2"]
