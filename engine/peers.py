@@ -95,7 +95,6 @@ def hf_generate(loaded: LoadedModel, prompts: list[list[int]], params: SamplingP
         outputs += run(prompts[i: i + batch_size])
         _sync(device)
         wall += time.perf_counter() - t0
-    del model
     return PeerResult(outputs, wall)
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import spread_init, tiny_hf_config  # noqa: F401
 from test_model import _prompts, pair
 from engine.drafts.base import Proposal
 from engine.drafts.feature import FeatureDraft
