@@ -44,13 +44,17 @@ class EagerReplay(Captured):
 
 class _CaptureStream:
     """Warm-up and capture on one side stream: cuBLAS sets up its workspace for a stream on first use,
-    which must not happen inside a capture, so the stream that captures is the one that warmed up."""
+    which must not happen inside a capture, so the stream that captures is the one that warmed up.
+    Python's GC is off meanwhile: a collection during a capture can run the finalizer of an old graph
+    or tensor on this thread (a free or graph destroy), which invalidates the capture."""
 
     def __init__(self, device: torch.device):
         self.device, self.stream = device, torch.cuda.Stream(device)
 
     def __enter__(self) -> torch.cuda.Stream:
-        gc.collect()  # no finalizer may free device memory while a capture is open
+        gc.collect()
+        self._gc_was_on = gc.isenabled()
+        gc.disable()
         torch.cuda.synchronize(self.device)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         self._ctx = torch.cuda.stream(self.stream)
@@ -60,6 +64,8 @@ class _CaptureStream:
     def __exit__(self, *exc) -> None:
         self._ctx.__exit__(*exc)
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
+        if self._gc_was_on:
+            gc.enable()
 
 
 class FullGraph(Captured):
