@@ -19,6 +19,11 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]: ...
 
+    def user_turn(self) -> tuple[list[int], frozenset[int]]:
+        """(ids of the chat template up to where a user message starts, ids that end a user turn):
+        what a target is prompted with to write a user message itself (Magpie)."""
+        ...
+
 
 def _messages(user: str, system: Optional[str]) -> list[dict]:
     return ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": user}]
@@ -48,6 +53,13 @@ class HFTokenizer:
         text = self.tok.apply_chat_template(_messages(user, system), add_generation_prompt=True, tokenize=False)
         return self.tok.encode(text, add_special_tokens=False)
 
+    def user_turn(self) -> tuple[list[int], frozenset[int]]:
+        sentinel = "\x00"
+        text = self.tok.apply_chat_template(_messages(sentinel, None), add_generation_prompt=True, tokenize=False)
+        prefix, suffix = text.split(sentinel, 1)
+        end = self.tok.encode(suffix, add_special_tokens=False)[:1]  # e.g. <|im_end|>
+        return self.tok.encode(prefix, add_special_tokens=False), frozenset(end) | self.eos_token_ids
+
 
 class ByteTokenizer:
     BOS, EOS, PAD = 256, 257, 258
@@ -65,3 +77,6 @@ class ByteTokenizer:
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
         text = "".join(f"<{m['role']}>{m['content']}\n" for m in _messages(user, system)) + "<assistant>"
         return self.encode(text)
+
+    def user_turn(self) -> tuple[list[int], frozenset[int]]:
+        return self.encode("<user>"), frozenset({ord("\n"), self.EOS})

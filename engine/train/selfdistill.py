@@ -1,0 +1,61 @@
+"""Self-distilled training data: the target writes the prompts and the answers (Magpie-style).
+
+    1. prompt the target with its chat template cut where a user message begins, and sample until the
+       user turn ends: a user message in the target's own distribution, no evaluation set involved;
+    2. apply the chat template to that message and let the target answer (greedy by default, as the
+       draft will be asked to predict the target's greedy continuation);
+    3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
+       target distributions are recomputed from these ids during training, so the data stays small.
+
+Everything runs batched through `engine.generate.Generator`, on whatever device the target is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.generate import Generator
+from engine.loading import LoadedModel
+from engine.sampling import SamplingParams
+
+
+@dataclass(frozen=True)
+class Sample:
+    user: str  # the synthesised user message
+    prompt_ids: list[int]  # chat template applied to it
+    answer_ids: list[int]  # the target's answer (the stop token included when it ended the answer)
+
+    @property
+    def ids(self) -> list[int]:
+        return self.prompt_ids + self.answer_ids
+
+
+def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
+               max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
+               seed: int = 0, min_prompt_chars: int = 8) -> list[Sample]:
+    """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries)."""
+    tok, model = target.tokenizer, target.model
+    prefix, end_ids = tok.user_turn()
+    gen = Generator(model, batch_size)
+    rng = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    ask = SamplingParams(temperature=prompt_temperature, top_p=0.95, max_new_tokens=max_prompt_tokens)
+    answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
+    samples: list[Sample] = []
+    bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True)
+    for _ in range(4 * (n // batch_size + 1)):  # bounded: short messages are dropped
+        if len(samples) >= n:
+            break
+        users = [tok.decode([t for t in r.tokens if t not in end_ids]).strip()
+                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng)]
+        users = [u for u in users if len(u) >= min_prompt_chars][: n - len(samples)]
+        if not users:
+            continue
+        prompts = [tok.encode_chat(u) for u in users]
+        for u, p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng)):
+            samples.append(Sample(u, p, r.tokens))
+        bar.update(len(users))
+    bar.close()
+    return samples
