@@ -77,7 +77,8 @@ def _features(out: ForwardOutput, kind: FeatureKind) -> Optional[Tensor]:
     return out.hidden_states if kind == FeatureKind.final else None
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the device (timings); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -100,8 +101,8 @@ class Generator:
             self.prefill_runner = graphs.get("prefill")
         else:
             self.cache = model.new_cache(batch_size)
-        kind = draft.features if draft is not None else FeatureKind.none
-        self.mode = CaptureHiddenMode.FULL if kind != FeatureKind.none else CaptureHiddenMode.NULL
+        self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
+        self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
 
     def _forward(self, runner, live: dict, kv_len: int, cache) -> ForwardOutput:
         """Through the phase's graph runner when there is one (it falls back by itself), else eager."""
@@ -152,7 +153,7 @@ class Generator:
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
         cache = self.cache.rows(b)
         stop = frozenset() if params.ignore_eos else stop_ids
-        kind = draft.features if draft is not None else FeatureKind.none
+        kind = self.kind
         state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
                           row_ids if row_ids is not None else list(range(b)), dev)
 
@@ -189,7 +190,7 @@ class Generator:
             if draft is not None:
                 proposal = draft.propose(state, k)
                 draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
-                _sync(dev)
+                sync(dev)
             else:
                 draft_tokens, q = last.new_empty(b, 0), None
             t_verify = time.perf_counter()
@@ -212,7 +213,7 @@ class Generator:
             if draft is not None and k > 0:
                 t_commit = time.perf_counter()
                 draft.commit(state, _features(out, kind), emitted, accepted)
-                _sync(dev)
+                sync(dev)
                 stats.draft_s += time.perf_counter() - t_commit
             emit([em[: a + 1] for em, a in zip(em_host, acc_host)], now)
             for i in range(b):

@@ -15,6 +15,7 @@ from typing import Callable
 
 import torch
 
+from engine.generate import sync
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
 
@@ -54,11 +55,6 @@ def _cut(tokens: list[int], stop: frozenset[int]) -> list[int]:
     return tokens
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 @torch.inference_mode()
 def hf_generate(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, batch_size: int,
                 stop_ids: frozenset[int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> PeerResult:
@@ -90,10 +86,10 @@ def hf_generate(loaded: LoadedModel, prompts: list[list[int]], params: SamplingP
     run(prompts[:batch_size], max_new=8)  # warm-up
     outputs, wall = [], 0.0
     for i in range(0, len(prompts), batch_size):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         outputs += run(prompts[i: i + batch_size])
-        _sync(device)
+        sync(device)
         wall += time.perf_counter() - t0
     return PeerResult(outputs, wall)
 

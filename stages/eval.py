@@ -215,7 +215,7 @@ class EvalStage(Stage):
                            references=[r.result.tokens for r in baseline] if baseline else None,
                            prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft, graphs=graphs)
         gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
-        if plan is None or not plan.algorithm == "oracle":
+        if plan is None or plan.algorithm != "oracle":
             self._warmup(gen, data, target, rng, e)
         gen.stats.__init__()
         if env.device.type == "cuda":

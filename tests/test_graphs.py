@@ -54,10 +54,11 @@ def eager_forward(target, live, kv_len):
     return target(live["tokens"], live["positions"], target.new_cache(b), valid=live["valid"], kv_len=kv_len)
 
 
-def live_batch(b, t=4, start=0, seed=0):
+def live_batch(b, t=4, start=0, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    return {"tokens": torch.randint(0, 256, (b, t), generator=g), "positions": torch.arange(start, start + t).expand(b, t),
-            "valid": torch.ones(b, t, dtype=torch.bool)}
+    live = {"tokens": torch.randint(0, 256, (b, t), generator=g),
+            "positions": torch.arange(start, start + t).expand(b, t), "valid": torch.ones(b, t, dtype=torch.bool)}
+    return {k: v.to(device) for k, v in live.items()}
 
 
 # ------------------------------------------------------------------------------------------ hazards
@@ -88,7 +89,7 @@ def test_hazard_2_reading_buffers_when_graph_did_not_run(policy):
         for v in env.values():
             if torch.is_tensor(v) and v.is_floating_point():
                 v.fill_(float("nan"))
-    live = {k: v.to(device) for k, v in live_batch(4, 1, start=3).items()}  # 4 rows > largest size 2
+    live = live_batch(4, 1, start=3, device=device)  # 4 rows > largest size 2
     out, ran = runner(live, 8, M.NULL)
     assert not ran and runner.stats.fallbacks == 1
     ref = eager_forward(target, live, 8).logits
@@ -103,7 +104,7 @@ def test_hazard_3_padded_rows_do_not_leak(policy):
     runner.buffers["tokens"].fill_(255)  # garbage in the padding rows' inputs
     runner.buffers["positions"].fill_(7)
     gs.cache.k[:, 3].fill_(123.0)  # row 3 is padding in a batch of 3: it must stay untouched
-    live = {k: v.to(device) for k, v in live_batch(3, 1, start=0).items()}
+    live = live_batch(3, 1, start=0, device=device)
     out, ran = runner(live, 1, M.NULL)
     assert ran and out["logits"].shape[0] == 3  # sliced to the live rows
     ref = eager_forward(target, live, 1).logits
@@ -116,9 +117,9 @@ def test_hazard_4_stale_static_buffers(policy):
     device = "cuda" if policy != "debug" else "cpu"
     target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(4,), batch=4)
     runner = gs.get("decode")
-    a = {k: v.to(device) for k, v in live_batch(4, 1, seed=1).items()}
+    a = live_batch(4, 1, seed=1, device=device)
     runner(a, 1, M.NULL)
-    b = {k: v.to(device) for k, v in live_batch(2, 1, seed=2).items()}  # smaller: rows 2, 3 hold A's inputs
+    b = live_batch(2, 1, seed=2, device=device)  # smaller: rows 2, 3 hold A's inputs
     out, ran = runner(b, 1, M.NULL)
     assert ran and torch.allclose(out["logits"], eager_forward(target, b, 1).logits, atol=1e-4)
 
@@ -128,10 +129,10 @@ def test_hazard_5_outputs_not_overwritten_by_next_replay(policy):
     device = "cuda" if policy != "debug" else "cpu"
     target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(2,), batch=2)
     runner = gs.get("decode")
-    step_n = {k: v.to(device) for k, v in live_batch(2, 1, seed=3).items()}
+    step_n = live_batch(2, 1, seed=3, device=device)
     out_n, _ = runner(step_n, 1, M.NULL)
     kept = out_n["logits"]
-    runner({k: v.to(device) for k, v in live_batch(2, 1, seed=4).items()}, 1, M.NULL)  # step N + 1
+    runner(live_batch(2, 1, seed=4, device=device), 1, M.NULL)  # step N + 1
     assert torch.allclose(kept, eager_forward(target, step_n, 1).logits, atol=1e-4)
 
 
@@ -175,7 +176,7 @@ def test_hazard_8_input_embeds_survive_piecewise_replay(policy):
     runner = gs.get("prefill").capture()
     t = 11  # live tokens per row, padded to the 16-token bucket
     embeds = torch.randn(2, t, 64, device=device)
-    live = {**{k: v.to(device) for k, v in live_batch(2, t).items()}, "input_embeds": embeds,
+    live = {**live_batch(2, t, device=device), "input_embeds": embeds,
             "logits_index": torch.tensor([t - 1, t - 1], device=device)}
     out, ran = runner(live, t, M.FULL)
     assert ran and out["embeds"].shape == (2, t, 64) and torch.equal(out["embeds"], embeds)

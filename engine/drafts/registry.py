@@ -47,8 +47,7 @@ class DraftPlan:
 
 @dataclass(frozen=True)
 class DraftSpec:
-    features: FeatureKind
-    plan: Callable[[Any, ModelArgs], DraftPlan]
+    plan: Callable[[Any, ModelArgs], DraftPlan]  # what the draft reads is DraftPlan.features
     needs_baseline: bool = False  # the oracle reads the baseline's outputs
 
 
@@ -121,10 +120,10 @@ def _plan_weightless(name: str) -> Callable[[Any, ModelArgs], DraftPlan]:
 
 
 DRAFTS: dict[str, DraftSpec] = {
-    "eagle3": DraftSpec(FeatureKind.aux, _plan_eagle3),
-    "eagle": DraftSpec(FeatureKind.final, _plan_eagle),
-    "ngram": DraftSpec(FeatureKind.none, _plan_weightless("ngram")),
-    "oracle": DraftSpec(FeatureKind.none, _plan_weightless("oracle"), needs_baseline=True),
+    "eagle3": DraftSpec(_plan_eagle3),
+    "eagle": DraftSpec(_plan_eagle),
+    "ngram": DraftSpec(_plan_weightless("ngram")),
+    "oracle": DraftSpec(_plan_weightless("oracle"), needs_baseline=True),
 }
 ALGORITHMS = ("none", *DRAFTS)
 

@@ -48,7 +48,6 @@ class GraphSet:
 
     def __post_init__(self):
         t, device = self.target, self.target.lm_head.weight.device
-        self.device = device
         self.cache = t.new_cache(self.batch_size)
         self.draft_cache = self.head.new_cache(self.batch_size) if self.head is not None else None
         cuda = {self.target_policy, self.draft_policy} & NEEDS_CUDA
@@ -58,14 +57,14 @@ class GraphSet:
         full = M.FULL if self.features else M.NULL
         target_meta = lambda: {"aux_layer_ids": t.aux_layer_ids}  # noqa: E731
 
-        def target_runner(name, buckets, mode, embeds=False, at_index=False, policy=None):
+        def target_runner(name, buckets, mode, embeds=False, at_index=False):
             inputs = _token_inputs()
             if embeds:
                 inputs["input_embeds"] = InputSpec((h,), dtype, 0)
             if at_index:
                 inputs["logits_index"] = InputSpec((), torch.long, 0, per_row=True)
             build = lambda b: t.program(self.cache.rows(b), embeds_input=embeds, logits_at_index=at_index)  # noqa: E731
-            return GraphRunner(name, policy or self.target_policy, build, inputs, TARGET_OUT, mode, buckets,
+            return GraphRunner(name, self.target_policy, build, inputs, TARGET_OUT, mode, buckets,
                                device, t.max_seq_len, target_meta, self.pool)
 
         if self.target_policy != "none":
