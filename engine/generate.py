@@ -194,8 +194,7 @@ class Generator:
             else:
                 draft_tokens, q = last.new_empty(b, 0), None
             t_verify = time.perf_counter()
-            lengths = torch.tensor(state.lengths, device=dev)
-            live = torch.tensor(state.live, device=dev)
+            lengths, live = state.on_device()  # [b], [b]
             out = self._forward(self.round_runner, {"tokens": torch.cat([last[:, None], draft_tokens], 1),
                                                     "positions": lengths[:, None] + steps,
                                                     "valid": live[:, None].expand(b, k + 1)},

@@ -223,7 +223,7 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
 
 def _load_random(cfg, weights_dir: Path) -> LoadedModel:
     model = LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len)
-    return LoadedModel(init_normal_(model, cfg.random.init_seed), ByteTokenizer(), "random")
+    return LoadedModel(init_normal_(model, cfg.random.init_seed, cfg.random.init_std), ByteTokenizer(), "random")
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {

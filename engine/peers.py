@@ -4,7 +4,11 @@ Each peer takes the loaded target, the tokenized prompts and the sampling params
 generated tokens and wall time, so that eval can log `peer_tokens_per_s.<name>` and our ratio to it
 side by side. Registered peers:
 
-    hf_generate   transformers `generate` with its default dynamic cache, batched with left padding
+    hf_generate       transformers `generate` with its default dynamic cache, batched with left padding
+    hf_static_compile the same with `cache_implementation="static"`, whose decode step transformers
+                      compiles with torch.compile (the warm-up pays the compilation)
+    hf_prompt_lookup  transformers prompt-lookup decoding (`prompt_lookup_num_tokens=10`): n-gram drafts
+                      from the prompt, verified by the model; batch size 1 (transformers' limit)
 """
 
 from __future__ import annotations
@@ -55,43 +59,55 @@ def _cut(tokens: list[int], stop: frozenset[int]) -> list[int]:
     return tokens
 
 
-@torch.inference_mode()
-def hf_generate(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, batch_size: int,
-                stop_ids: frozenset[int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> PeerResult:
-    model = hf_model(loaded, device, dtype)
-    pad = next(iter(stop_ids), 0)
+def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerResult]:
+    """A transformers `generate` peer with `extra` generation kwargs."""
 
-    def gen_kwargs(max_new: int) -> dict:
-        kw = dict(max_new_tokens=max_new, pad_token_id=pad, do_sample=not params.greedy)
-        if not params.greedy:
-            kw.update(temperature=params.temperature, top_p=params.top_p, top_k=None)
-        if params.ignore_eos:  # fixed-length benchmark: no stop token (min_new_tokens would mask EOS instead)
-            kw.update(eos_token_id=None)
-        else:
-            kw.update(eos_token_id=sorted(stop_ids))
-        return kw
+    @torch.inference_mode()
+    def peer(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, batch_size: int,
+             stop_ids: frozenset[int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> PeerResult:
+        model = hf_model(loaded, device, dtype)
+        pad = next(iter(stop_ids), 0)
+        batch_size = min(batch_size, max_batch or batch_size)
 
-    def run(batch: list[list[int]], max_new: int = params.max_new_tokens) -> list[list[int]]:
-        width = max(len(p) for p in batch)
-        ids = torch.full((len(batch), width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        for i, p in enumerate(batch):  # left padding, as decoder-only generate expects
-            ids[i, width - len(p):] = torch.tensor(p)
-            mask[i, width - len(p):] = 1
-        out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs(max_new))
-        stop = frozenset() if params.ignore_eos else stop_ids
-        return [_cut(row[width:].tolist(), stop) for row in out]
+        def gen_kwargs(max_new: int) -> dict:
+            kw = dict(max_new_tokens=max_new, pad_token_id=pad, do_sample=not params.greedy, **extra)
+            if not params.greedy:
+                kw.update(temperature=params.temperature, top_p=params.top_p, top_k=None)
+            if params.ignore_eos:  # fixed-length benchmark: no stop token (min_new_tokens would mask EOS instead)
+                kw.update(eos_token_id=None)
+            else:
+                kw.update(eos_token_id=sorted(stop_ids))
+            return kw
 
-    torch.manual_seed(seed)
-    run(prompts[:batch_size], max_new=8)  # warm-up
-    outputs, wall = [], 0.0
-    for i in range(0, len(prompts), batch_size):
-        sync(device)
-        t0 = time.perf_counter()
-        outputs += run(prompts[i: i + batch_size])
-        sync(device)
-        wall += time.perf_counter() - t0
-    return PeerResult(outputs, wall)
+        def run(batch: list[list[int]], max_new: int = params.max_new_tokens) -> list[list[int]]:
+            width = max(len(p) for p in batch)
+            ids = torch.full((len(batch), width), pad, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for i, p in enumerate(batch):  # left padding, as decoder-only generate expects
+                ids[i, width - len(p):] = torch.tensor(p)
+                mask[i, width - len(p):] = 1
+            out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs(max_new))
+            stop = frozenset() if params.ignore_eos else stop_ids
+            return [_cut(row[width:].tolist(), stop) for row in out]
+
+        torch.manual_seed(seed)
+        run(prompts[:batch_size], max_new=8)  # warm-up (and compilation for the static cache)
+        outputs, wall = [], 0.0
+        for i in range(0, len(prompts), batch_size):
+            sync(device)
+            t0 = time.perf_counter()
+            outputs += run(prompts[i: i + batch_size])
+            sync(device)
+            wall += time.perf_counter() - t0
+        return PeerResult(outputs, wall)
+
+    return peer
 
 
-PEERS: dict[str, Callable[..., PeerResult]] = {"hf_generate": hf_generate}
+hf_generate = _hf_peer({})
+
+PEERS: dict[str, Callable[..., PeerResult]] = {
+    "hf_generate": hf_generate,
+    "hf_static_compile": _hf_peer({"cache_implementation": "static"}),
+    "hf_prompt_lookup": _hf_peer({"prompt_lookup_num_tokens": 10}, max_batch=1),
+}

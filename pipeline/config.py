@@ -23,6 +23,7 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError
+from pipeline.paths import REPO
 
 
 class Device(str, Enum):
@@ -52,6 +53,9 @@ class RandomArchConfig:
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     init_seed: int = 0
+    # Weight std. 0.02 (transformers' init) makes greedy output collapse to one token; ~0.15 gives
+    # varied outputs, which draft-training tests need.
+    init_std: float = 0.02
 
 
 @dataclass
@@ -135,6 +139,46 @@ class EvalConfig:
 
 
 @dataclass
+class TrainDataConfig:
+    """Self-distilled training data (engine/train/selfdistill.py), cached under the run's train dir."""
+
+    num_samples: int = 4096
+    batch_size: int = 128  # generation batch
+    max_prompt_tokens: int = 64  # the synthesised user message
+    max_answer_tokens: int = 384  # the target's answer
+    prompt_temperature: float = 1.0
+    min_prompt_chars: int = 16
+    graph: str = "auto"  # graph policy of the generation: auto (full on CUDA, else none) | none | full | debug
+    seed: int = 0
+
+
+@dataclass
+class TrainConfig:
+    """Stage `train_draft` (task=train_draft): self-distil, then train the draft head with TTT."""
+
+    name: Optional[str] = None  # output folder under outputs/train (null: experiment_name)
+    data: TrainDataConfig = field(default_factory=TrainDataConfig)
+    heldout: float = 0.05  # fraction of samples held out for acceptance estimates
+    steps: int = 2000
+    lr: float = 5e-4
+    warmup_steps: int = 100
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    ttt_steps: int = 6  # draft steps unrolled on the draft's own outputs
+    loss_decay: float = 0.8  # step s weighs decay ** s
+    max_tokens: int = 16384  # padded tokens per batch
+    max_len: int = 512  # sequences are cut here
+    eval_every: int = 250
+    save_every: int = 250
+    eval_k: int = 5  # drafts per chain for the held-out accept_length
+    max_time_s: Optional[float] = None  # stop (evaluate, save) after this much training time
+    resume: bool = True  # continue from <train dir>/checkpoint when it exists
+    init_from_target: bool = True  # random init: lm_head rows and final norm copied from the target
+    save_dtype: DType = DType.bfloat16  # the exported head
+    export_dir: Optional[str] = None  # also copy the exported head here (relative: to the repo)
+
+
+@dataclass
 class TrackingConfig:
     enabled: bool = True
     # null: sqlite:///<repo>/outputs/mlflow.db and artifacts under <repo>/outputs/mlartifacts.
@@ -149,9 +193,10 @@ class RunConfig:
     draft: DraftConfig = field(default_factory=DraftConfig)
     graph: GraphConfig = field(default_factory=GraphConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     experiment_name: str = "default"  # the MLflow experiment; set by conf/experiment/*.yaml
-    task: str = "eval"  # the final stage
+    task: str = "eval"  # the final stage: eval | train_draft
     device: Device = Device.auto
     dtype: DType = DType.auto
     seed: int = 0
@@ -164,6 +209,8 @@ def register_configs() -> None:
     OmegaConf.register_new_resolver(
         "basename", lambda p: str(p).rstrip("/").rsplit("/", 1)[-1] if p else "unnamed", replace=True
     )
+    # `${repo:engine/drafts/checkpoints/NAME}`: a path inside the repository, whatever the cwd.
+    OmegaConf.register_new_resolver("repo", lambda p: str(REPO / p), replace=True)
 
 
 def _reject_unknown_keys(node: DictConfig, prefix: str = "") -> None:

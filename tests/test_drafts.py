@@ -115,9 +115,10 @@ def test_wrong_architecture_and_missing_checkpoint(tmp_path, outputs):
     for overrides, needle in [
         (["draft=eagle", "draft.init=checkpoint", f"draft.path={path}"], "LlamaForCausalLMEagle3"),
         (["draft=eagle3", "draft.init=checkpoint", f"draft.path={tmp_path}/none"], "not a draft checkpoint"),
-        (["draft=eagle3", "draft.init=checkpoint"], "draft.path=None"),
+        (["draft=eagle3", "draft.init=checkpoint", "draft.path=null"], "draft.path=None"),
         (["draft=eagle3", "draft.num_steps=0", "draft.aux_layer_ids=[1,2]"], "draft.num_steps=0"),
-        (["draft=eagle3"], "is not valid for a 4-layer target"),  # the default [2, 2, 1] on 4 layers
+        (["draft=eagle3", "draft.init=random"], "is not valid for a 4-layer target"),  # [2, 2, 1] on 4 layers
+        (["draft=eagle3"], "target_hidden_size 576 differs"),  # the shipped SmolLM2 head on a tiny target
         (["draft=oracle", "eval.baseline=false"], "eval.baseline=False"),
     ]:
         with pytest.raises(PlanError) as e:
@@ -127,8 +128,8 @@ def test_wrong_architecture_and_missing_checkpoint(tmp_path, outputs):
 
 # ------------------------------------------------------------------------------------------ pipeline
 def test_eagle3_job_is_tracked_with_draft_metrics(outputs):
-    ctx = run(compose_cfg("+experiment=eagle3", *TINY, "draft.aux_layer_ids=[1,2,3]", "draft.num_steps=2",
-                          "eval.batch_size=2"))
+    ctx = run(compose_cfg("+experiment=eagle3", *TINY, "draft.init=random", "draft.aux_layer_ids=[1,2,3]",
+                          "draft.num_steps=2", "eval.batch_size=2"))
     m = ctx["eval_results"]["metrics"]
     assert m["match_baseline"] == 1.0 and 1.0 <= m["accept_length"] <= 3.0
     (r,) = runs_of(outputs, "eagle3")
@@ -165,6 +166,6 @@ def test_input_embeds_prompts_through_eval(tmp_path, outputs):
     qs = tmp_path / "question.jsonl"
     qs.write_text("".join(json.dumps(r) + "\n" for r in rows))
     ctx = run(compose_cfg(*TINY, f"eval.dataset={qs}", "eval.limit=4", "+experiment=eagle3",
-                          "draft.aux_layer_ids=[1,2,3]", "tracking=off"))
+                          "draft.init=random", "draft.aux_layer_ids=[1,2,3]", "tracking=off"))
     toks = {r.prompt.id: r.result.tokens for r in ctx["eval_results"]["records"]}
     assert toks["mm0"] == toks["real0"] and toks["mm1"] == toks["real1"]

@@ -68,7 +68,7 @@ def test_hazard_1_aux_capture_after_graph_capture(outputs, monkeypatch):
 
     monkeypatch.setattr(plan_mod, "resolve_stage_names",
                         lambda cfg, draft: ["load", "capture_graphs", "configure_aux_capture", "eval"])
-    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "graph=debug", "draft.aux_layer_ids=[1,2,3]",
+    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "draft.init=random", "graph=debug", "draft.aux_layer_ids=[1,2,3]",
                                     "device=cpu"))
     with pytest.raises(PlanError, match=r"stages='capture_graphs'.*aux_layers"):
         build_plan(cfg, outputs)
@@ -150,7 +150,7 @@ def test_hazard_7_draft_graphs_before_weight_sharing():
     from stages.capture_graphs import CaptureGraphsStage
 
     head.embed_ref = [copy]
-    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "graph=debug", "device=cpu"))
+    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "draft.init=random", "graph=debug", "device=cpu"))
 
     class Env:
         draft_plan, tracker = plan, None

@@ -35,6 +35,78 @@ def test_decode_attention_matches_reference(device, b, heads, kv_heads, t, d):
     assert torch.allclose(da.decode_attention(q, k2, v2, qpos, block_n=32)[0], got[0], atol=1e-5)
 
 
+def _split_kv_case(device, dtype, heads, kv_heads, t, d, slots=130, seed=0):
+    """Rows of different live lengths: 1 (the first query), one off a block boundary, one of many blocks
+    (more than the splits), and a verify row whose last queries are padding (qpos 0, as the engine
+    pads). q is the eager path's view: [b, t, heads, d] transposed to [b, heads, t, d]. Also k, v
+    with NaN past each row's prefix, which the kernel must never read (the reference would)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(4, t, heads, d, generator=g).to(device, dtype).transpose(1, 2)
+    k = torch.randn(4, kv_heads, slots, d, generator=g).to(device, dtype)
+    v = torch.randn(4, kv_heads, slots, d, generator=g).to(device, dtype)
+    ar = torch.arange(t)
+    qpos = torch.stack([ar, 44 + ar, slots - t - 1 + ar, torch.where(ar < max(1, t // 2), 100 + ar, 0)])
+    qpos = qpos.to(device)
+    k_nan, v_nan = k.clone(), v.clone()
+    for row, n in enumerate(qpos.max(1).values.tolist()):
+        k_nan[row, :, n + 1:] = float("nan")
+        v_nan[row, :, n + 1:] = float("nan")
+    return q, k, v, qpos, k_nan, v_nan
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (9, 3), (8, 2)])  # GROUP 1, 3, 4
+def test_decode_attention_split_kv(device, dtype, t, heads, kv_heads):
+    """Split-KV + combine against the reference: block_n 16 over <= 129 live slots is up to 9 blocks,
+    so each of 3 splits walks up to 3 blocks, and the short rows leave splits with no live slot."""
+    q, k, v, qpos, k_nan, v_nan = _split_kv_case(device, dtype, heads, kv_heads, t, d=16)
+    ref = da.decode_attention_reference(q.float(), k.float(), v.float(), qpos)
+    got = da.decode_attention(q, k_nan, v_nan, qpos, block_n=16, num_splits=3)
+    assert got.dtype == dtype and got.stride() == q.stride()  # q's layout: the caller's reshape is free
+    assert torch.isfinite(got).all()
+    assert (got.float() - ref).abs().max() < (2e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_split_kv_head_dim_64(device):
+    """SmolLM2's shapes (9 heads on 3 kv heads, head_dim 64) in bf16: the default split rule (one split
+    per block of the 300 slots here), a split walking several blocks, and a single split."""
+    q, k, v, qpos, k_nan, v_nan = _split_kv_case(device, torch.bfloat16, 9, 3, 4, d=64, slots=300, seed=1)
+    ref = da.decode_attention_reference(q.float(), k.float(), v.float(), qpos)
+    for block_n, num_splits in ((64, None), (32, 2), (64, 1)):
+        got = da.decode_attention(q, k_nan, v_nan, qpos, block_n=block_n, num_splits=num_splits)
+        assert (got.float() - ref).abs().max() < 2e-2, (block_n, num_splits)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_decode_attention_long_t_is_tiled_over_row_blocks(device):
+    """A prefill-length t (GROUP x t = 3 x 40 = 120 rows > MAX_ROWS) runs as several row blocks per kv
+    head, with t a runtime argument: a causal prefill and a second length without a new compile."""
+    g = torch.Generator().manual_seed(3)
+    for t in (40, 37):
+        q = torch.randn(2, 9, t, 16, generator=g).to(device)
+        k = torch.randn(2, 3, 64, 16, generator=g).to(device)
+        v = torch.randn(2, 3, 64, 16, generator=g).to(device)
+        qpos = torch.arange(t).expand(2, t).clone().to(device)
+        qpos[1, t // 2:] = 0  # right padding of a shorter prompt
+        ref = da.decode_attention_reference(q, k, v, qpos)
+        got = da.decode_attention(q, k, v, qpos, block_n=16)
+        assert (got - ref).abs().max() < 2e-5, t
+
+
+def test_decode_attention_num_splits_from_cache_size_only():
+    """The grid depends on batch, kv heads and the cache size (a captured graph replays it as
+    sequences grow): programs for twice the SMs, capped by MAX_SPLITS and by the cache's blocks."""
+    cpu = torch.device("cpu")  # counted as 132 SMs
+    assert da.num_splits_for(1, 3, 2049, 64, cpu) == da.MAX_SPLITS == 32
+    assert da.num_splits_for(8, 3, 2049, 64, cpu) == 11  # 24 (row, kv head) pairs x 11 splits >= 2 x 132
+    assert da.num_splits_for(64, 3, 2049, 64, cpu) == 2
+    assert da.num_splits_for(128, 3, 2049, 64, cpu) == 1
+    assert da.num_splits_for(1, 3, 100, 64, cpu) == 2  # no more splits than blocks
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_bf16(device):
     if device == "cpu":

@@ -36,10 +36,12 @@ def download_text(outputs: Path, run_id: str, name: str) -> str:
 
 
 def test_tiny_eval_run_is_tracked(outputs):
-    ctx = run(compose_cfg("+experiment=baseline", *TINY, "eval.batch_size=2", "eval.peers=[hf_generate]"))
+    ctx = run(compose_cfg("+experiment=baseline", *TINY, "eval.batch_size=2",
+                          "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]"))
     metrics = ctx["eval_results"]["metrics"]
     assert metrics["generated_tokens"] == sum(len(r.result.tokens) for r in ctx["eval_results"]["records"])
-    assert metrics["peer_match.hf_generate"] == 1.0  # same weights, greedy, fp32: the same tokens
+    for peer in ("hf_generate", "hf_static_compile", "hf_prompt_lookup"):  # the design's three peers
+        assert metrics[f"peer_match.{peer}"] == 1.0, peer  # same weights, greedy, fp32: the same tokens
 
     (r,) = runs_of(outputs, "baseline")
     assert r.info.status == "FINISHED"

@@ -16,9 +16,10 @@ state); `none` for weightless drafts (n-gram, oracle).
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
+import torch
 from torch import Tensor
 
 
@@ -37,6 +38,25 @@ class SpecState:
     live: list[bool]  # rows still generating
     row_ids: list[int]  # index of each row's prompt in the whole prompt set (for the oracle)
     device: object = None
+    _staged: Optional[tuple] = field(default=None, repr=False)  # (host key, pinned [2, b], device [2, b])
+
+    def on_device(self) -> tuple[Tensor, Tensor]:
+        """(lengths [b] int64, live [b] bool) on the device, as of now.
+
+        One non-blocking copy from a pinned buffer when the host lists changed (once per round), shared
+        by the draft and the verify of the round. Reusing the buffer is safe: every round ends with a
+        device->host sync, so the previous copy has completed before the buffer is written again.
+        """
+        key = (tuple(self.lengths), tuple(self.live))
+        if self._staged is None or self._staged[0] != key:
+            pinned = self._staged[1] if self._staged is not None else torch.empty(
+                2, len(self.lengths), dtype=torch.long,
+                pin_memory=getattr(self.device, "type", "cpu") == "cuda")
+            pinned[0] = torch.tensor(self.lengths)
+            pinned[1] = torch.tensor(self.live)
+            self._staged = (key, pinned, pinned.to(self.device, non_blocking=True))
+        both = self._staged[2]
+        return both[0], both[1].bool()
 
 
 @dataclass

@@ -83,9 +83,8 @@ class FeatureDraft(Draft):
         self._take(h, logits, last)
 
     def propose(self, state: SpecState, k: int) -> Proposal:
-        dev = self.next.device
-        lengths = torch.tensor(state.lengths, device=dev)
-        live = torch.tensor(state.live, device=dev)[:, None]
+        lengths, live = state.on_device()
+        live = live[:, None]
         tokens, probs = [self.next], [self.next_probs]
         h, tok = self.hidden, self.next
         for i in range(1, k):
@@ -101,8 +100,9 @@ class FeatureDraft(Draft):
         b, width = emitted.shape
         dev = emitted.device
         steps = torch.arange(width, device=dev)
-        valid = (steps[None] <= accepted[:, None]) & torch.tensor(state.live, device=dev)[:, None]
-        positions = torch.tensor(state.lengths, device=dev)[:, None] + steps[None]  # L..L+k
+        lengths, live = state.on_device()
+        valid = (steps[None] <= accepted[:, None]) & live[:, None]
+        positions = lengths[:, None] + steps[None]  # L..L+k
         h, logits = self._forward(emitted, feats, positions, valid, max(state.lengths) + width,
                                   runner=self.extend_runner)
         self._take(h, logits, accepted)

@@ -35,11 +35,12 @@ class Sample:
 
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
                max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
-               seed: int = 0, min_prompt_chars: int = 8) -> list[Sample]:
-    """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries)."""
+               seed: int = 0, min_prompt_chars: int = 8, graphs=None) -> list[Sample]:
+    """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries).
+    `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager)."""
     tok, model = target.tokenizer, target.model
     prefix, end_ids = tok.user_turn()
-    gen = Generator(model, batch_size)
+    gen = Generator(model, batch_size, graphs=graphs)
     rng = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
     ask = SamplingParams(temperature=prompt_temperature, top_p=0.95, max_new_tokens=max_prompt_tokens)
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)

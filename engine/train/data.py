@@ -1,0 +1,123 @@
+"""Training data for draft heads: samples on disk, length-bucketed batches, target features per batch.
+
+    samples.jsonl   one self-distilled sample per line: {"user", "prompt_ids", "answer_ids"}
+    meta.json       what produced them (target checkpoint, generation settings): a cache key
+    stats.json      how long the synthesis took (reported again when the samples are reused)
+
+The target's aux hidden states and distributions are recomputed per batch from the ids (a 135M target
+forward costs less than reading stored features back), in `target_batch`:
+
+    ids [B, L] right-padded  ->  draft positions p = 0..L-2:
+        tokens x_{p+1}, feats f_p (aux), labels softmax(z_{p+1}) over the draft vocab, top: draft id of
+        argmax z_{p+1}, mask: x_{p+2} is an answer token (the part the draft is asked to predict)
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Iterator, Optional
+
+import torch
+from torch import Tensor
+
+from engine.train.eagle3 import Batch
+from engine.train.selfdistill import Sample
+
+
+def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float) -> None:
+    """samples.jsonl, meta.json (the cache key) and stats.json (how long synthesis took)."""
+    path.mkdir(parents=True, exist_ok=True)
+    tmp = path / "samples.jsonl.tmp"
+    with open(tmp, "w") as f:
+        for s in samples:
+            f.write(json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids}) + "\n")
+    tmp.rename(path / "samples.jsonl")  # complete or absent: never half-written
+    (path / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
+    (path / "stats.json").write_text(json.dumps({"synth_s": synth_s}))
+
+
+def synth_seconds(path: Path) -> float:
+    """The recorded synthesis time of cached samples (0.0 when unknown)."""
+    stats = path / "stats.json"
+    return json.loads(stats.read_text())["synth_s"] if stats.is_file() else 0.0
+
+
+def load_samples(path: Path, meta: dict) -> Optional[list[Sample]]:
+    """The cached samples when they were produced with exactly `meta`, else None."""
+    if not (path / "samples.jsonl").is_file() or not (path / "meta.json").is_file():
+        return None
+    if json.loads((path / "meta.json").read_text()) != json.loads(json.dumps(meta, sort_keys=True)):
+        return None
+    with open(path / "samples.jsonl") as f:
+        return [Sample(r["user"], r["prompt_ids"], r["answer_ids"]) for r in map(json.loads, f)]
+
+
+def split(samples: list[Sample], heldout: float, seed: int) -> tuple[list[Sample], list[Sample]]:
+    """(train, held-out): a seeded shuffle, at least one held-out sample."""
+    order = list(range(len(samples)))
+    random.Random(seed).shuffle(order)
+    n = max(1, round(heldout * len(samples)))
+    return [samples[i] for i in order[n:]], [samples[i] for i in order[:n]]
+
+
+def batches(samples: list[Sample], max_tokens: int, max_len: int, seed: Optional[int]) -> list[list[Sample]]:
+    """Length-bucketed batches of at most `max_tokens` padded tokens (sequences cut to `max_len`);
+    the batch order is shuffled with `seed` (None: kept, for evaluation)."""
+    ordered = sorted(samples, key=lambda s: len(s.ids))
+    out, cur = [], []
+    for s in ordered:
+        width = min(len(s.ids), max_len)
+        if cur and width * (len(cur) + 1) > max_tokens:
+            out.append(cur)
+            cur = []
+        cur.append(s)
+    if cur:
+        out.append(cur)
+    if seed is not None:
+        random.Random(seed).shuffle(out)
+    return out
+
+
+class VocabMap:
+    """Target <-> draft ids for a reduced draft vocabulary (d2t/t2d of the public EAGLE3 format)."""
+
+    def __init__(self, d2t: Tensor, t2d: Tensor):
+        self.used = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] target id of each draft id
+        self.to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=d2t.device)  # [V]
+        self.to_draft[self.used] = torch.arange(d2t.shape[0], device=d2t.device)
+
+
+@torch.no_grad()
+def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device) -> Batch:
+    """Run the target (aux capture configured) over the samples -> the draft's training batch."""
+    lens = [min(len(s.ids), max_len) for s in samples]
+    b, width = len(samples), max(lens)
+    ids = torch.zeros(b, width, dtype=torch.long)
+    answer = torch.zeros(b, width, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        ids[i, : lens[i]] = torch.tensor(s.ids[: lens[i]])
+        answer[i, len(s.prompt_ids): lens[i]] = True
+    ids, answer = ids.to(device), answer.to(device)
+    positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
+    valid = positions < torch.tensor(lens, device=device)[:, None]
+    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width)
+    if out.aux_hidden_states is None:
+        raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
+    z = out.logits[:, 1:]  # [B, L-1, V]: z_{p+1}
+    labels = z[..., vocab.used].float().softmax(-1)  # [B, L-1, Vd]
+    top = vocab.to_draft[z.argmax(-1)]  # [B, L-1]
+    return Batch(
+        tokens=ids[:, 1:], positions=positions[:, :-1], feats=out.aux_hidden_states[:, :-1],
+        labels=labels, top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
+    )
+
+
+def epochs(samples: list[Sample], max_tokens: int, max_len: int, seed: int) -> Iterator[tuple[int, list[Sample]]]:
+    """(epoch, batch) forever; each epoch reshuffles the batch order."""
+    epoch = 0
+    while True:
+        for batch in batches(samples, max_tokens, max_len, seed + epoch):
+            yield epoch, batch
+        epoch += 1

@@ -1,0 +1,215 @@
+"""The draft-training loop: AdamW, warmup + cosine LR, bf16 autocast on CUDA, held-out evaluation,
+checkpoints in the public format, resume, a wall-clock budget.
+
+    Trainer(head, target, train, heldout, vocab, cfg, out_dir, log).fit() -> final held-out metrics
+
+Checkpoint layout (`out_dir/checkpoint/`): the head as `config.json` + `model.safetensors` (loads like
+any EAGLE3 checkpoint) and `trainer_state.pt` (optimizer, step, epoch, position in the epoch, RNG). A
+checkpoint is written to a temporary directory and renamed, so an interrupted save leaves the last one.
+`resume=True` continues from it: same batch order, same LR schedule.
+
+The head trains in float32 (master weights); the target runs in the run's dtype. Only the head's own
+parameters train: the token embedding is the target's and stays frozen.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.model import StaticKVCache
+from engine.train.data import VocabMap, batches, target_batch
+from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
+from engine.train.selfdistill import Sample
+
+
+# Draft algorithm -> its unrolled training forward (head, Batch, steps) -> per-step logits.
+FORWARDS: dict[str, Callable] = {"eagle3": ttt_forward}
+
+
+@dataclass
+class TrainSettings:
+    steps: int
+    lr: float
+    warmup_steps: int
+    weight_decay: float
+    grad_clip: float
+    ttt_steps: int
+    loss_decay: float
+    max_tokens: int  # padded tokens per batch
+    max_len: int  # sequence cut
+    eval_every: int
+    save_every: int
+    eval_k: int  # drafts per chain for the held-out accept_length
+    max_time_s: Optional[float]
+    seed: int
+
+
+def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
+    """Linear warmup, then cosine to 10% over the run's progress: the larger of steps done and, with a
+    time budget, time used, so a run stopped by `max_time_s` still ends on a decayed LR."""
+    if step < s.warmup_steps:
+        return s.lr * (step + 1) / s.warmup_steps
+    frac = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+    if s.max_time_s:
+        frac = max(frac, elapsed_s / s.max_time_s)
+    return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+
+
+class Trainer:
+    def __init__(self, head, target, train: list[Sample], heldout: list[Sample], vocab: VocabMap,
+                 settings: TrainSettings, out_dir: Path, log: Callable[[dict, int], None],
+                 forward: Callable = ttt_forward):
+        self.forward = forward
+        self.head, self.target, self.s, self.out_dir, self.log = head, target, settings, out_dir, log
+        self.train_samples, self.heldout = train, heldout
+        self.vocab = vocab
+        self.device = target.lm_head.weight.device
+        rows = max(len(g) for split in (train, heldout) for g in batches(split, settings.max_tokens,
+                                                                          settings.max_len, None))
+        self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
+        self.params = [p for p in head.parameters() if p.requires_grad]
+        decay = [p for p in self.params if p.dim() >= 2]
+        no_decay = [p for p in self.params if p.dim() < 2]
+        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
+                                      {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95),
+                                     fused=self.device.type == "cuda")
+        self.step, self.epoch, self.index = 0, 0, 0
+        self.elapsed_s = 0.0  # training time so far, across resumes
+        self._order: tuple[int, list[list[Sample]]] = (-1, [])
+
+    # -- state ------------------------------------------------------------------------------------
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.out_dir / "checkpoint"
+
+    def save(self) -> None:
+        tmp = self.out_dir / "checkpoint.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.head.save(tmp)
+        torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "epoch": self.epoch,
+                    "index": self.index, "elapsed_s": self.elapsed_s, "rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
+        shutil.rmtree(self.ckpt_dir, ignore_errors=True)
+        tmp.rename(self.ckpt_dir)
+
+    def resume(self) -> bool:
+        """Load the last checkpoint if there is one; True when training continues from it."""
+        state_path = self.ckpt_dir / "trainer_state.pt"
+        if not state_path.is_file():
+            return False
+        from engine.drafts.heads import HeadCheckpoint
+
+        HeadCheckpoint.read(str(self.ckpt_dir), self.head.architecture).load_into(self.head)
+        state = torch.load(state_path, map_location=self.device, weights_only=False)
+        self.opt.load_state_dict(state["optimizer"])
+        self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
+        self.elapsed_s = state.get("elapsed_s", 0.0)
+        torch.set_rng_state(state["rng"].cpu())
+        return True
+
+    # -- loop -------------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _batch(self, samples: list[Sample]):
+        return target_batch(self.target, self.cache, samples, self.vocab, self.s.max_len, self.device)
+
+    def _epoch_order(self) -> list[list[Sample]]:
+        if self._order[0] != self.epoch:
+            self._order = (self.epoch, batches(self.train_samples, self.s.max_tokens, self.s.max_len,
+                                               self.s.seed + self.epoch))
+        return self._order[1]
+
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Held-out loss, per-step accuracy, and chain acceptance at eval_k drafts."""
+        self.head.eval()
+        k = self.s.eval_k
+        accepted, anchors, loss, tokens = torch.zeros(k), 0, 0.0, 0
+        acc = [0.0] * self.s.ttt_steps
+        for group in batches(self.heldout, self.s.max_tokens, self.s.max_len, None):
+            batch = self._batch(group)
+            with self._autocast():
+                logits = self.forward(self.head, batch, max(self.s.ttt_steps, k))
+            l, stats = ttt_loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
+            n = batch.num_tokens
+            loss, tokens = loss + l.item() * n, tokens + n
+            for s in range(self.s.ttt_steps):
+                acc[s] += stats[f"acc_{s}"].item() * n
+            a, m = chain_acceptance(logits, batch, k)
+            accepted[: len(a)] += a.cpu().float()
+            anchors += int(m)
+        self.head.train()
+        out = {"val_loss": loss / max(tokens, 1),
+               f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1)}
+        out.update({f"val_acc_{s}": acc[s] / max(tokens, 1) for s in range(self.s.ttt_steps)})
+        out.update({f"val_accept_rate_pos_{i}": float(accepted[i]) / max(anchors, 1) for i in range(k)})
+        return out
+
+    def fit(self, resume: bool = False) -> dict[str, float]:
+        s = self.s
+        if resume and self.resume():
+            print(f"[train_draft] resumed from {self.ckpt_dir} at step {self.step}", flush=True)
+        self.head.train()
+        t0, last_log = time.perf_counter() - self.elapsed_s, time.perf_counter()
+        metrics = self.evaluate() if self.step == 0 else {}
+        if metrics:
+            self.log(metrics, 0)
+        bar = tqdm(total=s.steps, initial=self.step, desc="train_draft", unit="step", dynamic_ncols=True)
+        tokens_seen = 0
+        stopped_early = False
+        while self.step < s.steps:
+            order = self._epoch_order()
+            if self.index >= len(order):
+                self.epoch, self.index = self.epoch + 1, 0
+                continue
+            batch = self._batch(order[self.index])
+            self.elapsed_s = time.perf_counter() - t0
+            lr = lr_at(self.step, self.elapsed_s, s)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            with self._autocast():
+                logits = self.forward(self.head, batch, s.ttt_steps)
+            loss, stats = ttt_loss(logits, batch, s.loss_decay)
+            self.opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
+            self.opt.step()
+            self.step, self.index = self.step + 1, self.index + 1
+            tokens_seen += batch.mask.sum()
+            bar.update(1)
+            if self.step % 10 == 0 or self.step == s.steps:
+                now = time.perf_counter()
+                row = {"train_loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
+                       "epoch": self.epoch, "train_tokens_per_s": int(tokens_seen) / max(now - last_log, 1e-9),
+                       **{f"train_{k}": v.item() for k, v in stats.items()}}
+                tokens_seen, last_log = 0, now
+                self.log(row, self.step)
+                bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc0=f"{row['train_acc_0']:.2f}")
+            if self.step % s.eval_every == 0 and self.step < s.steps:
+                metrics = self.evaluate()
+                self.log(metrics, self.step)
+            if self.step % s.save_every == 0:
+                self.save()
+            self.elapsed_s = time.perf_counter() - t0
+            if s.max_time_s is not None and self.elapsed_s > s.max_time_s:
+                stopped_early = True
+                break
+        bar.close()
+        metrics = self.evaluate()
+        metrics["train_steps"] = self.step
+        metrics["train_s"] = self.elapsed_s
+        metrics["train_stopped_by_time"] = float(stopped_early)
+        self.log(metrics, self.step)
+        self.save()
+        return metrics

@@ -1,0 +1,232 @@
+"""Stage `train_draft`: self-distil data from the target, then train the draft head with training-time test.
+
+    plan:   load -> configure_aux_capture -> train_draft          (task=train_draft)
+    output: <outputs>/train/<train.name>/
+                data/        samples.jsonl + meta.json (reused while the target and data settings match)
+                checkpoint/  the head in float32 + trainer_state.pt (resume)
+                head/        the exported head: config.json, model.safetensors (train.save_dtype), README.md
+
+1. Data (engine/train/selfdistill.py): the target writes user messages (Magpie) and answers them,
+   batched on the run's device, under CUDA graphs when `train.data.graph=full`. Never an eval set.
+2. Draft vocabulary: the `draft.draft_vocab_size` most frequent target tokens of the training split
+   (d2t/t2d), EOS always in.
+3. Training (engine/train/trainer.py): a float32 copy of the loaded head; with `draft.init=random` and
+   `train.init_from_target`, its lm_head rows and final norm start as the target's (the head then starts
+   from the target's own output layer, restricted to the draft vocabulary).
+4. Export in the public EAGLE3 format, with a model card; MLflow gets the curves, the held-out per-position
+   acceptance, and the exported head as artifacts. Provides `draft_checkpoint` (the export's path).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import time
+from pathlib import Path
+
+import torch
+
+from engine.errors import ConfigError
+from engine.graphs.backends import NEEDS_CUDA
+from engine.graphs.graph_set import GraphSet
+from engine.graphs.runner import default_sizes
+from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
+from engine.train.selfdistill import synthesize
+from engine.train.trainer import FORWARDS, Trainer, TrainSettings
+from engine.train.vocab import build_draft_vocab
+from pipeline.paths import REPO
+from stages.base import Stage, StageEnv, register_stage
+
+
+DATA_GRAPHS = ("auto", "none", "full", "debug")
+
+
+def data_graph(cfg, env: StageEnv) -> str:
+    g = cfg.train.data.graph
+    return ("full" if env.device.type == "cuda" else "none") if g == "auto" else g
+
+
+def train_dir(cfg, env: StageEnv) -> Path:
+    return env.outputs_dir / "train" / (cfg.train.name or cfg.experiment_name)
+
+
+def _positive(key: str, value, minimum=1) -> None:
+    if value is None or value < minimum:
+        raise ConfigError(key, value, "too small", f">= {minimum}")
+
+
+@register_stage
+class TrainDraftStage(Stage):
+    name = "train_draft"
+    requires = ("target", "draft_head")
+    provides = ("draft_checkpoint",)
+    final = True
+    runs_target = True
+
+    def check(self, cfg, env: StageEnv) -> None:
+        t, d = cfg.train, cfg.draft
+        if d.algorithm not in FORWARDS:
+            raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(FORWARDS))
+        for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
+                    "eval_k"):
+            _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
+        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens"):
+            _positive(f"train.data.{key}", getattr(t.data, key))
+        if not 0.0 < t.heldout < 1.0:
+            raise ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1")
+        if t.data.num_samples < 2 or round(t.data.num_samples * t.heldout) >= t.data.num_samples:
+            raise ConfigError("train.data.num_samples", t.data.num_samples,
+                              f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
+                              ">= 2, or a smaller train.heldout")
+        if t.lr <= 0:
+            raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
+        if t.max_len > cfg.model.max_seq_len:
+            raise ConfigError("train.max_len", t.max_len, f"longer than model.max_seq_len={cfg.model.max_seq_len}",
+                              f"<= {cfg.model.max_seq_len}")
+        if t.data.graph not in DATA_GRAPHS:
+            raise ConfigError("train.data.graph", t.data.graph, "graph policy of the data generation", DATA_GRAPHS)
+        if t.data.graph in NEEDS_CUDA and env.device.type != "cuda":
+            raise ConfigError("train.data.graph", t.data.graph, f"captures CUDA graphs but the run's device is "
+                              f"{env.device}", "none or debug")
+        vocab, dv = env.target_args.vocab_size, d.draft_vocab_size
+        if d.init == "random" and dv is not None and dv < len(env.target_args.eos_token_ids) + 1:
+            raise ConfigError("draft.draft_vocab_size", dv, "too small to hold the stop tokens", f"2..{vocab}")
+
+    def describe(self, cfg, env: StageEnv) -> str:
+        t = cfg.train
+        budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
+        return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}), hold out {t.heldout:.0%}; "
+                f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}; "
+                f"-> {train_dir(cfg, env)}")
+
+    # ----------------------------------------------------------------------------------------------
+    def run(self, cfg, inputs, env: StageEnv) -> dict:
+        t, loaded, head = cfg.train, inputs["target"], inputs["draft_head"]
+        target, out = loaded.model, train_dir(cfg, env)
+        out.mkdir(parents=True, exist_ok=True)
+        log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
+
+        samples, data_s, reused = self._data(cfg, loaded, out / "data", data_graph(cfg, env))
+        train, heldout = split(samples, t.heldout, cfg.seed)
+        answer_tokens = sum(len(s.answer_ids) for s in samples)
+        log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_answer_tokens": answer_tokens,
+             "data_train_samples": len(train), "data_heldout_samples": len(heldout)})
+        print(f"[train_draft] {len(samples)} samples ({answer_tokens} answer tokens) in {data_s:.1f}s; "
+              f"{len(train)} train / {len(heldout)} held out", flush=True)
+
+        student = self._student(cfg, head, target, train, env)
+        vocab = VocabMap(student.d2t, student.t2d)
+        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg), out, log,
+                          FORWARDS[cfg.draft.algorithm])
+        metrics = trainer.fit(resume=t.resume)
+
+        export = out / "head"
+        self._export(student, export, cfg, metrics, len(samples), answer_tokens, data_s, env)
+        if t.export_dir:
+            dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
+            shutil.rmtree(dest, ignore_errors=True)
+            shutil.copytree(export, dest)
+        if env.tracker is not None:
+            for f in sorted(export.iterdir()):
+                env.tracker.client.log_artifact(env.tracker.run_id, str(f), "draft_head")
+        print(f"[train_draft] {metrics['train_steps']} steps in {metrics['train_s']:.0f}s: held-out "
+              f"accept_length(k={t.eval_k}) {metrics[f'val_accept_length_k{t.eval_k}']:.2f}, "
+              f"loss {metrics['val_loss']:.3f} -> {export}", flush=True)
+        return {"draft_checkpoint": str(export)}
+
+    def _data(self, cfg, loaded, path: Path, graph: str):
+        d = cfg.train.data
+        meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None}}
+        samples = load_samples(path, meta)
+        if samples is not None:
+            print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
+            return samples, synth_seconds(path), True
+        t0 = time.perf_counter()
+        graphs = None
+        if graph != "none":
+            graphs = GraphSet(loaded.model, None, d.batch_size, 0, graph, "none", default_sizes(d.batch_size),
+                              [], False).capture()
+        samples = synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
+                             d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs)
+        del graphs
+        synth_s = time.perf_counter() - t0
+        save_samples(path, samples, meta, synth_s)
+        return samples, synth_s, False
+
+    def _student(self, cfg, head, target, train, env: StageEnv):
+        """A float32 trainable copy of the loaded head, with its draft vocabulary."""
+        student = type(head)(head.config, target.max_seq_len)
+        student.load_state_dict(head.state_dict())
+        if cfg.draft.init == "random":
+            eos = sorted(set(target.args.eos_token_ids))
+            d2t, t2d = build_draft_vocab((s.ids for s in train), target.args.vocab_size, head.draft_vocab_size, eos)
+            student.d2t.copy_(d2t)
+            student.t2d.copy_(t2d)
+            if cfg.train.init_from_target:
+                used = torch.arange(head.draft_vocab_size) + d2t
+                with torch.no_grad():
+                    student.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[used])
+                    student.norm.weight.copy_(target.model.norm.weight.detach().float().cpu())
+        student = student.to(device=env.device, dtype=torch.float32)
+        student.init_buffers(env.device)
+        student.bind(target)
+        return student.requires_grad_(True)
+
+    def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:
+        from pipeline.plan import DTYPES
+        from pipeline.tracking import device_name
+
+        dtype = DTYPES[cfg.train.save_dtype]
+        export = type(student)(student.config, student.max_seq_len)
+        export.load_state_dict({k: v.detach().cpu() for k, v in student.state_dict().items()})
+        export.to(dtype=dtype)
+        shutil.rmtree(path, ignore_errors=True)
+        export.save(path)
+        facts = {
+            "target": cfg.model.name, "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
+            "samples": n_samples, "answer_tokens": answer_tokens, "data_s": round(data_s, 1),
+            "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
+            "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
+            "draft_vocab_size": export.draft_vocab_size, "aux_layer_ids_output_of":
+                export.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            "metrics": {k: round(float(v), 4) for k, v in metrics.items()},
+        }
+        (path / "README.md").write_text(model_card(facts))
+        (path / "training.json").write_text(json.dumps(facts, indent=2, default=str))
+
+
+def settings(cfg) -> TrainSettings:
+    t = cfg.train
+    return TrainSettings(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+                         grad_clip=t.grad_clip, ttt_steps=t.ttt_steps, loss_decay=t.loss_decay,
+                         max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
+                         save_every=t.save_every, eval_k=t.eval_k, max_time_s=t.max_time_s, seed=cfg.seed)
+
+
+def model_card(f: dict) -> str:
+    m, k = f["metrics"], f["train"]["eval_k"]
+    rates = ", ".join(f"{m[f'val_accept_rate_pos_{i}']:.2f}" for i in range(k) if f"val_accept_rate_pos_{i}" in m)
+    return f"""# EAGLE3 draft head for {f['target']}
+
+A one-layer EAGLE-3 head in the public format (`LlamaForCausalLMEagle3`: `fc`, `midlayer.*`, `norm`,
+`lm_head`, `d2t`, `t2d`), reading the target's hidden states after layers
+{f['aux_layer_ids_output_of']} (`output_of` convention), with a {f['draft_vocab_size']}-token draft vocabulary.
+The token embedding is the target's and is not stored here.
+
+## How it was trained
+
+- Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2`), on {f['device']}.
+- Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
+  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}), answered by the target greedily
+  (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
+- Training-time test with {f['train']['ttt_steps']} unrolled steps, loss against the target's distribution over the
+  draft vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
+  of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
+
+## Acceptance measured
+
+On the held-out {f['heldout']:.0%} of the self-distilled samples, greedy chain drafting of k={k} tokens from every
+answer position: accept_length {m.get(f'val_accept_length_k{k}', float('nan')):.2f} (bonus token included);
+accept_rate_pos_i: {rates}.
+"""

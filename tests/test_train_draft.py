@@ -1,0 +1,204 @@
+"""Issue 5: EAGLE3 training with training-time test, the `train_draft` stage, resume, and the round trip
+of a trained head into the eval stage (acceptance above a random head's on the training prompts)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from mlflow.tracking import MlflowClient
+from safetensors import safe_open
+
+from conftest import compose_cfg, spread_init
+from engine.drafts.heads import Eagle3Head, eagle3_config
+from engine.model import StaticKVCache, run_steps
+from engine.train.eagle3 import Batch, chain_acceptance, ttt_forward, ttt_loss
+from pipeline.__main__ import run
+from pipeline.config import to_run_config
+from pipeline.plan import PlanError, build_plan
+from pipeline.tracking import default_tracking_uri
+from test_model import pair
+
+
+def _head_and_batch(b=2, t=12, seed=0):
+    _, target = pair()
+    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], 320), 64), seed=seed, std=0.1)
+    head.bind(target)
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(b, t, head.fc.in_features, generator=g)
+    tokens = torch.randint(0, 320, (b, t), generator=g)
+    positions = torch.arange(t).expand(b, t)
+    labels = torch.softmax(torch.randn(b, t, 320, generator=g), -1)
+    batch = Batch(tokens, positions, feats, labels, labels.argmax(-1), torch.ones(b, t, dtype=torch.bool))
+    return head, batch
+
+
+@torch.no_grad()
+def _inference_chain(head, batch: Batch, row: int, anchor: int, steps: int) -> list[torch.Tensor]:
+    """Logits of a chain anchored at `anchor`, computed the way FeatureDraft runs at inference: the draft
+    extend over positions 0..anchor with the target's features, then one step at a time on the draft's
+    own hidden state (teacher-forced tokens), each through the head's KV-cache program."""
+    cache = StaticKVCache(head.args, 1, head.max_seq_len, batch.tokens.device, torch.float32)
+    prog = head.program(cache)
+    n = anchor + 1
+    env = {"tokens": batch.tokens[row:row + 1, :n], "hidden": batch.feats[row:row + 1, :n],
+           "positions": batch.positions[row:row + 1, :n], "valid": None, "kv_len": n, "input_embeds": None}
+    run_steps(prog, env)
+    out, h = [env["logits"][0, -1]], env["out_hidden"][:, -1:]
+    for s in range(1, steps):
+        p = anchor + s
+        env = {"tokens": batch.tokens[row:row + 1, p:p + 1], "hidden": h, "positions": batch.positions[row:row + 1, p:p + 1],
+               "valid": None, "kv_len": p + 1, "input_embeds": None}
+        run_steps(prog, env)
+        out.append(env["logits"][0, -1])
+        h = env["out_hidden"]
+    return out
+
+
+@pytest.mark.parametrize("anchor", [0, 3, 6])
+def test_ttt_unroll_equals_the_inference_chain(anchor):
+    """Step s of the unrolled forward at position anchor + s is exactly what the draft computes at
+    inference for a chain anchored there: same hidden inputs and the same keys (the step-0 prefix plus one
+    diagonal key per earlier step). A wrong attention pattern fails here."""
+    head, batch = _head_and_batch()
+    steps = 4
+    with torch.no_grad():
+        unrolled = ttt_forward(head, batch, steps)
+    for row in range(2):
+        chain = _inference_chain(head, batch, row, anchor, steps)
+        for s in range(steps):
+            torch.testing.assert_close(unrolled[s][row, anchor + s], chain[s], atol=2e-5, rtol=1e-4)
+
+
+def test_ttt_loss_and_gradient_reach_every_trained_tensor():
+    head, batch = _head_and_batch()
+    head.requires_grad_(True)
+    loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch)
+    loss.backward()
+    assert loss.item() > 0 and set(stats) == {f"{k}_{s}" for k in ("loss", "acc") for s in range(3)}
+    for name, p in head.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+    assert head.embed.weight.grad is None  # the target's embedding stays frozen
+
+
+def test_chain_acceptance_counts_chains_not_positions():
+    # One row, 6 positions, k=3; step s is right at the positions listed.
+    t, k = 6, 3
+    right = {0: {0, 1, 2, 3}, 1: {1, 3, 4}, 2: {2, 5}}
+    top = torch.zeros(1, t, dtype=torch.long)
+    logits = []
+    for s in range(k):
+        lg = torch.zeros(1, t, 2)
+        for p in range(t):
+            lg[0, p, 0 if p in right[s] else 1] = 1.0
+        logits.append(lg)
+    batch = Batch(top, top, None, None, top, torch.ones(1, t, dtype=torch.bool))
+    accepted, anchors = chain_acceptance(logits, batch, k)
+    # anchors j with j + 2 < 6: 0..3. Step 0 right at j: 0,1,2,3; step 1 at j+1: j=0,2,3; step 2 at j+2: j=0,3
+    assert int(anchors) == 4 and accepted.tolist() == [4, 3, 2]
+
+
+# ------------------------------------------------------------------------------------------ the stage
+TRAIN = ["+experiment=train_eagle3_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.aux_layer_ids=[1,2,3]",
+         "draft.draft_vocab_size=96", "train.data.num_samples=16", "train.data.batch_size=8",
+         "train.data.max_prompt_tokens=12", "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1",
+         "train.heldout=0.25", "train.lr=5e-3", "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64",
+         "train.eval_every=20", "train.save_every=20", "train.ttt_steps=4", "train.eval_k=3"]
+
+
+def _history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
+    ctx = run(compose_cfg(*TRAIN, "train.steps=40"))
+    head_dir = Path(ctx["draft_checkpoint"])
+    assert head_dir == outputs / "train" / "train_eagle3_smollm2" / "head"
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # train.save_dtype
+        d2t = f.get_tensor("d2t")
+    assert "accept_length" in (head_dir / "README.md").read_text()
+
+    client = MlflowClient(default_tracking_uri(outputs))
+    exp = client.get_experiment_by_name("train_eagle3_smollm2")
+    (r,) = client.search_runs([exp.experiment_id])
+    assert r.info.status == "FINISHED"
+    val = _history(client, r.info.run_id, "val_loss")
+    assert val[0][0] == 0 and val[-1][0] == 40 and val[-1][1] < val[0][1]  # the held-out loss falls
+    assert len(_history(client, r.info.run_id, "train_loss")) == 4
+    assert "val_accept_rate_pos_2" in r.data.metrics
+    arts = {a.path for a in client.list_artifacts(r.info.run_id, "draft_head")}
+    assert {"draft_head/model.safetensors", "draft_head/config.json", "draft_head/README.md"} <= arts
+
+    # Resume: the same experiment with more steps continues from step 40 on the cached data.
+    ctx = run(compose_cfg(*TRAIN, "train.steps=50"))
+    state = torch.load(outputs / "train" / "train_eagle3_smollm2" / "checkpoint" / "trainer_state.pt",
+                       weights_only=False)
+    assert state["step"] == 50
+    runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
+    second = runs[0].info.run_id
+    assert [s for s, _ in _history(client, second, "train_loss")] == [50]  # no step before 40 re-ran
+    assert runs[0].data.metrics["data_reused"] == 1.0  # the cached samples
+    assert runs[0].data.metrics["data_s"] == runs[1].data.metrics["data_s"]  # their synthesis time, recorded
+
+    # The exported head loads as a checkpoint and drafts: on the training prompts it is accepted more
+    # often than a random head of the same shape, and the output stays the target's.
+    samples = [json.loads(line) for line in open(outputs / "train" / "train_eagle3_smollm2" / "data" / "samples.jsonl")]
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
+                             for i, s in enumerate(samples)))
+    common = ["+experiment=eagle3", "model=tiny", "model.random.init_std=0.15", "draft.aux_layer_ids=[1,2,3]",
+              f"eval.dataset={qfile}", "eval.max_new_tokens=24", "eval.batch_size=4", "draft.num_steps=3",
+              "tracking=off"]
+    trained = run(compose_cfg(*common, "draft.init=checkpoint", f"draft.path={head_dir}"))["eval_results"]["metrics"]
+    random_ = run(compose_cfg(*common, "draft.init=random", "draft.draft_vocab_size=96"))["eval_results"]["metrics"]
+    assert trained["match_baseline"] == 1.0
+    assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
+                                                                        random_["accept_length"])
+    assert d2t.shape == (96,)
+
+
+@pytest.mark.parametrize("override, key", [
+    (["draft=ngram"], "draft.algorithm"),
+    (["train.heldout=1.5"], "train.heldout"),
+    (["train.data.graph=full"], "train.data.graph"),
+    (["train.data.graph=fast"], "train.data.graph"),
+    (["train.max_len=4096"], "train.max_len"),
+    (["train.steps=0"], "train.steps"),
+])
+def test_bad_train_config_is_one_clear_error(outputs, override, key):
+    with pytest.raises(PlanError) as e:
+        build_plan(to_run_config(compose_cfg(*TRAIN, *override, "device=cpu")))
+    assert key in str(e.value)
+    assert not (outputs / "train").exists()  # nothing written
+
+
+# ------------------------------------------------------------------------------------------ the shipped head
+SHIPPED = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints" / "smollm2-135m-instruct-eagle3"
+
+
+def test_shipped_head_fits_the_budget_and_has_a_model_card():
+    files = {p.name: p.stat().st_size for p in SHIPPED.iterdir()}
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
+    assert sum(files.values()) <= 20_000_000
+    cfg = json.loads((SHIPPED / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["target_hidden_size"] == 576
+    card = (SHIPPED / "README.md").read_text()
+    assert "self-distilled" in card and "accept_length" in card
+
+
+@pytest.mark.slow
+def test_shipped_head_is_the_eagle3_default_and_drafts_smollm2(outputs):
+    """`+experiment=eagle3` on a fresh machine: the shipped head loads for the default target, is
+    accepted far more often than nothing, and greedy output stays the target's."""
+    ctx = run(compose_cfg("+experiment=eagle3", "device=cpu", "eval.limit=2", "eval.max_new_tokens=32",
+                          "tracking=off"))
+    assert ctx["draft_head"].draft_vocab_size == 8192
+    m = ctx["eval_results"]["metrics"]
+    assert m["match_baseline"] == 1.0
+    assert m["accept_length"] > 1.5, m["accept_length"]
