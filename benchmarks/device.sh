@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # GPU runs of issues 4 and 5 on the device machine (see docs/benchmarks.md), one phase per call:
-#   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped
+#   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped|final
 # Expects the wheelhouse (.whl), model parts (.model/pN) and prompt sets (.data) carried in, and
 # writes logs under $OUT. Phases after `assemble` need PYTHONPATH=/tmp/site:$PWD (set here).
 set -euo pipefail
@@ -52,5 +52,14 @@ shipped)  # the shipped head as the eagle3 default (k = 5), and the design's pee
   done
   python -m pipeline +experiment=eagle3_bcg eval=mt_bench eval.limit=5 tracking.run_name=peers \
     "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]" 2>&1 | grep -E "$m" | tee -a "$OUT/peers.log" ;;
+final)  # GEMV kernels: correctness on the GPU, then the decode step and the shipped head under full graphs
+  python -m pytest -q -x -p no:cacheprovider tests/test_gemv.py tests/test_kernels.py tests/test_graphs.py 2>&1 \
+    | tee "$OUT/final_tests.log" | grep -E "passed|failed|Error"
+  for bs in 1 8; do lim=$([ $bs = 1 ] && echo 3 || echo 8)
+    python -m pipeline +experiment=baseline graph=full eval.batch_size=$bs eval.limit=$lim eval.max_new_tokens=256 \
+      eval.ignore_eos=true tracking.run_name=gemv_bs$bs 2>&1 | grep -E "^(tpot_ms|tokens_per_s)" | tee -a "$OUT/final.log"
+  done
+  python -m pipeline +experiment=eagle3_full eval=mt_bench eval.limit=20 tracking.run_name=gemv_mt 2>&1 \
+    | grep -E "^(accept_length|tokens_per_s|baseline_tokens|speedup|match|tpot)" | tee -a "$OUT/final.log" ;;
 *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -195,14 +195,18 @@ class Generator:
                 draft_tokens, q = last.new_empty(b, 0), None
             t_verify = time.perf_counter()
             lengths, live = state.on_device()  # [b], [b]
-            out = self._forward(self.round_runner, {"tokens": torch.cat([last[:, None], draft_tokens], 1),
-                                                    "positions": lengths[:, None] + steps,
+            tokens = torch.cat([last[:, None], draft_tokens], 1) if k else last[:, None]  # [b, k+1]
+            out = self._forward(self.round_runner, {"tokens": tokens, "positions": lengths[:, None] + steps,
                                                     "valid": live[:, None].expand(b, k + 1)},
                                 max(state.lengths) + k + 1, cache)
             accepted, bonus = verify(out.logits, draft_tokens, q, params, generator)  # [b], [b]
-            emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
-            emitted[torch.arange(b, device=dev), accepted] = bonus
-            acc_host, em_host = accepted.tolist(), emitted.tolist()  # the round's sync
+            if k:
+                emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
+                emitted[torch.arange(b, device=dev), accepted] = bonus
+            else:
+                emitted = bonus[:, None]
+            host = torch.cat([accepted[:, None], emitted], 1).tolist()  # the round's one sync
+            acc_host, em_host = [r[0] for r in host], [r[1:] for r in host]
             now = time.perf_counter()
             stats.rounds += 1
             stats.verify_s += now - t_verify

@@ -35,6 +35,8 @@ from torch import Tensor, nn
 
 from kernels.decode_attention import decode_attention
 from kernels.fused import add_rmsnorm, rope_cache_write, silu_mul
+from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
+from kernels.gemv import add_rmsnorm_gemv, gemv, silu_mul_gemv
 
 
 @dataclass(frozen=True)
@@ -295,6 +297,12 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def _gemv_rows(x: Tensor) -> bool:
+    """[b, t, h] activations with few enough rows for the GEMV kernels (decode, verify, draft steps);
+    prefill stays on cuBLAS. The choice is static per shape, so a captured graph keeps it."""
+    return x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
@@ -312,8 +320,11 @@ class DecoderLayer(nn.Module):
         if not fused:
             h = x if delta is None else x + delta
             return h, att.project(norm(h), cache, a)
-        h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
-        qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
+        if _gemv_rows(x):  # decode / verify: norm fused into the projection's prologue
+            h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, self.qkv_weight, self.qkv_bias)
+        else:
+            h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
+            qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
         return h, rope_cache_write(qkv, a.cos32, a.sin32, a.slots, cache.k[att.layer_idx], cache.v[att.layer_idx],
                                    att.n_heads, att.n_kv)
 
@@ -323,8 +334,13 @@ class DecoderLayer(nn.Module):
         if not fused:
             h = h + self.self_attn.o_proj(o)
             return h, self.mlp(norm(h))
-        h, n = add_rmsnorm(h, self.self_attn.o_proj(o), norm.weight, norm.variance_epsilon)
-        return h, self.mlp.down_proj(silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias)))
+        o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
+        if _gemv_rows(h):  # decode / verify: three GEMVs, the norm and SwiGLU in their prologues
+            h, gu = add_rmsnorm_gemv(h, gemv(o, o_proj.weight, o_proj.bias), norm.weight, norm.variance_epsilon,
+                                     self.gate_up_weight, self.gate_up_bias)  # [b, t, h], [b, t, 2 * inter]
+            return h, silu_mul_gemv(gu, down.weight, down.bias)
+        h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
+        return h, down(silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias)))
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up weights become views of one tensor each: one matmul instead of 3 and 2."""

@@ -31,6 +31,9 @@ def _race(probs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
 
 
 def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
+    if draft.shape[1] == 0:  # plain decoding: the argmax, nothing to accept (fewer launches per step)
+        bonus = logits[:, 0].argmax(-1)  # [b]
+        return torch.zeros_like(bonus), bonus
     target = logits.argmax(-1)  # [b, k+1]
     accepted = (draft == target[:, :-1]).int().cumprod(1).sum(1)  # [b]
     return accepted, target.gather(1, accepted[:, None])[:, 0]

@@ -72,7 +72,8 @@ class ModelConfig:
     # reads each row's live prefix, also inside a CUDA graph), auto (triton on CUDA, sdpa on CPU).
     attention: str = "auto"
     # Fused Triton kernels for RMSNorm (+ residual add), RoPE + KV-cache write and SwiGLU, with fused
-    # q/k/v and gate/up projections. null: on exactly when the attention kernel is.
+    # q/k/v and gate/up projections, and GEMVs with those ops in their prologues for <= 16 rows
+    # (decode, verify). null: on exactly when the attention kernel is.
     fused: Optional[bool] = None
     random: RandomArchConfig = field(default_factory=RandomArchConfig)
 

@@ -111,11 +111,12 @@ class GraphRunner:
         return mode <= self.mode and self.bucket_for(b, t) is not None
 
     def _reset(self, b: int, t: int, live_b: int, live_t: int) -> None:
-        """Padding rows [live_b:b] and columns [live_t:t] to inert values."""
+        """Padding rows [live_b:b] and columns [live_t:t] to inert values (no launch when none)."""
         for k, buf in self.buffers.items():
             pad = self.inputs[k].pad
-            buf[live_b:b].fill_(pad)
-            if not self.inputs[k].per_row:
+            if live_b < b:
+                buf[live_b:b].fill_(pad)
+            if live_t < t and not self.inputs[k].per_row:
                 buf[:live_b, live_t:t].fill_(pad)
 
     def __call__(self, live: dict[str, Optional[Tensor]], kv_len: int,
