@@ -172,6 +172,10 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 250
     eval_k: int = 5  # drafts per chain for the held-out accept_length
+    # After training: this many held-out prompts through the real draft-and-verify loop (k =
+    # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it.
+    loop_eval_prompts: int = 64
+    loop_eval_tokens: int = 128
     max_time_s: Optional[float] = None  # stop (evaluate, save) after this much training time
     resume: bool = True  # continue from <train dir>/checkpoint when it exists
     init_from_target: bool = True  # random init: lm_head rows and final norm copied from the target

@@ -132,6 +132,9 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert val[0][0] == 0 and val[-1][0] == 40 and val[-1][1] < val[0][1]  # the held-out loss falls
     assert len(_history(client, r.info.run_id, "train_loss")) == 4
     assert "val_accept_rate_pos_2" in r.data.metrics
+    # the real draft-and-verify loop on held-out prompts (k = draft.num_steps = 5): one or more per round
+    assert 1.0 <= r.data.metrics["heldout_loop_accept_length_k5"] <= 6.0
+    assert r.data.metrics["heldout_loop_prompts"] == 4.0
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "draft_head")}
     assert {"draft_head/model.safetensors", "draft_head/config.json", "draft_head/README.md"} <= arts
 
