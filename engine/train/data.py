@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -113,11 +113,3 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
         labels=labels, top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
     )
 
-
-def epochs(samples: list[Sample], max_tokens: int, max_len: int, seed: int) -> Iterator[tuple[int, list[Sample]]]:
-    """(epoch, batch) forever; each epoch reshuffles the batch order."""
-    epoch = 0
-    while True:
-        for batch in batches(samples, max_tokens, max_len, seed + epoch):
-            yield epoch, batch
-        epoch += 1
