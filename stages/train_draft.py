@@ -160,21 +160,17 @@ class TrainDraftStage(Stage):
 
     def _student(self, cfg, head, target, train, env: StageEnv):
         """A float32 trainable copy of the loaded head, with its draft vocabulary."""
-        student = type(head)(head.config, target.max_seq_len)
-        student.load_state_dict(head.state_dict())
+        student = head.copy(env.device, torch.float32)
         if cfg.draft.init == "random":
             eos = sorted(set(target.args.eos_token_ids))
             d2t, t2d = build_draft_vocab((s.ids for s in train), target.args.vocab_size, head.draft_vocab_size, eos)
             student.d2t.copy_(d2t)
             student.t2d.copy_(t2d)
             if cfg.train.init_from_target:
-                used = torch.arange(head.draft_vocab_size) + d2t
+                used = (torch.arange(head.draft_vocab_size) + d2t).to(target.lm_head.weight.device)
                 with torch.no_grad():
-                    student.lm_head.weight.copy_(target.lm_head.weight.detach().float().cpu()[used])
-                    student.norm.weight.copy_(target.model.norm.weight.detach().float().cpu())
-        student = student.to(device=env.device, dtype=torch.float32)
-        student.init_buffers(env.device)
-        student.bind(target)
+                    student.lm_head.weight.copy_(target.lm_head.weight[used])
+                    student.norm.weight.copy_(target.model.norm.weight)
         return student.requires_grad_(True)
 
     def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:
@@ -182,9 +178,7 @@ class TrainDraftStage(Stage):
         from pipeline.tracking import device_name
 
         dtype = DTYPES[cfg.train.save_dtype]
-        export = type(student)(student.config, student.max_seq_len)
-        export.load_state_dict({k: v.detach().cpu() for k, v in student.state_dict().items()})
-        export.to(dtype=dtype)
+        export = student.copy(torch.device("cpu"), dtype)
         shutil.rmtree(path, ignore_errors=True)
         export.save(path)
         facts = {
@@ -210,12 +204,7 @@ def loop_acceptance(student, target, prompts, k: int, max_new_tokens: int, stop_
     from engine.generate import Generator
     from engine.sampling import SamplingParams
 
-    dtype = target.lm_head.weight.dtype
-    head = type(student)(student.config, student.max_seq_len)
-    head.load_state_dict(student.state_dict())
-    head = head.to(device=env.device, dtype=dtype).eval()
-    head.init_buffers(env.device)
-    head.bind(target)
+    head = student.copy(env.device, target.lm_head.weight.dtype).eval()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     batch = min(16, len(prompts))
     gen = Generator(target, batch, FeatureDraft(head, batch, params, None, FeatureKind.aux), k)

@@ -80,6 +80,16 @@ class _Head(nn.Module):
     def embed(self) -> nn.Embedding:
         return self.embed_ref[0]
 
+    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "_Head":
+        """A head of the same type and config with this one's weights in its own storage, on `device`
+        in `dtype` (integer buffers such as d2t keep theirs), bound to the same target embedding."""
+        head = type(self)(self.config, self.max_seq_len)
+        head.load_state_dict({k: v.detach() for k, v in self.state_dict().items()})
+        head.to(device=device, dtype=dtype)
+        head.init_buffers(device)
+        head.embed_ref, head.attention_kernel = list(self.embed_ref), self.attention_kernel
+        return head
+
     def program(self, cache: StaticKVCache, *, embeds_input: bool = False) -> list[Step]:
         """One draft forward as steps (segment, attention break, segment) over an env dict.
 
