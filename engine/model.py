@@ -184,11 +184,13 @@ class StaticKVCache:
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
 
-    def rows(self, n: int) -> "StaticKVCache":
-        """The first n rows, sharing storage (a batch smaller than the cache)."""
+    def rows(self, n: int | slice) -> "StaticKVCache":
+        """Rows sharing storage: the first n (a batch smaller than the cache), or a contiguous slice
+        (one request's slot under continuous batching, a sub-batch's draft prefill)."""
+        sl = n if isinstance(n, slice) else slice(0, n)
         view = object.__new__(StaticKVCache)
-        view.k, view.v = self.k[:, :n], self.v[:, :n]
-        view.batch_size, view.max_seq_len = n, self.max_seq_len
+        view.k, view.v = self.k[:, sl], self.v[:, sl]
+        view.batch_size, view.max_seq_len = view.k.shape[1], self.max_seq_len
         return view
 
 

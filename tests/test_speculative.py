@@ -189,3 +189,38 @@ def test_input_embeds_prompt_equals_token_prompt(target):
     # Without the embeddings the placeholders give a different answer: the test can fail.
     plain, _ = traced(placeholders, None)
     assert [r.tokens for r in plain] != [r.tokens for r in ref]
+
+
+def _prefill_features(target, prompts):
+    """The target's prefill over right-padded prompts -> (out, ids [b, T], valid [b, T], first [b])."""
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    positions = torch.arange(width).expand(len(prompts), width)
+    valid = positions < lens[:, None]
+    out = target(ids, positions, target.new_cache(len(prompts)), valid=valid, kv_len=width)
+    first = out.logits[torch.arange(len(prompts)), lens - 1].argmax(-1)
+    return out, ids, valid, first
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle"])
+def test_begin_on_row_slices_equals_whole_batch(target, algorithm):
+    """Continuous batching joins requests into rows of a running batch: a draft prefilled row range by
+    row range proposes exactly what it proposes when prefilled as one batch."""
+    from engine.drafts.base import SpecState
+
+    prompts = _prompts(3, seed=21)
+    params = SamplingParams(max_new_tokens=8)
+    whole, parts = build(target, algorithm, 3, params).draft, build(target, algorithm, 3, params).draft
+    parts.head = whole.head
+    kind = whole.features
+    feats = lambda out: out.aux_hidden_states if kind.value == "aux" else out.hidden_states  # noqa: E731
+    out, ids, valid, first = _prefill_features(target, prompts)
+    whole.begin(None, feats(out), ids, valid, None, first)
+    for sl in (slice(0, 2), slice(2, 3)):
+        o, i, v, f = _prefill_features(target, prompts[sl])
+        parts.begin(None, feats(o), i, v, None, f, rows=sl)
+    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
+    assert torch.equal(whole.propose(state, 3).tokens, parts.propose(state, 3).tokens)

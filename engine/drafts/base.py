@@ -8,7 +8,10 @@ its last emitted token `x_L` not yet in it:
     accept a of them; emit d_1..d_a and the bonus token
     commit(state, ...)  the draft catches up on the a+1 verified positions (its "draft extend")
 
-`begin` is the draft's prefill after the target's. Drafts that read target features declare which
+`begin` is the draft's prefill after the target's. With `rows=slice(i, j)` it prefills rows i..j-1 of a
+batch of `batch_size` rows and leaves every other row's draft state (KV cache, carried hidden
+states, pending proposal) as it was: requests join a running batch between rounds this way
+(continuous batching). `rows=None` starts a fresh batch made of exactly these prompts. Drafts that read target features declare which
 (`FeatureKind`): `aux` (EAGLE3: concatenated aux layers) or `final` (EAGLE: the final normed hidden
 state); `none` for weightless drafts (n-gram, oracle).
 """
@@ -71,9 +74,10 @@ class Draft:
     features: FeatureKind = FeatureKind.none
 
     def begin(self, state: SpecState, feats: Optional[Tensor], prompt_tokens: Tensor, valid: Tensor,
-              input_embeds: Optional[Tensor], first: Tensor) -> None:
-        """Draft prefill. prompt_tokens/valid [b, T]; feats [b, T, F]; input_embeds [b, T, H] (the
-        target's, reused for prompt positions); first [b]: the target's first emitted token."""
+              input_embeds: Optional[Tensor], first: Tensor, rows: Optional[slice] = None) -> None:
+        """Draft prefill. prompt_tokens/valid [n, T]; feats [n, T, F]; input_embeds [n, T, H] (the
+        target's, reused for prompt positions); first [n]: the target's first emitted token.
+        rows: the batch rows these n prompts occupy (None: they are the whole batch)."""
 
     def propose(self, state: SpecState, k: int) -> Proposal:
         raise NotImplementedError

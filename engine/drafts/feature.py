@@ -26,7 +26,7 @@ from engine.sampling import SamplingParams, probs_from_logits
 class FeatureDraft(Draft):
     def __init__(self, head, batch_size: int, params: SamplingParams, generator: Optional[torch.Generator],
                  features: FeatureKind, graphs=None):
-        self.head, self.params, self.generator = head, params, generator
+        self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
         self.features = features
         self.step_runner = self.extend_runner = None
         if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
@@ -43,8 +43,9 @@ class FeatureDraft(Draft):
         return self.head.embed
 
     def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Optional[Tensor], kv_len: int,
-                 embeds: Optional[Tensor] = None, runner=None) -> tuple[Tensor, Tensor]:
-        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]; through `runner` when given."""
+                 embeds: Optional[Tensor] = None, runner=None, rows: Optional[slice] = None) -> tuple[Tensor, Tensor]:
+        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]; through `runner` when given (the
+        whole batch), else eagerly over the cache rows `rows` (default: the first b)."""
         env = {"tokens": tokens, "hidden": hidden, "positions": positions, "valid": valid, "kv_len": kv_len,
                "input_embeds": embeds}
         if runner is not None and embeds is None:
@@ -52,7 +53,8 @@ class FeatureDraft(Draft):
             env["valid"] = valid.expand(b, t) if valid is not None else torch.ones_like(tokens, dtype=torch.bool)
             out, _ = runner(env, kv_len, CaptureHiddenMode.FULL if t > 1 else CaptureHiddenMode.LAST)
             return out["out_hidden"], out["logits"]
-        run_steps(self.head.program(self.cache.rows(tokens.shape[0]), embeds_input=embeds is not None), env)
+        cache = self.cache.rows(rows if rows is not None else tokens.shape[0])
+        run_steps(self.head.program(cache, embeds_input=embeds is not None), env)
         return env["out_hidden"], env["logits"]
 
     def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
@@ -63,24 +65,36 @@ class FeatureDraft(Draft):
         race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
         return self.head.to_target((q / race).argmax(-1)), self.head.probs_to_target(q)
 
-    def _take(self, h: Tensor, logits: Tensor, idx: Tensor) -> None:
-        rows = torch.arange(h.shape[0], device=h.device)
-        self.hidden = h[rows, idx]  # [b, hidden]
-        self.next, self.next_probs = self._pick(logits[rows, idx])
+    def _take(self, h: Tensor, logits: Tensor, idx: Tensor, rows: Optional[slice] = None) -> None:
+        """Carry each row's hidden state and next proposal from index idx [b] of a forward's outputs;
+        with `rows`, into those rows of the batch's state (the rest keep theirs)."""
+        r = torch.arange(h.shape[0], device=h.device)
+        hidden = h[r, idx]  # [b, hidden]
+        nxt, probs = self._pick(logits[r, idx])
+        if rows is None:
+            self.hidden, self.next, self.next_probs = hidden, nxt, probs
+            return
+        if self.hidden is None or self.hidden.shape[0] != self.batch_size:
+            n = self.batch_size
+            self.hidden, self.next = hidden.new_zeros(n, hidden.shape[-1]), nxt.new_zeros(n)
+            self.next_probs = None if probs is None else probs.new_zeros(n, probs.shape[-1])
+        self.hidden[rows], self.next[rows] = hidden, nxt
+        if probs is not None:
+            self.next_probs[rows] = probs
 
-    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first) -> None:
+    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
         b, t = prompt_tokens.shape
         last = valid.sum(1) - 1  # [b] index of each prompt's last token
-        rows = torch.arange(b, device=first.device)
+        r = torch.arange(b, device=first.device)
         shifted = torch.cat([prompt_tokens[:, 1:], prompt_tokens[:, :1]], 1)  # x_{j+1}; last column is filler
-        shifted[rows, last] = first
+        shifted[r, last] = first
         embeds = None
         if input_embeds is not None:  # the multimodal path: reuse the target's embeddings
             embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
-            embeds[rows, last] = self.embed(first)
+            embeds[r, last] = self.embed(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        h, logits = self._forward(shifted, feats, positions, valid, t, embeds)
-        self._take(h, logits, last)
+        h, logits = self._forward(shifted, feats, positions, valid, t, embeds, rows=rows)
+        self._take(h, logits, last, rows)
 
     def propose(self, state: SpecState, k: int) -> Proposal:
         lengths, live = state.on_device()
