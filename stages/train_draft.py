@@ -1,8 +1,10 @@
 """Stage `train_draft`: self-distil data from the target, then train the draft head with training-time test.
 
     plan:   load -> configure_aux_capture -> train_draft          (task=train_draft)
-    output: <outputs>/train/<train.name>/
-                data/        samples.jsonl + meta.json (reused while the target and data settings match)
+    output: <outputs>/train/data/<key>/  samples.jsonl + meta.json + stats.json, keyed by a hash of the
+                                         target and the data settings: every draft trained on the same
+                                         target and settings reuses one synthesis
+            <outputs>/train/<train.name>/
                 checkpoint/  the head in float32 + trainer_state.pt (resume)
                 head/        the exported head: config.json, model.safetensors (train.save_dtype), README.md
 
@@ -20,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -107,7 +110,7 @@ class TrainDraftStage(Stage):
         out.mkdir(parents=True, exist_ok=True)
         log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
 
-        samples, data_s, reused = self._data(cfg, loaded, out / "data", data_graph(cfg, env))
+        samples, data_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env))
         train, heldout = split(samples, t.heldout, cfg.seed)
         answer_tokens = sum(len(s.answer_ids) for s in samples)
         log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_answer_tokens": answer_tokens,
@@ -141,9 +144,10 @@ class TrainDraftStage(Stage):
               f"loss {metrics['val_loss']:.3f} -> {export}", flush=True)
         return {"draft_checkpoint": str(export)}
 
-    def _data(self, cfg, loaded, path: Path, graph: str):
+    def _data(self, cfg, loaded, root: Path, graph: str):
         d = cfg.train.data
         meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None}}
+        path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
         samples = load_samples(path, meta)
         if samples is not None:
             print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)

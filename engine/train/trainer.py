@@ -29,6 +29,7 @@ from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
+from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
 
@@ -52,7 +53,10 @@ class TrainSpec:
     reduced_vocab: bool = False
 
 
-TRAIN_SPECS: dict[str, TrainSpec] = {"eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True)}
+TRAIN_SPECS: dict[str, TrainSpec] = {
+    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True),
+    "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
+}
 
 
 @dataclass
