@@ -36,6 +36,22 @@ poll)  # progress of the background training (optionally wait first: WAIT=second
   for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[|Error|error" | tail -6
     tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-160; done
   cat /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+evals6)  # issue 6: the heads trained by `launch`, on MT-bench and GSM8K (RUNS: a subset of the names below)
+  m="^(accept_length|accept_rate_pos|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms)"
+  E="draft.init=checkpoint draft.path=outputs/train/train_eagle3_smollm2/head"
+  M="draft.init=checkpoint draft.path=outputs/train/train_mtp_smollm2/head"
+  declare -A R=(
+    [e3_mt]="+experiment=eagle3_full eval=mt_bench $E"
+    [e3_mt_quick]="+experiment=eagle3_full eval=mt_bench $E eval.baseline=false"
+    [e3_gsm]="+experiment=eagle3_full eval.dataset=gsm8k eval.limit=40 $E"
+    [e3_none]="+experiment=eagle3 eval=mt_bench eval.limit=10 $E"
+    [mtp_mt]="+experiment=mtp_bcg eval=mt_bench $M"
+    [mtp_mt_full]="+experiment=mtp_bcg graph=full eval=mt_bench $M"
+    [mtp_gsm]="+experiment=mtp_bcg eval.dataset=gsm8k eval.limit=40 $M"
+    [mtp_none]="+experiment=mtp eval=mt_bench eval.limit=10 $M"
+  )
+  for r in ${RUNS:-e3_mt e3_gsm mtp_mt mtp_gsm mtp_none}; do echo "== $r: ${R[$r]}" | tee -a "$OUT/evals6.log"
+    python -m pipeline ${R[$r]} tracking.run_name=$r 2>&1 | grep -E "$m|Error" | tee -a "$OUT/evals6.log"; done ;;
 fetch)  # the trained heads, split under the 16 MB a file that comes back
   for h in ${HEADS:-eagle3 mtp}; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] || continue
     mkdir -p "$OUT/$h"; tar -C $d -cf "$OUT/$h/meta.tar" config.json README.md training.json
