@@ -33,7 +33,7 @@ from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
 from engine.train.selfdistill import synthesize
-from engine.train.trainer import FORWARDS, Trainer, TrainSettings
+from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
 from engine.train.vocab import build_draft_vocab
 from pipeline.paths import REPO
 from stages.base import Stage, StageEnv, register_stage
@@ -66,8 +66,8 @@ class TrainDraftStage(Stage):
 
     def check(self, cfg, env: StageEnv) -> None:
         t, d = cfg.train, cfg.draft
-        if d.algorithm not in FORWARDS:
-            raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(FORWARDS))
+        if d.algorithm not in TRAIN_SPECS:
+            raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
         for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
                     "eval_k"):
             _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
@@ -115,14 +115,16 @@ class TrainDraftStage(Stage):
         print(f"[train_draft] {len(samples)} samples ({answer_tokens} answer tokens) in {data_s:.1f}s; "
               f"{len(train)} train / {len(heldout)} held out", flush=True)
 
-        student = self._student(cfg, head, target, train, env)
-        vocab = VocabMap(student.d2t, student.t2d)
-        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg), out, log,
-                          FORWARDS[cfg.draft.algorithm])
+        spec = TRAIN_SPECS[cfg.draft.algorithm]
+        student = self._student(cfg, head, target, train, env, spec.reduced_vocab)
+        vocab = (VocabMap(student.d2t, student.t2d) if spec.reduced_vocab
+                 else VocabMap.identity(target.args.vocab_size, env.device))
+        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg), out, log, spec)
         metrics = trainer.fit(resume=t.resume)
         if t.loop_eval_prompts > 0:
-            metrics.update(loop_acceptance(student, target, heldout[: t.loop_eval_prompts], cfg.draft.num_steps,
-                                           t.loop_eval_tokens, loaded.tokenizer.eos_token_ids, env))
+            metrics.update(loop_acceptance(env.draft_plan, student, target, heldout[: t.loop_eval_prompts],
+                                           cfg.draft.num_steps, t.loop_eval_tokens, loaded.tokenizer.eos_token_ids,
+                                           env))
             log({k: v for k, v in metrics.items() if k.startswith("heldout_")}, trainer.step)
 
         export = out / "head"
@@ -158,10 +160,10 @@ class TrainDraftStage(Stage):
         save_samples(path, samples, meta, synth_s)
         return samples, synth_s, False
 
-    def _student(self, cfg, head, target, train, env: StageEnv):
-        """A float32 trainable copy of the loaded head, with its draft vocabulary."""
+    def _student(self, cfg, head, target, train, env: StageEnv, reduced_vocab: bool):
+        """A float32 trainable copy of the loaded head, with its draft vocabulary (EAGLE3)."""
         student = head.copy(env.device, torch.float32)
-        if cfg.draft.init == "random":
+        if cfg.draft.init == "random" and reduced_vocab:
             eos = sorted(set(target.args.eos_token_ids))
             d2t, t2d = build_draft_vocab((s.ids for s in train), target.args.vocab_size, head.draft_vocab_size, eos)
             student.d2t.copy_(d2t)
@@ -186,28 +188,30 @@ class TrainDraftStage(Stage):
             "samples": n_samples, "answer_tokens": answer_tokens, "data_s": round(data_s, 1),
             "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
-            "draft_vocab_size": export.draft_vocab_size, "aux_layer_ids_output_of":
-                export.config["eagle_config"]["eagle_aux_hidden_state_layer_ids"],
+            "algorithm": cfg.draft.algorithm, "architecture": export.architecture,
+            "draft_vocab_size": getattr(export, "draft_vocab_size", env.target_args.vocab_size),
+            "aux_layer_ids_output_of": list(env.draft_plan.aux.output_of) if env.draft_plan.aux else None,
             "metrics": {k: round(float(v), 4) for k, v in metrics.items()},
         }
+        facts["summary"] = export.card_summary(facts)
+        facts["objective"] = export.card_objective(facts)
         (path / "README.md").write_text(model_card(facts))
         (path / "training.json").write_text(json.dumps(facts, indent=2, default=str))
 
 
 @torch.no_grad()
-def loop_acceptance(student, target, prompts, k: int, max_new_tokens: int, stop_ids: frozenset[int],
+def loop_acceptance(plan, student, target, prompts, k: int, max_new_tokens: int, stop_ids: frozenset[int],
                     env: StageEnv) -> dict[str, float]:
     """Acceptance through the real draft-and-verify loop (engine.generate) on held-out prompts: rounds
     start where the previous one stopped, unlike the per-anchor chain estimate of the training eval."""
-    from engine.drafts.base import FeatureKind
-    from engine.drafts.feature import FeatureDraft
+    from engine.drafts.registry import make_draft
     from engine.generate import Generator
     from engine.sampling import SamplingParams
 
     head = student.copy(env.device, target.lm_head.weight.dtype).eval()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     batch = min(16, len(prompts))
-    gen = Generator(target, batch, FeatureDraft(head, batch, params, None, FeatureKind.aux), k)
+    gen = Generator(target, batch, make_draft(plan, head, target, batch, params, None), k)
     accepts = []
     for i in range(0, len(prompts), batch):
         for r in gen.generate([p.prompt_ids for p in prompts[i: i + batch]], params, stop_ids):
@@ -227,12 +231,9 @@ def settings(cfg) -> TrainSettings:
 def model_card(f: dict) -> str:
     m, k = f["metrics"], f["train"]["eval_k"]
     rates = ", ".join(f"{m[f'val_accept_rate_pos_{i}']:.2f}" for i in range(k) if f"val_accept_rate_pos_{i}" in m)
-    return f"""# EAGLE3 draft head for {f['target']}
+    return f"""# {f['algorithm']} draft head for {f['target']}
 
-A one-layer EAGLE-3 head in the public format (`LlamaForCausalLMEagle3`: `fc`, `midlayer.*`, `norm`,
-`lm_head`, `d2t`, `t2d`), reading the target's hidden states after layers
-{f['aux_layer_ids_output_of']} (`output_of` convention), with a {f['draft_vocab_size']}-token draft vocabulary.
-The token embedding is the target's and is not stored here.
+{f['summary']}
 
 ## How it was trained
 
@@ -240,7 +241,7 @@ The token embedding is the target's and is not stored here.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
-- Training-time test with {f['train']['ttt_steps']} unrolled steps, loss against the target's distribution over the
+- {f['objective']}, loss against the target's distribution over the
   draft vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
 

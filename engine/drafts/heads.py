@@ -34,6 +34,8 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.errors import ConfigError
+from engine.graphs.graph_set import DraftPhase, InputSpec
+from engine.graphs.runner import CaptureHiddenMode as M
 from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, Step, rope_tables
 
 
@@ -111,6 +113,17 @@ class _Head(nn.Module):
         return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
                 Step("draft_post", self.post, meta=meta)]
 
+    def graph_phases(self, k: int) -> list[DraftPhase]:
+        """draft_step [B, 1] (k > 1: the chain's steps after the first, LAST) and draft_extend
+        [B, k+1] (the commit over verified positions, FULL), both over this head's program."""
+        out = {M.NULL: ("logits",), M.LAST: ("logits", "out_hidden"), M.FULL: ("logits", "out_hidden")}
+        dtype = next(self.parameters()).dtype
+        step = DraftPhase("draft_step", 1, M.LAST, {"hidden": InputSpec((self.args.hidden_size,), dtype)}, out,
+                          self.program)
+        extend = DraftPhase("draft_extend", k + 1, M.FULL, {"hidden": InputSpec((self.feature_width,), dtype)},
+                            out, self.program)
+        return ([step] if k > 1 else []) + [extend]
+
     # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids
@@ -178,6 +191,16 @@ class Eagle3Head(_Head):
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids + self.d2t[draft_ids]
+
+    def card_summary(self, f: dict) -> str:
+        """The model card's description (stages/train_draft.py writes the card)."""
+        return (f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: `fc`, `midlayer.*`, `norm`,\n"
+                f"`lm_head`, `d2t`, `t2d`), reading the target's hidden states after layers\n"
+                f"{f['aux_layer_ids_output_of']} (`output_of` convention), with a {f['draft_vocab_size']}-token draft "
+                "vocabulary.\nThe token embedding is the target's and is not stored here.")
+
+    def card_objective(self, f: dict) -> str:
+        return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
 
     def probs_to_target(self, q: Tensor) -> Tensor:  # [b, draft_vocab] -> [b, vocab]
         out = q.new_zeros(*q.shape[:-1], self.args.vocab_size)

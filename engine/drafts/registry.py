@@ -4,6 +4,9 @@
                                                    ids (config > checkpoint > default), fc width check
     load_head(plan, target, ...)  -> head | None   weights (or random init), sharing target storage
     make_draft(plan, head, ...)   -> Draft | None  per-eval draft object (its own KV cache)
+
+An entry (`DraftSpec`) names the three: `plan`, the `head` class built from `DraftPlan.head_config`
+(None for weightless drafts), and `make`, which builds the per-run Draft object.
 """
 
 from __future__ import annotations
@@ -46,8 +49,24 @@ class DraftPlan:
 
 
 @dataclass(frozen=True)
+class DraftContext:
+    """What `DraftSpec.make` may use to build a run's Draft object."""
+
+    target: LlamaModel
+    batch_size: int
+    params: Any  # engine.sampling.SamplingParams
+    generator: Optional[torch.Generator]
+    cfg: Any = None  # pipeline.config.DraftConfig
+    graphs: Any = None  # engine.graphs.graph_set.GraphSet (the draft's runners and cache), or None
+    references: Optional[list[list[int]]] = None  # the baseline's outputs (oracle)
+    prompt_lens: Optional[list[int]] = None
+
+
+@dataclass(frozen=True)
 class DraftSpec:
     plan: Callable[[Any, ModelArgs], DraftPlan]  # what the draft reads is DraftPlan.features
+    make: Callable[[DraftPlan, Optional[torch.nn.Module], DraftContext], Draft]
+    head: Optional[type] = None  # the head class built from DraftPlan.head_config
     needs_baseline: bool = False  # the oracle reads the baseline's outputs
 
 
@@ -119,11 +138,32 @@ def _plan_weightless(name: str) -> Callable[[Any, ModelArgs], DraftPlan]:
     return lambda cfg, target: DraftPlan(name, FeatureKind.none)
 
 
+def _make_feature(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
+    return FeatureDraft(head, ctx.batch_size, ctx.params, ctx.generator, plan.features, ctx.graphs)
+
+
+def _plan_ngram(cfg, target: ModelArgs) -> DraftPlan:
+    if not 1 <= cfg.ngram_min <= cfg.ngram_max:
+        raise ConfigError("draft.ngram_min", cfg.ngram_min, f"must be in [1, draft.ngram_max={cfg.ngram_max}]",
+                          "1 <= ngram_min <= ngram_max")
+    return DraftPlan("ngram", FeatureKind.none)
+
+
+def _make_ngram(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
+    return NgramDraft(ctx.cfg.ngram_max, ctx.cfg.ngram_min)
+
+
+def _make_oracle(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
+    if ctx.references is None:
+        raise RuntimeError("the oracle draft needs the baseline's outputs (eval.baseline=true)")
+    return OracleDraft(ctx.references, ctx.prompt_lens)
+
+
 DRAFTS: dict[str, DraftSpec] = {
-    "eagle3": DraftSpec(_plan_eagle3),
-    "eagle": DraftSpec(_plan_eagle),
-    "ngram": DraftSpec(_plan_weightless("ngram")),
-    "oracle": DraftSpec(_plan_weightless("oracle"), needs_baseline=True),
+    "eagle3": DraftSpec(_plan_eagle3, _make_feature, Eagle3Head),
+    "eagle": DraftSpec(_plan_eagle, _make_feature, EagleHead),
+    "ngram": DraftSpec(_plan_ngram, _make_ngram),
+    "oracle": DraftSpec(_plan_weightless("oracle"), _make_oracle, needs_baseline=True),
 }
 ALGORITHMS = ("none", *DRAFTS)
 
@@ -135,9 +175,6 @@ def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
         raise ConfigError("draft.algorithm", cfg.algorithm, "unknown draft algorithm", ALGORITHMS)
     if cfg.num_steps < 1:
         raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
-    if cfg.algorithm == "ngram" and not 1 <= cfg.ngram_min <= cfg.ngram_max:
-        raise ConfigError("draft.ngram_min", cfg.ngram_min, f"must be in [1, draft.ngram_max={cfg.ngram_max}]",
-                          "1 <= ngram_min <= ngram_max")
     return DRAFTS[cfg.algorithm].plan(cfg, target)
 
 
@@ -145,10 +182,7 @@ def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, 
     """The EAGLE-family head on device, sharing the target's embedding (and lm_head for EAGLE)."""
     if plan is None or plan.head_config is None:
         return None
-    if plan.algorithm == "eagle3":
-        head = Eagle3Head(plan.head_config, target.max_seq_len)
-    else:
-        head = EagleHead(plan.head_config, target.max_seq_len)
+    head = DRAFTS[plan.algorithm].head(plan.head_config, target.max_seq_len)
     head = plan.checkpoint.load_into(head) if plan.checkpoint is not None else init_normal_(head, seed)
     head.to(device=device, dtype=dtype).eval().requires_grad_(False)
     head.init_buffers(device)
@@ -160,10 +194,5 @@ def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: 
                cfg=None, graphs=None) -> Optional[Draft]:
     if plan is None:
         return None
-    if plan.algorithm in ("eagle3", "eagle"):
-        return FeatureDraft(head, batch_size, params, generator, plan.features, graphs)
-    if plan.algorithm == "ngram":
-        return NgramDraft(cfg.ngram_max, cfg.ngram_min)
-    if references is None:
-        raise RuntimeError("the oracle draft needs the baseline's outputs (eval.baseline=true)")
-    return OracleDraft(references, prompt_lens)
+    ctx = DraftContext(target, batch_size, params, generator, cfg, graphs, references, prompt_lens)
+    return DRAFTS[plan.algorithm].make(plan, head, ctx)

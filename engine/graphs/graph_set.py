@@ -5,32 +5,49 @@ Phases (bucket = (rows, tokens per row)):
     decode        target, [B, 1] per capture size B           mode NULL (the no-draft baseline)
     verify        target, [B, k+1] per capture size B          mode FULL when the draft reads features
     prefill       target, [max_batch, T] per prefill bucket T  piecewise only; FULL for EAGLE drafts
-    draft_step    draft head, [B, 1]                           mode LAST
-    draft_extend  draft head, [B, k+1]                         mode FULL
+    draft phases  declared by the draft head (`head.graph_phases(k)` -> [DraftPhase]), e.g. EAGLE's
+                  draft_step [B, 1] mode LAST and draft_extend [B, k+1] mode FULL
 
 Graphs are captured largest bucket first, all phases sharing one CUDA memory pool. The caches are
-allocated here, once, because a graph holds their addresses: generators take them from the set.
+allocated here, once, because a graph holds their addresses: generators and drafts take them from
+the set (`cache`, `draft_cache` = `head.new_cache(batch_size)`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, InputSpec, PhaseStats
-from engine.model import LlamaModel
+from engine.model import LlamaModel, Step
 
 M = CaptureHiddenMode
 TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
-DRAFT_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "out_hidden"), M.FULL: ("logits", "out_hidden")}
 
 
 def _token_inputs() -> dict[str, InputSpec]:
     return {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0),
             "valid": InputSpec((), torch.bool, False)}
+
+
+@dataclass(frozen=True)
+class DraftPhase:
+    """One draft graph phase, as a head declares it (`head.graph_phases(num_steps)`).
+
+    Buckets are [(B, tokens) for B in the capture sizes]; every phase has the static inputs tokens,
+    positions and valid ([B, tokens]) plus `inputs`; `build(cache_rows)` is the program over a row
+    view of the draft cache; `outputs[mode]` names the env keys a replay returns.
+    """
+
+    name: str
+    tokens: int  # tokens per row
+    mode: CaptureHiddenMode
+    inputs: dict[str, InputSpec]
+    outputs: dict[CaptureHiddenMode, tuple[str, ...]]
+    build: Callable[[Any], list[Step]]
 
 
 @dataclass
@@ -76,19 +93,13 @@ class GraphSet:
                     "prefill", [(self.batch_size, n) for n in self.prefill_buckets], full, embeds=True,
                     at_index=True)
         if self.head is not None and self.draft_policy != "none" and k > 0:
-            head, hd = self.head, self.head.args.hidden_size
+            head = self.head
             draft_meta = lambda: {"embed_ptr": head.embed.weight.data_ptr()}  # noqa: E731
-
-            def draft_runner(name, width, buckets, mode):
-                inputs = {**_token_inputs(), "hidden": InputSpec((width,), dtype, 0)}
-                build = lambda b: head.program(self.draft_cache.rows(b))  # noqa: E731
-                return GraphRunner(name, self.draft_policy, build, inputs, DRAFT_OUT, mode, buckets, device,
-                                   t.max_seq_len, draft_meta, self.pool)
-
-            if k > 1:
-                self.runners["draft_step"] = draft_runner("draft_step", hd, [(b, 1) for b in sizes], M.LAST)
-            self.runners["draft_extend"] = draft_runner("draft_extend", head.feature_width,
-                                                        [(b, k + 1) for b in sizes], M.FULL)
+            for ph in head.graph_phases(k):
+                build = lambda b, ph=ph: ph.build(self.draft_cache.rows(b))  # noqa: E731
+                self.runners[ph.name] = GraphRunner(
+                    ph.name, self.draft_policy, build, {**_token_inputs(), **ph.inputs}, ph.outputs, ph.mode,
+                    [(b, ph.tokens) for b in sizes], device, t.max_seq_len, draft_meta, self.pool)
 
     def capture(self) -> "GraphSet":
         """Largest buckets first within each runner; target phases before draft phases."""

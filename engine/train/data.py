@@ -22,6 +22,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from engine.drafts.base import FeatureKind
 from engine.train.eagle3 import Batch
 from engine.train.selfdistill import Sample
 
@@ -87,11 +88,20 @@ class VocabMap:
         self.used = torch.arange(d2t.shape[0], device=d2t.device) + d2t  # [Vd] target id of each draft id
         self.to_draft = torch.full((t2d.shape[0],), -1, dtype=torch.long, device=d2t.device)  # [V]
         self.to_draft[self.used] = torch.arange(d2t.shape[0], device=d2t.device)
+        self.full = bool((d2t == 0).all()) and d2t.shape[0] == t2d.shape[0]  # the identity map
+
+    @classmethod
+    def identity(cls, vocab_size: int, device) -> "VocabMap":
+        """Drafts that predict over the target's whole vocabulary (its lm_head)."""
+        return cls(torch.zeros(vocab_size, dtype=torch.long, device=device),
+                   torch.ones(vocab_size, dtype=torch.bool, device=device))
 
 
 @torch.no_grad()
-def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device) -> Batch:
-    """Run the target (aux capture configured) over the samples -> the draft's training batch."""
+def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device,
+                 features: FeatureKind = FeatureKind.aux) -> Batch:
+    """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
+    (aux capture configured) or the final normed hidden states (`features`)."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -103,13 +113,14 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < torch.tensor(lens, device=device)[:, None]
     out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width)
-    if out.aux_hidden_states is None:
+    feats = out.aux_hidden_states if features == FeatureKind.aux else out.hidden_states
+    if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
     z = out.logits[:, 1:]  # [B, L-1, V]: z_{p+1}
-    labels = z[..., vocab.used].float().softmax(-1)  # [B, L-1, Vd]
+    labels = (z if vocab.full else z[..., vocab.used]).float().softmax(-1)  # [B, L-1, Vd]
     top = vocab.to_draft[z.argmax(-1)]  # [B, L-1]
     return Batch(
-        tokens=ids[:, 1:], positions=positions[:, :-1], feats=out.aux_hidden_states[:, :-1],
+        tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1],
         labels=labels, top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
     )
 

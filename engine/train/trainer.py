@@ -25,14 +25,34 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
+from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
 from engine.train.selfdistill import Sample
 
 
-# Draft algorithm -> its unrolled training forward (head, Batch, steps) -> per-step logits.
-FORWARDS: dict[str, Callable] = {"eagle3": ttt_forward}
+@dataclass(frozen=True)
+class TrainSpec:
+    """How one draft algorithm trains on the shared self-distilled data.
+
+    features    what `target_batch` puts in Batch.feats (aux layers, or the final hidden state)
+    forward     (head, batch, steps) -> per-step logits [B, T, V], aligned so that logits[s][:, p]
+                predicts label index p (the target's distribution of x_{p+2}) for the chain anchored
+                at j = p - s: step s of a proposal made when the target holds positions 0..j
+    loss        (logits, batch, decay) -> (loss, stats); acceptance (logits, batch, k) -> (accepted, anchors)
+    reduced_vocab  the head predicts over a draft vocabulary built from the data (d2t/t2d, EAGLE3);
+                else over the target's (labels over the full vocabulary)
+    """
+
+    features: FeatureKind
+    forward: Callable
+    loss: Callable = ttt_loss
+    acceptance: Callable = chain_acceptance
+    reduced_vocab: bool = False
+
+
+TRAIN_SPECS: dict[str, TrainSpec] = {"eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True)}
 
 
 @dataclass
@@ -67,8 +87,8 @@ def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
 class Trainer:
     def __init__(self, head, target, train: list[Sample], heldout: list[Sample], vocab: VocabMap,
                  settings: TrainSettings, out_dir: Path, log: Callable[[dict, int], None],
-                 forward: Callable = ttt_forward):
-        self.forward = forward
+                 spec: TrainSpec = TRAIN_SPECS["eagle3"]):
+        self.spec = spec
         self.head, self.target, self.s, self.out_dir, self.log = head, target, settings, out_dir, log
         self.train_samples, self.heldout = train, heldout
         self.vocab = vocab
@@ -122,7 +142,8 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _batch(self, samples: list[Sample]):
-        return target_batch(self.target, self.cache, samples, self.vocab, self.s.max_len, self.device)
+        return target_batch(self.target, self.cache, samples, self.vocab, self.s.max_len, self.device,
+                            self.spec.features)
 
     def _epoch_order(self) -> list[list[Sample]]:
         if self._order[0] != self.epoch:
@@ -140,13 +161,13 @@ class Trainer:
         for group in batches(self.heldout, self.s.max_tokens, self.s.max_len, None):
             batch = self._batch(group)
             with self._autocast():
-                logits = self.forward(self.head, batch, max(self.s.ttt_steps, k))
-            l, stats = ttt_loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
+                logits = self.spec.forward(self.head, batch, max(self.s.ttt_steps, k))
+            l, stats = self.spec.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
             n = batch.num_tokens
             loss, tokens = loss + l.item() * n, tokens + n
             for s in range(self.s.ttt_steps):
-                acc[s] += stats[f"acc_{s}"].item() * n
-            a, m = chain_acceptance(logits, batch, k)
+                acc[s] += stats[f"acc_{s}"].item() * n if f"acc_{s}" in stats else 0.0
+            a, m = self.spec.acceptance(logits, batch, k)
             accepted[: len(a)] += a.cpu().float()
             anchors += int(m)
         self.head.train()
@@ -179,8 +200,8 @@ class Trainer:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                logits = self.forward(self.head, batch, s.ttt_steps)
-            loss, stats = ttt_loss(logits, batch, s.loss_decay)
+                logits = self.spec.forward(self.head, batch, s.ttt_steps)
+            loss, stats = self.spec.loss(logits, batch, s.loss_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
