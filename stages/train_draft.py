@@ -68,6 +68,8 @@ class TrainDraftStage(Stage):
         t, d = cfg.train, cfg.draft
         if d.algorithm not in TRAIN_SPECS:
             raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
+        if TRAIN_SPECS[d.algorithm].check is not None:
+            TRAIN_SPECS[d.algorithm].check(cfg, env.draft_plan)
         for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
                     "eval_k"):
             _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
@@ -107,7 +109,8 @@ class TrainDraftStage(Stage):
         out.mkdir(parents=True, exist_ok=True)
         log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
 
-        samples, data_s, reused = self._data(cfg, loaded, out / "data", data_graph(cfg, env))
+        shared = env.outputs_dir / "train" / t.data_from / "data" if t.data_from else None
+        samples, data_s, reused = self._data(cfg, loaded, out / "data", data_graph(cfg, env), shared)
         train, heldout = split(samples, t.heldout, cfg.seed)
         answer_tokens = sum(len(s.answer_ids) for s in samples)
         log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_answer_tokens": answer_tokens,
@@ -141,13 +144,16 @@ class TrainDraftStage(Stage):
               f"loss {metrics['val_loss']:.3f} -> {export}", flush=True)
         return {"draft_checkpoint": str(export)}
 
-    def _data(self, cfg, loaded, path: Path, graph: str):
+    def _data(self, cfg, loaded, path: Path, graph: str, shared: Path | None = None):
+        """This run's cached samples, else those of `train.data_from` (same target and data settings),
+        else synthesised now (and cached under `path`)."""
         d = cfg.train.data
         meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None}}
-        samples = load_samples(path, meta)
-        if samples is not None:
-            print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
-            return samples, synth_seconds(path), True
+        for where in (path, shared):
+            samples = load_samples(where, meta) if where is not None else None
+            if samples is not None:
+                print(f"[train_draft] reusing {len(samples)} samples from {where}", flush=True)
+                return samples, synth_seconds(where), True
         t0 = time.perf_counter()
         graphs = None
         if graph != "none":

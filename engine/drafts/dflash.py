@@ -48,6 +48,7 @@ from torch import Tensor, nn
 
 from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
 from engine.drafts.heads import _Head
+from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, run_steps
 from engine.sampling import SamplingParams, probs_from_logits
@@ -180,8 +181,9 @@ class DFlashHead(_Head):
 
         def attend(i):
             def fn(env):
-                if i == 0:
-                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"])
+                if i == 0:  # kv_len covers the live rows' blocks; + B also covers a static kv_len (full
+                    # graphs: the target's max_seq_len) when a block runs past it. The mask clamps to the cache.
+                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"] + self.block_size)
                 env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
             return fn
 
@@ -200,6 +202,29 @@ class DFlashHead(_Head):
             steps.append(Step(f"dflash_attn{i}", attend(i), is_break=True, meta=meta))
             steps.append(Step(f"dflash_post{i}", chain(post(i), pre(i + 1) if i + 1 < n else finish), meta=meta))
         return steps
+
+
+    def graph_phases(self, k: int) -> list[DraftPhase]:
+        """draft_block [rows, B] (logits of k drafts) and draft_context [rows, k + 1] (cache writes only)."""
+        logits = {m: ("logits",) for m in CaptureHiddenMode}
+        nothing = {m: () for m in CaptureHiddenMode}
+        feats = {"feats": InputSpec((self.feature_width,), self.fc.weight.dtype)}
+        return [DraftPhase("draft_block", self.block_size, CaptureHiddenMode.NULL, {}, logits,
+                           lambda rows: self.block_program(rows, k)),
+                DraftPhase("draft_context", k + 1, CaptureHiddenMode.NULL, feats, nothing, self.context_program)]
+
+    # -- model card (stages/train_draft.py) ----------------------------------------------------------
+    def card_summary(self, f: dict) -> str:
+        return (f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
+                f"Llama layers `layers.*`, `norm`):\none forward proposes a block of {self.block_size - 1} tokens "
+                f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
+                f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
+                "injected as extra keys and values into every layer.\nThe token embedding and the lm_head are the "
+                "target's and are not stored here.")
+
+    def card_objective(self, f: dict) -> str:
+        return (f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
+                f"block positions 1..{f['train']['ttt_steps']}")
 
 
 class DFlashDraft(Draft):

@@ -31,6 +31,7 @@ import math
 import torch
 from torch import Tensor
 
+from engine.errors import ConfigError
 from engine.model import apply_rope
 from engine.train.eagle3 import Batch, _shift
 
@@ -89,3 +90,13 @@ def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
     h = x.view(b, t, blk, -1)
     # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout.
     return [_shift(head.lm_head(head.norm(h[:, :, s + 1])), s, 1) for s in range(steps)]
+
+
+def check_dflash_training(cfg, plan) -> None:
+    """train.ttt_steps and train.eval_k count block positions: at most block_size - 1."""
+    block = plan.head_config["block_size"]
+    for key in ("ttt_steps", "eval_k"):
+        value = getattr(cfg.train, key)
+        if value > block - 1:
+            raise ConfigError(f"train.{key}", value, f"a DFlash block of {block} tokens predicts {block - 1} "
+                              "positions", f"1..{block - 1}, or a larger draft.block_size")
