@@ -179,6 +179,8 @@ class TrainDraftStage(Stage):
                 with torch.no_grad():
                     student.lm_head.weight.copy_(target.lm_head.weight[used])
                     student.norm.weight.copy_(target.model.norm.weight)
+        elif cfg.draft.init == "random" and cfg.train.init_from_target and hasattr(student, "init_from_target"):
+            student.init_from_target(target)  # heads over the target's vocabulary (DFlash: its final norm)
         return student.requires_grad_(True)
 
     def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:

@@ -129,6 +129,11 @@ class DFlashHead(_Head):
         self.target_lm_head = [target.lm_head]
         return super().bind(target)
 
+    def init_from_target(self, target) -> None:
+        """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""
+        with torch.no_grad():
+            self.norm.weight.copy_(target.model.norm.weight)
+
     def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DFlashHead":
         head = super().copy(device, dtype)
         head.target_lm_head = list(self.target_lm_head)
