@@ -80,7 +80,7 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig:
-    # none | eagle3 | eagle | dflash | ngram | oracle (engine/drafts: the registry)
+    # none | eagle3 | eagle | ngram | oracle | dflash (engine/drafts: the registry)
     algorithm: str = "none"
     # eagle3/eagle: a checkpoint directory (config.json + model.safetensors) or a random-init head.
     init: str = "checkpoint"  # checkpoint | random

@@ -236,9 +236,9 @@ def _make_oracle(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
 DRAFTS: dict[str, DraftSpec] = {
     "eagle3": DraftSpec(_plan_eagle3, _make_feature, Eagle3Head),
     "eagle": DraftSpec(_plan_eagle, _make_feature, EagleHead),
-    "dflash": DraftSpec(_plan_dflash, _make_dflash, DFlashHead),
     "ngram": DraftSpec(_plan_ngram, _make_ngram),
     "oracle": DraftSpec(_plan_weightless("oracle"), _make_oracle, needs_baseline=True),
+    "dflash": DraftSpec(_plan_dflash, _make_dflash, DFlashHead),
 }
 ALGORITHMS = ("none", *DRAFTS)
 

@@ -29,6 +29,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from engine.errors import ConfigError
@@ -88,8 +89,9 @@ def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
         x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     h = x.view(b, t, blk, -1)
+    w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
     # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout.
-    return [_shift(head.lm_head(head.norm(h[:, :, s + 1])), s, 1) for s in range(steps)]
+    return [_shift(F.linear(head.norm(h[:, :, s + 1]), w), s, 1) for s in range(steps)]
 
 
 def check_dflash_training(cfg, plan) -> None:
