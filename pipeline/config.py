@@ -166,9 +166,6 @@ class TrainConfig:
 
     name: Optional[str] = None  # output folder under outputs/train (null: experiment_name)
     data: TrainDataConfig = field(default_factory=TrainDataConfig)
-    # Reuse the cached samples of another training run (its name under outputs/train) when they were
-    # made by the same target with the same train.data settings (else synthesise as usual).
-    data_from: Optional[str] = None
     heldout: float = 0.05  # fraction of samples held out for acceptance estimates
     steps: int = 2000
     lr: float = 5e-4

@@ -1,8 +1,10 @@
 """Stage `train_draft`: self-distil data from the target, then train the draft head with training-time test.
 
     plan:   load -> configure_aux_capture -> train_draft          (task=train_draft)
-    output: <outputs>/train/<train.name>/
-                data/        samples.jsonl + meta.json (reused while the target and data settings match)
+    output: <outputs>/train/data/<key>/  samples.jsonl + meta.json + stats.json, keyed by a hash of the
+                                         target and the data settings: every draft trained on the same
+                                         target and settings reuses one synthesis
+            <outputs>/train/<train.name>/
                 checkpoint/  the head in float32 + trainer_state.pt (resume)
                 head/        the exported head: config.json, model.safetensors (train.save_dtype), README.md
 
@@ -20,6 +22,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import shutil
 import time
@@ -109,8 +112,7 @@ class TrainDraftStage(Stage):
         out.mkdir(parents=True, exist_ok=True)
         log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
 
-        shared = env.outputs_dir / "train" / t.data_from / "data" if t.data_from else None
-        samples, data_s, reused = self._data(cfg, loaded, out / "data", data_graph(cfg, env), shared)
+        samples, data_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env))
         train, heldout = split(samples, t.heldout, cfg.seed)
         answer_tokens = sum(len(s.answer_ids) for s in samples)
         log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_answer_tokens": answer_tokens,
@@ -144,16 +146,14 @@ class TrainDraftStage(Stage):
               f"loss {metrics['val_loss']:.3f} -> {export}", flush=True)
         return {"draft_checkpoint": str(export)}
 
-    def _data(self, cfg, loaded, path: Path, graph: str, shared: Path | None = None):
-        """This run's cached samples, else those of `train.data_from` (same target and data settings),
-        else synthesised now (and cached under `path`)."""
+    def _data(self, cfg, loaded, root: Path, graph: str):
         d = cfg.train.data
         meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None}}
-        for where in (path, shared):
-            samples = load_samples(where, meta) if where is not None else None
-            if samples is not None:
-                print(f"[train_draft] reusing {len(samples)} samples from {where}", flush=True)
-                return samples, synth_seconds(where), True
+        path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+        samples = load_samples(path, meta)
+        if samples is not None:
+            print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
+            return samples, synth_seconds(path), True
         t0 = time.perf_counter()
         graphs = None
         if graph != "none":

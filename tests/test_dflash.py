@@ -349,7 +349,7 @@ def test_training_forward_equals_the_inference_block(target):
 
 
 TRAIN = ["+experiment=train_dflash_smollm2", *TINY, "model.random.init_std=0.15", "draft.block_size=4",
-         "draft.num_steps=3", "train.data_from=null", "train.data.num_samples=16", "train.data.batch_size=8",
+         "draft.num_steps=3", "train.data.num_samples=16", "train.data.batch_size=8",
          "train.data.max_prompt_tokens=12", "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1",
          "train.heldout=0.25", "train.lr=1e-2", "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64",
          "train.eval_every=30", "train.save_every=30", "train.ttt_steps=3", "train.eval_k=3",
@@ -364,7 +364,8 @@ def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_pa
     card = (head_dir / "README.md").read_text()
     assert "DFlash block-diffusion drafter" in card and "accept_length" in card
 
-    samples = [json.loads(line) for line in open(outputs / "train" / "train_dflash_smollm2" / "data" / "samples.jsonl")]
+    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")  # the shared synthesis
+    samples = [json.loads(line) for line in open(data)]
     qfile = tmp_path / "question.jsonl"
     qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
                              for i, s in enumerate(samples)))

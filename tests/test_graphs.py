@@ -230,7 +230,7 @@ def test_cuda_policy_on_a_cpu_host_names_the_fix(outputs):
 
 
 # ------------------------------------------------------------------------------------------ lossless
-@pytest.mark.parametrize("algorithm", ["none", "eagle3", "eagle", "ngram", "oracle"])
+@pytest.mark.parametrize("algorithm", ["none", "eagle3", "eagle", "multi_layer_eagle", "ngram", "oracle"])
 @pytest.mark.parametrize("policy", POLICIES + (["bcg"] if CUDA else []))
 def test_every_policy_equals_eager(algorithm, policy):
     device = "cuda" if policy != "debug" else "cpu"

@@ -151,7 +151,8 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
 
     # The exported head loads as a checkpoint and drafts: on the training prompts it is accepted more
     # often than a random head of the same shape, and the output stays the target's.
-    samples = [json.loads(line) for line in open(outputs / "train" / "train_eagle3_smollm2" / "data" / "samples.jsonl")]
+    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")  # one synthesis, keyed by its settings
+    samples = [json.loads(line) for line in open(data)]
     qfile = tmp_path / "question.jsonl"
     qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
                              for i, s in enumerate(samples)))

@@ -59,6 +59,7 @@ class _Head(nn.Module):
         self.args = ModelArgs.from_hf_config({**cfg, "num_hidden_layers": 1})
         self.max_seq_len = max_seq_len
         self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
+        self.target_ref: list[nn.Module] = []  # the target itself (lists keep them out of state_dict)
         self.attention_kernel = False  # follows the target's choice in bind()
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
@@ -74,6 +75,7 @@ class _Head(nn.Module):
 
     def bind(self, target) -> "_Head":
         """Share the target's token embedding (same storage; kept out of state_dict)."""
+        self.target_ref = [target]
         self.embed_ref = [target.model.embed_tokens]
         self.attention_kernel = target.attention_kernel
         return self
@@ -82,6 +84,10 @@ class _Head(nn.Module):
     def embed(self) -> nn.Embedding:
         return self.embed_ref[0]
 
+    def graph_meta(self) -> dict:
+        """The target storage a captured draft graph reads (hazard 7: capture after sharing)."""
+        return {"embed_ptr": self.embed.weight.data_ptr()}
+
     def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "_Head":
         """A head of the same type and config with this one's weights in its own storage, on `device`
         in `dtype` (integer buffers such as d2t keep theirs), bound to the same target embedding."""
@@ -89,8 +95,7 @@ class _Head(nn.Module):
         head.load_state_dict({k: v.detach() for k, v in self.state_dict().items()})
         head.to(device=device, dtype=dtype)
         head.init_buffers(device)
-        head.embed_ref, head.attention_kernel = list(self.embed_ref), self.attention_kernel
-        return head
+        return head.bind(self.target_ref[0]) if self.target_ref else head
 
     def program(self, cache: StaticKVCache, *, embeds_input: bool = False) -> list[Step]:
         """One draft forward as steps (segment, attention break, segment) over an env dict.
@@ -109,7 +114,7 @@ class _Head(nn.Module):
             env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
             env["o"] = self.attention.attend(env["q"], cache, env["mask"], env["attn"])
 
-        meta = {"embed_ptr": self.embed.weight.data_ptr()}
+        meta = self.graph_meta()
         return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
                 Step("draft_post", self.post, meta=meta)]
 

@@ -22,6 +22,7 @@ from engine.drafts.dflash import DFlashDraft, DFlashHead, dflash_config, dflash_
 from engine.drafts.feature import FeatureDraft
 from engine.drafts.heads import Eagle3Head, EagleHead, HeadCheckpoint, eagle3_config, eagle_config
 from engine.drafts.lookup import NgramDraft, OracleDraft
+from engine.drafts.multi_layer import MultiLayerEagleHead, make_multi_layer, multi_layer_config
 from engine.errors import ConfigError
 from engine.model import LlamaModel, ModelArgs, init_normal_
 
@@ -138,6 +139,26 @@ def _plan_eagle(cfg, target: ModelArgs) -> DraftPlan:
     return DraftPlan("eagle", FeatureKind.final, None, ckpt.config, ckpt)
 
 
+def _plan_multi_layer_eagle(cfg, target: ModelArgs) -> DraftPlan:
+    """k = draft.num_steps modules; a checkpoint must have at least k (num_nextn_predict_layers)."""
+    _check_init(cfg)
+    if cfg.aux_layer_ids is not None:
+        raise ConfigError("draft.aux_layer_ids", list(cfg.aux_layer_ids), "multi_layer_eagle reads the target's "
+                          "final hidden state, not aux layers", "null")
+    if cfg.init == "random":
+        return DraftPlan("multi_layer_eagle", FeatureKind.final, None, multi_layer_config(target, cfg.num_steps))
+    ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
+    _check_vocab(ckpt.config, target, cfg.path)
+    if ckpt.config.get("hidden_size") != target.hidden_size:
+        raise ConfigError("draft.path", cfg.path, f"hidden_size {ckpt.config.get('hidden_size')} differs from the "
+                          f"target's {target.hidden_size}", "a head trained for this target")
+    modules = ckpt.config.get("num_nextn_predict_layers", 0)
+    if cfg.num_steps > modules:
+        raise ConfigError("draft.num_steps", cfg.num_steps, f"the checkpoint has {modules} modules, one per draft "
+                          "token", f"1..{modules}")
+    return DraftPlan("multi_layer_eagle", FeatureKind.final, None, ckpt.config, ckpt)
+
+
 def _plan_weightless(name: str) -> Callable[[Any, ModelArgs], DraftPlan]:
     return lambda cfg, target: DraftPlan(name, FeatureKind.none)
 
@@ -236,6 +257,7 @@ def _make_oracle(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
 DRAFTS: dict[str, DraftSpec] = {
     "eagle3": DraftSpec(_plan_eagle3, _make_feature, Eagle3Head),
     "eagle": DraftSpec(_plan_eagle, _make_feature, EagleHead),
+    "multi_layer_eagle": DraftSpec(_plan_multi_layer_eagle, make_multi_layer, MultiLayerEagleHead),
     "ngram": DraftSpec(_plan_ngram, _make_ngram),
     "oracle": DraftSpec(_plan_weightless("oracle"), _make_oracle, needs_baseline=True),
     "dflash": DraftSpec(_plan_dflash, _make_dflash, DFlashHead),

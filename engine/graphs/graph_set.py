@@ -39,7 +39,9 @@ class DraftPhase:
 
     Buckets are [(B, tokens) for B in the capture sizes]; every phase has the static inputs tokens,
     positions and valid ([B, tokens]) plus `inputs`; `build(cache_rows)` is the program over a row
-    view of the draft cache; `outputs[mode]` names the env keys a replay returns.
+    view of the draft cache; `outputs[mode]` names the env keys a replay returns. `shares`: an earlier
+    phase whose static input buffers this one replays over too (one buffer set for several runners;
+    every call copies its live inputs in before replaying, so runners that run in turn may share).
     """
 
     name: str
@@ -48,6 +50,7 @@ class DraftPhase:
     inputs: dict[str, InputSpec]
     outputs: dict[CaptureHiddenMode, tuple[str, ...]]
     build: Callable[[Any], list[Step]]
+    shares: Optional[str] = None
 
 
 @dataclass
@@ -94,12 +97,13 @@ class GraphSet:
                     at_index=True)
         if self.head is not None and self.draft_policy != "none" and k > 0:
             head = self.head
-            draft_meta = lambda: {"embed_ptr": head.embed.weight.data_ptr()}  # noqa: E731
             for ph in head.graph_phases(k):
                 build = lambda b, ph=ph: ph.build(self.draft_cache.rows(b))  # noqa: E731
+                shared = self.runners[ph.shares].buffers if ph.shares else None
                 self.runners[ph.name] = GraphRunner(
                     ph.name, self.draft_policy, build, {**_token_inputs(), **ph.inputs}, ph.outputs, ph.mode,
-                    [(b, ph.tokens) for b in sizes], device, t.max_seq_len, draft_meta, self.pool)
+                    [(b, ph.tokens) for b in sizes], device, t.max_seq_len, head.graph_meta, self.pool,
+                    buffers=shared)
 
     def capture(self) -> "GraphSet":
         """Largest buckets first within each runner; target phases before draft phases."""

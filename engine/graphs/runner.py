@@ -64,7 +64,7 @@ class GraphRunner:
     def __init__(self, name: str, policy: str, build: Callable[[int], list[Step]], inputs: dict[str, InputSpec],
                  outputs: dict[CaptureHiddenMode, tuple[str, ...]], mode: CaptureHiddenMode,
                  buckets: list[tuple[int, int]], device: torch.device, static_kv_len: int,
-                 current_meta: Callable[[], dict], pool=None):
+                 current_meta: Callable[[], dict], pool=None, buffers: Optional[dict[str, Tensor]] = None):
         self.name, self.policy, self.build, self.inputs = name, policy, build, inputs
         self.outputs, self.mode, self.device = outputs, mode, device
         self.buckets = sorted(set(buckets), key=lambda bt: (bt[0] * bt[1], bt), reverse=True)  # largest first
@@ -72,10 +72,13 @@ class GraphRunner:
         self.dynamic_kv = policy in DYNAMIC_KV
         self.stats = PhaseStats(buckets=list(self.buckets))
         max_b, max_t = max(b for b, _ in self.buckets), max(t for _, t in self.buckets)
-        self.buffers = {
-            k: torch.full((max_b, *(() if s.per_row else (max_t,)), *s.tail), s.pad, dtype=s.dtype, device=device)
-            for k, s in inputs.items()
-        }
+        self.buffers: dict[str, Tensor] = {}
+        for k, s in inputs.items():  # another runner's buffer when it is given and covers this one's shapes
+            shape = (max_b, *(() if s.per_row else (max_t,)), *s.tail)
+            given = (buffers or {}).get(k)
+            fits = given is not None and given.dtype == s.dtype and given.dim() == len(shape) and all(
+                g >= n for g, n in zip(given.shape, shape))
+            self.buffers[k] = given if fits else torch.full(shape, s.pad, dtype=s.dtype, device=device)
         self.captured: dict[tuple[int, int], tuple[object, dict]] = {}
         self.meta: Optional[dict] = None
 

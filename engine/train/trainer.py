@@ -30,6 +30,7 @@ from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
 from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
+from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
 
@@ -58,6 +59,7 @@ class TrainSpec:
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
     "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True),
+    "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
 

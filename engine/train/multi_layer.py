@@ -1,0 +1,54 @@
+"""Multi-layer EAGLE (MTP) training: every module teacher-forced over whole sequences at once.
+
+Module i at position p reads x_{p+i+1} and module i-1's output at p (module 0: the target's final
+hidden state f_p) and predicts x_{p+i+2}. With true tokens everywhere this is one causal forward per
+module over the sequence, and it is exactly what inference computes while the drafts are right (see
+engine/drafts/multi_layer.py): no training-time-test unrolling is needed, because module i never
+reads its own earlier outputs, only module i-1's at the same position.
+
+    batch.tokens [B, T]     x_{p+1} at p        -> module i reads tokens[p + i] (shifted left by i)
+    batch.feats  [B, T, H]  f_p: the target's final normed hidden states
+    per-module logits [B, T, V], shifted right by i: out[i][:, q] = module i at q - i, which predicts
+    x_{q+2} = label index q for the chain anchored at j = q - i (the TrainSpec convention)
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.model import apply_rope
+from engine.train.eagle3 import Batch, _shift
+
+
+def _shift_left(x: Tensor, n: int) -> Tensor:
+    """out[:, p] = x[:, p + n] along dim 1, zero-filled at the end."""
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]), *x.shape[2:])], 1)
+
+
+def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """A Llama decoder layer over [B, T, H] with plain causal attention (no KV cache) -> [B, T, H]."""
+    att = mod.self_attn
+    b, t, _ = x.shape
+    n = mod.input_layernorm(x)
+    q = apply_rope(att.q_proj(n).view(b, t, att.n_heads, att.head_dim).transpose(1, 2), cos, sin)
+    k = apply_rope(att.k_proj(n).view(b, t, att.n_kv, att.head_dim).transpose(1, 2), cos, sin)
+    v = att.v_proj(n).view(b, t, att.n_kv, att.head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=att.n_kv != att.n_heads)
+    h = x + att.o_proj(o.transpose(1, 2).reshape(b, t, att.n_heads * att.head_dim))
+    return h + mod.mlp(mod.post_attention_layernorm(h))
+
+
+def multi_layer_forward(head, batch: Batch, steps: int) -> list[Tensor]:
+    """Per-module logits [B, T, V] in the TrainSpec alignment (differentiable in the head's weights)."""
+    emb = head.embed(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
+    cos = head.rope_cos[batch.positions][:, None].to(emb.dtype)  # [B, 1, T, D]
+    sin = head.rope_sin[batch.positions][:, None].to(emb.dtype)
+    h, out = batch.feats.to(emb.dtype), []
+    for i, mod in enumerate(head.layers):
+        h = _causal_layer(mod, mod.fuse_input(_shift_left(emb, i), h), cos, sin)  # [B, T, H]: h^i_p
+        out.append(_shift(head.lm_head(mod.shared_head.norm(h)), i, 1))
+    return out

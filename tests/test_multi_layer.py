@@ -1,0 +1,266 @@
+"""Issue 6: multi-layer EAGLE (MTP-style). Lossless greedy at batch 1 and 4 under none and debug (full,
+breakable and bcg in tests/test_graphs.py on a GPU); proposals equal the teacher-forced training
+forward after every partial acceptance; hazard 6 (each module its own KV pool, in prefill and in
+decode, eager and through the graph runners); the seed-002 fallback (batch above the largest capture
+size, NaN-poisoned buffers: output equals eager); the plan's checks; a test-sized train_draft run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import compose_cfg
+from test_graphs import CUDA, POLICIES, setup, spec_generator
+from test_model import _prompts, pair
+from test_speculative import run_all
+from engine.drafts.base import Proposal
+from engine.drafts.multi_layer import MultiLayerDraft, StepCaches
+from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.errors import ConfigError
+from engine.generate import Generator
+from engine.sampling import SamplingParams
+from engine.train.eagle3 import Batch
+from engine.train.multi_layer import multi_layer_forward
+from pipeline.config import DraftConfig
+
+K = 3
+
+
+@pytest.fixture(scope="module")
+def target():
+    return pair()[1]
+
+
+def _head(target, k=K, seed=0):
+    plan = plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="random", num_steps=k), target.args)
+    head = load_head(plan, target, seed, torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # spread weights: varied proposals, so a mixed-up pool changes them
+        g = torch.Generator().manual_seed(seed)
+        for name, p in head.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.15)
+    return plan, head
+
+
+def _generator(target, plan, head, batch, params, k=K):
+    draft = make_draft(plan, head, target, batch, params, None, cfg=DraftConfig(num_steps=k))
+    return Generator(target, batch, draft, k)
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+def test_greedy_is_lossless(target, batch):
+    prompts = _prompts(4, seed=3)
+    params = SamplingParams(max_new_tokens=29, ignore_eos=True)
+    base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
+    plan, head = _head(target)
+    assert [r.tokens for r in run_all(_generator(target, plan, head, batch, params), prompts, params, batch)] == base
+
+
+def _teacher_forced_proposal(target, head, seq: list[int], k: int) -> list[int]:
+    """The training forward over seq = history + [d_1 .. d_{k-1}] (history ends with the pending token
+    x_L): module i at position L-1 reads x_{L+i} = d_i and predicts d_{i+1}."""
+    ids = torch.tensor([seq])
+    n = len(seq) - k  # L: tokens in the target cache
+    out = target(ids, torch.arange(len(seq))[None], target.new_cache(1), kv_len=len(seq))
+    t = len(seq) - 1
+    batch = Batch(ids[:, 1:], torch.arange(t)[None], out.hidden_states[:, :-1], None, None, None)
+    logits = multi_layer_forward(head, batch, k)  # logits[i][:, q]: module i at q - i
+    return [int(logits[i][0, n - 1 + i].argmax()) for i in range(k)]
+
+
+class PartialOracleMTP(MultiLayerDraft):
+    """Real MTP proposals, then replaced by the target's own tokens up to a random depth per row (partial,
+    per-row acceptance); before replacing, each row's proposal is checked against the training forward."""
+
+    def __init__(self, inner: MultiLayerDraft, target, references, prompt_lens, seed=0):
+        self.__dict__.update(inner.__dict__)
+        self.target, self.references, self.prompt_lens = target, references, prompt_lens
+        self.g = torch.Generator().manual_seed(seed)
+        self.checked = 0
+
+    def propose(self, state, k):
+        prop = super().propose(state, k)
+        tokens = prop.tokens.clone()
+        for i, (r, hist) in enumerate(zip(state.row_ids, state.history)):
+            if not state.live[i]:
+                continue
+            drafts = prop.tokens[i].tolist()
+            assert drafts == _teacher_forced_proposal(self.target, self.head, hist + drafts[:-1], k)
+            self.checked += 1
+            done = len(hist) - self.prompt_lens[r]
+            ref = self.references[r][done: done + int(torch.randint(0, k + 1, (1,), generator=self.g))]
+            tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
+        return Proposal(tokens)
+
+
+def _partial_run(target, head, plan, prompts, caches=None):
+    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
+    base = [r.tokens for r in Generator(target, len(prompts)).generate(prompts, params)]
+    gen = _generator(target, plan, head, len(prompts), params)
+    if caches is not None:
+        gen.draft.caches = caches
+    draft = PartialOracleMTP(gen.draft, target, base, [len(p) for p in prompts])
+    gen.draft = draft
+    res = gen.generate(prompts, params)
+    return res, base, draft
+
+
+def test_proposals_equal_the_training_forward_after_partial_acceptance(target):
+    """After prefill and after every commit of a partial acceptance (different per row), each proposal
+    equals the teacher-forced forward over the accepted history plus the drafts: no stale slot, no
+    hidden state from the wrong position, and inference matches what training optimises."""
+    prompts = _prompts(3, seed=12)
+    plan, head = _head(target)
+    res, base, draft = _partial_run(target, head, plan, prompts)
+    assert [r.tokens for r in res] == base
+    accepts = {a for r in res for a in r.accepts}
+    assert draft.checked >= 12 and len(accepts) >= 3  # partial acceptances of several depths checked
+
+
+def test_hazard_6_modules_sharing_one_pool_are_caught(target):
+    """The seed-003 bug (every step reading and writing the first runner's pool) breaks the check above."""
+    prompts = _prompts(2, seed=12)
+    plan, head = _head(target)
+    shared = head.new_cache(len(prompts))
+    with pytest.raises(AssertionError):
+        _partial_run(target, head, plan, prompts, caches=StepCaches([shared[0]] * K))
+
+
+def _changed(before: list[torch.Tensor], caches: StepCaches) -> list[int]:
+    return [i for i, (b, c) in enumerate(zip(before, caches.caches)) if not torch.equal(b, c.k)]
+
+
+def test_hazard_6_each_module_writes_only_its_own_pool_in_prefill_and_decode(target):
+    """Snapshot every module's KV pool, run one module's forward of each kind (prefill over the prompt,
+    a proposal window, a commit over k+1 positions): only that module's pool changed."""
+    plan, head = _head(target)
+    caches = head.new_cache(2)
+    g = torch.Generator().manual_seed(0)
+    h = head.args.hidden_size
+    shapes = {"prefill": (2, 9, 0), "window": (2, 2, 7), "commit": (2, K + 1, 8)}
+    for kind, (b, t, start) in shapes.items():
+        for i in range(K):
+            before = [c.k.clone() for c in caches.caches]
+            env = {"tokens": torch.randint(0, 256, (b, t), generator=g), "hidden": torch.randn(b, t, h, generator=g),
+                   "positions": torch.arange(start, start + t).expand(b, t), "valid": torch.ones(b, t, dtype=torch.bool),
+                   "kv_len": start + t, "logits_index": torch.zeros(b, dtype=torch.long)}
+            for step in head.module_program(i, caches.rows(b), "none"):
+                step.fn(env)
+            assert _changed(before, caches) == [i], (kind, i)
+
+
+def test_hazard_6_graph_runners_each_replay_over_their_module_pool():
+    """Through the runners (debug backend): mtp_step{i} and mtp_extend{i} write pool i only, and all of
+    them replay over one shared buffer set."""
+    target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2), batch=2)
+    h = head.args.hidden_size
+    names = [f"mtp_extend{i}" for i in range(k)] + [f"mtp_step{i}" for i in range(1, k)]
+    assert set(gs.runners) >= set(names)
+    tokens_buf = gs.get("mtp_extend0").buffers["tokens"]
+    assert all(gs.get(n).buffers["tokens"] is tokens_buf for n in names)  # one buffer set
+    for name in names:
+        i = int(name[-1])
+        t = gs.get(name).buckets[0][1]
+        before = [c.k.clone() for c in gs.draft_cache.caches]
+        live = {"tokens": torch.randint(0, 256, (2, t)), "hidden": torch.randn(2, t, h),
+                "positions": torch.arange(5, 5 + t).expand(2, t), "valid": torch.ones(2, t, dtype=torch.bool),
+                "logits_index": torch.zeros(2, dtype=torch.long)}
+        _, ran = gs.get(name)(live, 5 + t)
+        assert ran and _changed(before, gs.draft_cache) == [i], name
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("policy", POLICIES + (["bcg"] if CUDA else []))
+def test_graph_policies_are_lossless_and_count_replays(policy, batch):
+    """debug on CPU; full, breakable and bcg (target full, draft breakable) with real capture on a GPU."""
+    device = "cuda" if policy != "debug" else "cpu"
+    kw = dict(policy="full", draft_policy="breakable") if policy == "bcg" else dict(policy=policy)
+    target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2, 4), batch=4, device=device, **kw)
+    prompts = _prompts(4, seed=5)
+    params = SamplingParams(max_new_tokens=17, ignore_eos=True)
+    base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
+    gen = spec_generator(target, plan, head, gs, k, batch, params)
+    assert [r.tokens for r in run_all(gen, prompts, params, batch)] == base
+    stats = gs.stats()
+    assert stats["mtp_extend1"].replays > 0 and stats["mtp_step2"].replays > 0
+    assert all(s.fallbacks == 0 for s in stats.values())
+
+
+def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
+    """Seed 002: when a module's graph cannot run (4 rows > largest capture size 2), every consumer,
+    the hidden-state pool update included, takes the eager outputs: NaN in every static tensor the
+    graphs own changes nothing."""
+    target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2), batch=4)
+    for name, runner in gs.runners.items():
+        if name.startswith("mtp"):
+            for _, env in runner.captured.values():
+                for v in env.values():
+                    if torch.is_tensor(v) and v.is_floating_point():
+                        v.fill_(float("nan"))
+            for buf in runner.buffers.values():
+                if buf.is_floating_point():
+                    buf.fill_(float("nan"))
+    prompts = _prompts(4, seed=8)
+    params = SamplingParams(max_new_tokens=17, ignore_eos=True)
+    base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
+    gen = spec_generator(target, plan, head, gs, k, 4, params)
+    assert [r.tokens for r in gen.generate(prompts, params)] == base
+    assert torch.isfinite(gen.draft.pool).all()
+    stats = gs.stats()
+    assert stats["mtp_extend0"].fallbacks > 0 and stats["mtp_extend0"].replays == 0
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (dict(aux_layer_ids=[1, 2]), "draft.aux_layer_ids"),
+    (dict(init="checkpoint", path=None), "draft.path"),
+])
+def test_plan_errors(target, overrides, key):
+    with pytest.raises(ConfigError) as e:
+        plan_draft(DraftConfig(algorithm="multi_layer_eagle", **{"init": "random", **overrides}), target.args)
+    assert e.value.key == key
+
+
+def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
+    plan, head = _head(target, k=2)
+    head.save(tmp_path / "mtp")
+    loaded_plan = plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"),
+                                         num_steps=2), target.args)
+    loaded = load_head(loaded_plan, target, 1, torch.device("cpu"), torch.float32)
+    for (n, a), (m, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert n == m and torch.equal(a, b)
+    assert loaded.lm_head is target.lm_head and loaded.embed is target.model.embed_tokens
+    with pytest.raises(ConfigError, match="num_steps"):
+        plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"),
+                               num_steps=3), target.args)
+
+
+TRAIN = ["+experiment=train_mtp_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.num_steps=3",
+         "train.data.num_samples=16", "train.data.batch_size=8", "train.data.max_prompt_tokens=12",
+         "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1", "train.heldout=0.25", "train.lr=5e-3",
+         "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64", "train.eval_every=20",
+         "train.save_every=20", "train.ttt_steps=3", "train.eval_k=3", "train.steps=40", "train.loop_eval_prompts=4"]
+
+
+def test_train_draft_stage_trains_an_mtp_head_that_beats_a_random_one(outputs, tmp_path):
+    import json
+
+    from pipeline.__main__ import run
+
+    ctx = run(compose_cfg(*TRAIN))
+    head_dir = outputs / "train" / "train_mtp_smollm2" / "head"
+    assert ctx["draft_checkpoint"] == str(head_dir)
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMMultiLayerEagle"] and cfg["num_nextn_predict_layers"] == 3
+    assert "multi_layer_eagle" in (head_dir / "README.md").read_text()
+    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")
+    samples = [json.loads(line) for line in open(data)]
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
+                             for i, s in enumerate(samples)))
+    common = ["+experiment=mtp", "model=tiny", "model.random.init_std=0.15", f"eval.dataset={qfile}",
+              "eval.max_new_tokens=24", "eval.batch_size=4", "draft.num_steps=3", "tracking=off"]
+    trained = run(compose_cfg(*common, "draft.init=checkpoint", f"draft.path={head_dir}"))["eval_results"]["metrics"]
+    random_ = run(compose_cfg(*common, "draft.init=random"))["eval_results"]["metrics"]
+    assert trained["match_baseline"] == 1.0
+    assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
+                                                                        random_["accept_length"])
