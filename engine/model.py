@@ -264,14 +264,19 @@ class Attention(nn.Module):
         """x [b, t, d_in] -> q [b, heads, t, head_dim]; writes this call's k/v at their slots."""
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        self.write_kv(x, cache, a)
+        return apply_rope(q, a.cos, a.sin)
+
+    def write_kv(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> None:
+        """x [b, t, d_in]: k/v projections, RoPE on k, written at a.slots (no queries: DFlash's context)."""
+        b, t, _ = x.shape
         k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, a.cos, a.sin), apply_rope(k, a.cos, a.sin)
+        k = apply_rope(k, a.cos, a.sin)
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [b, kv_heads, S+1, d]
         idx = a.slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
-        return q
 
     def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs) -> Tensor:
         """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the

@@ -80,7 +80,7 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig:
-    # none | eagle3 | eagle | ngram | oracle (engine/drafts: the registry)
+    # none | eagle3 | eagle | ngram | oracle | dflash (engine/drafts: the registry)
     algorithm: str = "none"
     # eagle3/eagle: a checkpoint directory (config.json + model.safetensors) or a random-init head.
     init: str = "checkpoint"  # checkpoint | random
@@ -88,10 +88,17 @@ class DraftConfig:
     num_steps: int = 3  # k: draft tokens proposed per verify; verify runs k + 1 positions
     # Target layers whose hidden states feed the draft. null: the checkpoint's
     # eagle_config.eagle_aux_hidden_state_layer_ids (output_of), else [2, N//2, N-3] (input_of).
+    # dflash has no default: these, or its checkpoint's dflash_config.target_layer_ids.
     aux_layer_ids: Optional[list[int]] = None
     aux_layer_convention: str = "input_of"  # input_of (sglang, EAGLE) | output_of (TensorRT-LLM, SpecForge)
     draft_vocab_size: Optional[int] = None  # random init: reduced draft vocabulary (null: the target's)
     init_seed: int = 0
+    # dflash: tokens per block (the bonus token + block_size - 1 mask tokens; num_steps <= block_size - 1),
+    # the mask token (an id of the target vocabulary) and the drafter's decoder layers. null: the
+    # checkpoint's; with draft.init=random: num_steps + 1, the target's last token id, 1 layer.
+    block_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    num_layers: Optional[int] = None
     # ngram (prompt lookup): longest suffix match first.
     ngram_max: int = 3
     ngram_min: int = 1

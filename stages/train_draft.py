@@ -71,6 +71,8 @@ class TrainDraftStage(Stage):
         t, d = cfg.train, cfg.draft
         if d.algorithm not in TRAIN_SPECS:
             raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
+        if TRAIN_SPECS[d.algorithm].check is not None:
+            TRAIN_SPECS[d.algorithm].check(cfg, env.draft_plan)
         for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
                     "eval_k"):
             _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
@@ -177,6 +179,8 @@ class TrainDraftStage(Stage):
                 with torch.no_grad():
                     student.lm_head.weight.copy_(target.lm_head.weight[used])
                     student.norm.weight.copy_(target.model.norm.weight)
+        elif cfg.draft.init == "random" and cfg.train.init_from_target and hasattr(student, "init_from_target"):
+            student.init_from_target(target)  # heads over the target's vocabulary (DFlash: its final norm)
         return student.requires_grad_(True)
 
     def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:

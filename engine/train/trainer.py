@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
+from engine.train.dflash import check_dflash_training, dflash_forward
 from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
@@ -44,6 +45,8 @@ class TrainSpec:
     loss        (logits, batch, decay) -> (loss, stats); acceptance (logits, batch, k) -> (accepted, anchors)
     reduced_vocab  the head predicts over a draft vocabulary built from the data (d2t/t2d, EAGLE3);
                 else over the target's (labels over the full vocabulary)
+    check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
+                only this algorithm constrains (e.g. DFlash: train.ttt_steps within the block)
     """
 
     features: FeatureKind
@@ -51,11 +54,13 @@ class TrainSpec:
     loss: Callable = ttt_loss
     acceptance: Callable = chain_acceptance
     reduced_vocab: bool = False
+    check: Optional[Callable] = None
 
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
     "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
+    "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
 
 

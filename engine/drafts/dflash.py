@@ -1,0 +1,320 @@
+"""DFlash: a block-diffusion drafter. One forward proposes a whole block of draft tokens.
+
+Model (z-lab's `DFlashDraftModel`, with Llama decoder layers of the target's width):
+
+    c      = hidden_norm(fc(aux))          aux [b, t, n_aux * target_hidden] -> c [b, t, hidden]    (context)
+    block  = [x_L, m, ..., m]              [b, B]: the bonus token, then B - 1 mask tokens (mask_token_id)
+    x      = embed(block)                  [b, B, hidden]: the target's embedding (shared, never stored)
+    layer l (num_hidden_layers Llama layers, q from the block only):
+             keys/values = k_l/v_l(c) at the context positions 0..L-1   (the draft's KV cache)
+                         + k_l/v_l(input_layernorm(x)) at L..L+B-1      (the block itself)
+             every block query sees all of them: non-causal inside the block
+    logits = target lm_head(norm(h))[:, 1:k+1]   [b, k, vocab]: d_i = argmax at block index i
+
+The context enters every layer as extra keys and values only: it has no queries, no MLP, no residual
+stream, so writing it is a few matmuls and one cache scatter per layer, with no attention at all.
+
+Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + B + 1, head_dim]):
+
+    slots 0..L-1      context k/v of positions 0..L-1 (L = tokens in the target cache), written by
+                      `begin` (the prompt) and `commit` (the verified positions L..L+a of each round,
+                      from the verify's aux features; rejected positions go to the dummy slot)
+    slots L..L+B-1    this round's block, written by `propose` before its attention reads them; stale
+                      afterwards, and overwritten before anything reads them again: the next commit
+                      rewrites L..L+a and the next block L+a+1..L+a+B, a superset of the rest
+
+    Block queries attend over slots 0..L+B-1: every query of a row gets qpos = L + B - 1 (the slot
+    bound that `AttnInputs.mask` and the Triton kernel read) while RoPE uses its own position.
+
+Graph phases (`graph_phases`): `draft_block` [B_rows, B] (attention breaks between segments, logits out)
+and `draft_context` [B_rows, k + 1] (one segment, nothing out: it only writes the cache).
+
+Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both are the target's):
+
+    config:  architectures ["DFlashDraftModel"], Llama shape keys, num_hidden_layers, block_size,
+             mask_token_id, target_hidden_size, dflash_config.{target_layer_ids (output_of),
+             block_size, mask_token_id}
+    tensors: fc.weight, hidden_norm.weight, layers.N.{input_layernorm,post_attention_layernorm}.weight,
+             layers.N.self_attn.{q,k,v,o}_proj.weight, layers.N.mlp.{gate,up,down}_proj.weight, norm.weight
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import torch
+from torch import Tensor, nn
+
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.drafts.heads import _Head
+from engine.graphs.graph_set import DraftPhase, InputSpec
+from engine.graphs.runner import CaptureHiddenMode
+from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, run_steps
+from engine.sampling import SamplingParams, probs_from_logits
+
+ARCHITECTURE = "DFlashDraftModel"
+
+
+def dflash_value(cfg: dict, key: str, default: Any = None) -> Any:
+    """A DFlash setting from `dflash_config` (z-lab's place), else the top level of config.json."""
+    return (cfg.get("dflash_config") or {}).get(key, cfg.get(key, default))
+
+
+def dflash_config(target: ModelArgs, aux_output_of: list[int], block_size: int, mask_token_id: int,
+                  num_layers: int) -> dict:
+    """config.json of a DFlash head of the target's width (random init, training)."""
+    return {
+        "architectures": [ARCHITECTURE], "model_type": "llama",
+        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim, "num_hidden_layers": num_layers, "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings, "tie_word_embeddings": False,
+        "target_hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
+        "block_size": block_size, "mask_token_id": mask_token_id,
+        "dflash_config": {"target_layer_ids": list(aux_output_of), "block_size": block_size,
+                          "mask_token_id": mask_token_id},
+    }
+
+
+class DFlashHead(_Head):
+    """The drafter's weights and its two programs (context write, block forward) over a static cache."""
+
+    architecture = ARCHITECTURE
+
+    def __init__(self, cfg: dict[str, Any], max_seq_len: int):
+        super().__init__(cfg, max_seq_len)
+        self.args = a = ModelArgs.from_hf_config(cfg)  # num_hidden_layers: the draft's own layers
+        self.block_size = int(dflash_value(cfg, "block_size"))
+        self.mask_token_id = int(dflash_value(cfg, "mask_token_id"))
+        self.n_aux = len(dflash_value(cfg, "target_layer_ids"))
+        target_hidden = cfg.get("target_hidden_size", a.hidden_size)
+        self.fc = nn.Linear(self.n_aux * target_hidden, a.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.target_lm_head: list[nn.Linear] = []  # the target's, set by bind(); a list keeps it out of state_dict
+        self.init_buffers()
+
+    # -- storage ------------------------------------------------------------------------------------
+    @property
+    def slots(self) -> int:
+        """Cache slots: a block may start at max_seq_len - 1 and reach B - 1 slots past it."""
+        return self.max_seq_len + self.block_size
+
+    @property
+    def feature_width(self) -> int:
+        return self.fc.in_features  # n_aux x target hidden
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        return self.target_lm_head[0]
+
+    def init_buffers(self, device: Optional[torch.device] = None) -> None:
+        from engine.model import rope_tables
+
+        with torch.device("cpu"):
+            cos, sin = rope_tables(self.args, self.slots + 1)
+        device = device or self.fc.weight.device
+        self.register_buffer("rope_cos", cos.to(device), persistent=False)
+        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+
+    def new_cache(self, batch_size: int) -> StaticKVCache:
+        p = self.fc.weight
+        return StaticKVCache(self.args, batch_size, self.slots, p.device, p.dtype)
+
+    def bind(self, target) -> "DFlashHead":
+        """Share the target's embedding and lm_head (same storage; kept out of state_dict)."""
+        self.target_lm_head = [target.lm_head]
+        return super().bind(target)
+
+    def init_from_target(self, target) -> None:
+        """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""
+        with torch.no_grad():
+            self.norm.weight.copy_(target.model.norm.weight)
+
+    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DFlashHead":
+        head = super().copy(device, dtype)
+        head.target_lm_head = list(self.target_lm_head)
+        return head
+
+    def _meta(self) -> dict:
+        return {"embed_ptr": self.embed.weight.data_ptr()}
+
+    # -- programs -----------------------------------------------------------------------------------
+    def context(self, feats: Tensor) -> Tensor:
+        """aux [b, t, n_aux * target_hidden] -> c [b, t, hidden]: what every layer's context k/v read."""
+        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+
+    def context_program(self, cache: StaticKVCache) -> list[Step]:
+        """Write the context k/v of every layer: one segment, no attention.
+
+        env in:  feats [b, t, F], positions [b, t], valid [b, t] (False: the dummy slot)
+        env out: nothing (the cache)
+        """
+        def write(env):
+            c = self.context(env["feats"])  # [b, t, hidden]
+            a = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot,
+                                 c.dtype)
+            for layer in self.layers:
+                layer.self_attn.write_kv(c, cache, a)
+
+        return [Step("dflash_context", write, meta=self._meta())]
+
+    def block_program(self, cache: StaticKVCache, num_drafts: int) -> list[Step]:
+        """The block forward as segments and attention breaks, like the target's program.
+
+        env in:  tokens [b, B] = [x_L, m, ..., m], positions [b, B] = L..L+B-1, valid [b, B], kv_len
+        env out: logits [b, num_drafts, vocab] at block indices 1..num_drafts
+        """
+        layers, n, kernel = self.layers, len(self.layers), self.attention_kernel
+
+        def start(env):
+            x = self.embed(env["tokens"])  # [b, B, hidden]
+            a = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot,
+                                 x.dtype)
+            # Non-causal inside the block: every query sees up to the block's last slot (padding rows: 0).
+            last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, B]
+            env["attn"] = dataclasses.replace(a, qpos=last.masked_fill(a.slots == cache.dummy_slot, 0))
+            env["x"], env["delta"] = x, None
+
+        def pre(i):
+            def fn(env):
+                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], False)
+            return fn
+
+        def attend(i):
+            def fn(env):
+                if i == 0:  # kv_len covers the live rows' blocks; + B also covers a static kv_len (full
+                    # graphs: the target's max_seq_len) when a block runs past it. The mask clamps to the cache.
+                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"] + self.block_size)
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
+            return fn
+
+        def post(i):
+            def fn(env):
+                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], False)
+            return fn
+
+        def finish(env):
+            h = self.norm(env["x"] + env["delta"])  # [b, B, hidden]
+            env["logits"] = self.lm_head(h[:, 1: num_drafts + 1])  # [b, k, vocab]
+
+        meta = self._meta()
+        steps = [Step("dflash_embed+pre0", chain(start, pre(0)), meta=meta)]
+        for i in range(n):
+            steps.append(Step(f"dflash_attn{i}", attend(i), is_break=True, meta=meta))
+            steps.append(Step(f"dflash_post{i}", chain(post(i), pre(i + 1) if i + 1 < n else finish), meta=meta))
+        return steps
+
+
+    def graph_phases(self, k: int) -> list[DraftPhase]:
+        """draft_block [rows, B] (logits of k drafts) and draft_context [rows, k + 1] (cache writes only)."""
+        logits = {m: ("logits",) for m in CaptureHiddenMode}
+        nothing = {m: () for m in CaptureHiddenMode}
+        feats = {"feats": InputSpec((self.feature_width,), self.fc.weight.dtype)}
+        return [DraftPhase("draft_block", self.block_size, CaptureHiddenMode.NULL, {}, logits,
+                           lambda rows: self.block_program(rows, k)),
+                DraftPhase("draft_context", k + 1, CaptureHiddenMode.NULL, feats, nothing, self.context_program)]
+
+    # -- model card (stages/train_draft.py) ----------------------------------------------------------
+    def card_summary(self, f: dict) -> str:
+        return (f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
+                f"Llama layers `layers.*`, `norm`):\none forward proposes a block of {self.block_size - 1} tokens "
+                f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
+                f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
+                "injected as extra keys and values into every layer.\nThe token embedding and the lm_head are the "
+                "target's and are not stored here.")
+
+    def card_objective(self, f: dict) -> str:
+        return (f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
+                f"block positions 1..{f['train']['ttt_steps']}")
+
+
+class DFlashDraft(Draft):
+    """The draft loop: `begin`/`commit` write context k/v, `propose` runs one block forward.
+
+    State per row: the context cache holds positions 0..L-1, and `bonus` [batch] is x_L, the last
+    emitted token (not yet in the target cache): the first token of the next block.
+    """
+
+    features = FeatureKind.aux
+
+    def __init__(self, head: DFlashHead, batch_size: int, params: SamplingParams,
+                 generator: Optional[torch.Generator], graphs=None):
+        self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
+        self.block_runner = self.context_runner = None
+        if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
+            self.cache = graphs.draft_cache
+            self.block_runner, self.context_runner = graphs.get("draft_block"), graphs.get("draft_context")
+        else:
+            self.cache = head.new_cache(batch_size)
+        self.bonus: Optional[Tensor] = None  # [b] target ids
+
+    # -- forwards: through a phase's runner when there is one (it falls back by itself), else eager ---
+    def _write_context(self, feats: Tensor, positions: Tensor, valid: Tensor, runner=None,
+                       rows: Optional[slice] = None) -> None:
+        env = {"feats": feats, "positions": positions, "valid": valid, "tokens": torch.zeros_like(positions)}
+        if runner is not None:
+            runner(env, 0, CaptureHiddenMode.NULL)
+            return
+        run_steps(self.head.context_program(self.cache.rows(rows if rows is not None else feats.shape[0])), env)
+
+    def _block_logits(self, tokens: Tensor, positions: Tensor, valid: Tensor, kv_len: int, k: int) -> Tensor:
+        """-> logits [b, k, vocab]; the block phase's graphs were built for k = draft.num_steps."""
+        env = {"tokens": tokens, "positions": positions, "valid": valid}
+        if self.block_runner is not None:
+            logits = self.block_runner(env, kv_len, CaptureHiddenMode.NULL)[0]["logits"]
+            if logits.shape[1] != k:
+                raise ValueError(f"the draft_block graphs propose {logits.shape[1]} tokens, this round asks {k}")
+            return logits
+        env["kv_len"] = kv_len
+        return run_steps(self.head.block_program(self.cache.rows(tokens.shape[0]), k), env)["logits"]
+
+    def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """logits [b, k, vocab] -> tokens [b, k], probs [b, k, vocab] (sampling only). The block's
+        positions are drawn independently: q_i does not depend on d_1..d_{i-1}, and rejection sampling
+        needs only the distribution each d_i was drawn from."""
+        if self.params.greedy:
+            return logits.argmax(-1), None
+        q = probs_from_logits(logits, self.params.temperature, self.params.top_p)  # [b, k, vocab]
+        race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
+        return (q / race).argmax(-1), q
+
+    # -- the Draft interface ------------------------------------------------------------------------
+    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
+        """Context k/v of the prompt positions 0..T-1 (the draft reads no prompt token: only features)."""
+        b, t = prompt_tokens.shape
+        positions = torch.arange(t, device=first.device).expand(b, t)
+        self._write_context(feats, positions, valid, rows=rows)
+        if rows is None:
+            self.bonus = first.clone()
+            return
+        if self.bonus is None or self.bonus.shape[0] != self.batch_size:
+            self.bonus = first.new_zeros(self.batch_size)
+        self.bonus[rows] = first
+
+    def propose(self, state: SpecState, k: int) -> Proposal:
+        B = self.head.block_size
+        if not 1 <= k < B:
+            raise ValueError(f"draft.num_steps={k}: a DFlash block of {B} tokens proposes 1..{B - 1}")
+        lengths, live = state.on_device()  # [b], [b]
+        b = lengths.shape[0]
+        offsets = torch.arange(B, device=lengths.device)
+        tokens = torch.full((b, B), self.head.mask_token_id, dtype=torch.long, device=lengths.device)
+        tokens[:, 0] = self.bonus[:b]
+        positions = lengths[:, None] + offsets  # [b, B]: L..L+B-1
+        logits = self._block_logits(tokens, positions, live[:, None].expand(b, B), max(state.lengths) + B, k)
+        drafts, probs = self._pick(logits)
+        return Proposal(drafts, probs)
+
+    def commit(self, state, feats, emitted, accepted) -> None:
+        """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot);
+        the bonus at index a becomes the next block's first token."""
+        b, width = emitted.shape
+        steps = torch.arange(width, device=emitted.device)
+        lengths, live = state.on_device()
+        valid = (steps[None] <= accepted[:, None]) & live[:, None]  # [b, k+1]
+        self._write_context(feats, lengths[:, None] + steps, valid, runner=self.context_runner)
+        self.bonus = emitted.gather(1, accepted[:, None])[:, 0]

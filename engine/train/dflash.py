@@ -1,0 +1,104 @@
+"""DFlash training: every anchor's block at once, with exactly the attention the drafter sees at inference.
+
+At inference (engine/drafts/dflash.py) a block anchored at j (the target holds positions 0..j, its
+bonus token is x_{j+1}) reads
+
+    context  c_p = hidden_norm(fc(f_p))       for p = 0..j       keys/values only
+    block    [x_{j+1}, m, ..., m]             at positions j+1..j+B, non-causal inside the block
+
+and block index i = s + 1 predicts x_{j+s+2}. A block does not read its own drafts, so there is no
+chain to unroll: the forward below runs the block of every anchor j = 0..T-1 of a sequence in one
+pass, [B, T, blk] block tokens against T shared context keys (masked to p <= j) plus the block's own
+blk keys, and is exact for every anchor, not an approximation of inference.
+
+    batch.tokens  [B, T]       x_{p+1}: the bonus token of the block anchored at p
+    batch.feats   [B, T, F]    target aux hidden states f_p: the context
+    q             [B, H, T*blk, D]   block queries, anchor-major
+    ctx scores    [B, H, T, blk, T]  masked to key p <= anchor j
+    block scores  [B, H, T, blk, blk]
+
+Outputs follow the trainer's layout (engine/train/eagle3.py): logits[s][:, p] is the prediction for
+label index p (the target's distribution of x_{p+2}) made by the block anchored at j = p - s, at
+block index s + 1; so the EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's
+position-decayed loss) and `chain_acceptance` apply unchanged. Labels are over the full target
+vocabulary: the drafter predicts through the target's lm_head.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from engine.errors import ConfigError
+from engine.model import apply_rope
+from engine.train.eagle3 import Batch, _shift
+
+
+def block_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int,
+                    group: int) -> Tensor:
+    """Attention of every anchor's block over its context prefix and its own block.
+
+    q [B, H, T*blk, D]; k_ctx/v_ctx [B, KV, T, D] (context at positions 0..T-1); k_blk/v_blk
+    [B, KV, T*blk, D] (anchor-major, as q). -> [B, H, T*blk, D]
+    """
+    b, h, n, d = q.shape
+    t = n // blk
+    scale = 1.0 / math.sqrt(d)
+    kc, vc = k_ctx.repeat_interleave(group, 1), v_ctx.repeat_interleave(group, 1)  # [B, H, T, D]
+    kb = k_blk.repeat_interleave(group, 1).view(b, h, t, blk, d)
+    vb = v_blk.repeat_interleave(group, 1).view(b, h, t, blk, d)
+    q5 = q.view(b, h, t, blk, d)
+    ctx = (q @ kc.transpose(-1, -2)).float().view(b, h, t, blk, t) * scale  # [B, H, T, blk, T]
+    pos = torch.arange(t, device=q.device)
+    prefix = pos[None, :] <= pos[:, None]  # [anchor j, key p]: p <= j
+    ctx = ctx.masked_fill(~prefix[:, None, :], float("-inf"))
+    own = torch.einsum("bhjid,bhjkd->bhjik", q5, kb).float() * scale  # [B, H, T, blk, blk]
+    probs = torch.cat([ctx, own], -1).softmax(-1).to(q.dtype)  # every row sees its own block: never all -inf
+    out = probs[..., :t].reshape(b, h, n, t) @ vc  # [B, H, T*blk, D]
+    return out + torch.einsum("bhjik,bhjkd->bhjid", probs[..., t:], vb).reshape(b, h, n, d)
+
+
+def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
+    """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1."""
+    blk = head.block_size
+    if not 1 <= steps < blk:
+        raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
+    b, t = batch.tokens.shape
+    tokens = torch.full((b, t, blk), head.mask_token_id, dtype=torch.long, device=batch.tokens.device)
+    tokens[:, :, 0] = batch.tokens  # [B, T, blk]: [x_{j+1}, m, ..., m] per anchor j
+    x = head.embed(tokens).detach().view(b, t * blk, -1)  # [B, T*blk, hidden]; the target's, frozen
+    c = head.context(batch.feats)  # [B, T, hidden]
+    x = x.to(c.dtype)
+    block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
+    rope = lambda pos: (head.rope_cos[pos][:, None].to(c.dtype), head.rope_sin[pos][:, None].to(c.dtype))  # noqa: E731
+    (ccos, csin), (bcos, bsin) = rope(batch.positions), rope(block_pos)  # [B, 1, T or T*blk, D]
+    for layer in head.layers:
+        att = layer.self_attn
+        heads, kv, d = att.n_heads, att.n_kv, att.head_dim
+        split = lambda y, n, nh: y.view(b, n, nh, d).transpose(1, 2)  # noqa: E731  [B, nh, n, D]
+        k_ctx = apply_rope(split(att.k_proj(c), t, kv), ccos, csin)
+        v_ctx = split(att.v_proj(c), t, kv)
+        hn = layer.input_layernorm(x)
+        q = apply_rope(split(att.q_proj(hn), t * blk, heads), bcos, bsin)
+        k_blk = apply_rope(split(att.k_proj(hn), t * blk, kv), bcos, bsin)
+        v_blk = split(att.v_proj(hn), t * blk, kv)
+        o = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv)
+        x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+    h = x.view(b, t, blk, -1)
+    w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
+    # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout.
+    return [_shift(F.linear(head.norm(h[:, :, s + 1]), w), s, 1) for s in range(steps)]
+
+
+def check_dflash_training(cfg, plan) -> None:
+    """train.ttt_steps and train.eval_k count block positions: at most block_size - 1."""
+    block = plan.head_config["block_size"]
+    for key in ("ttt_steps", "eval_k"):
+        value = getattr(cfg.train, key)
+        if value > block - 1:
+            raise ConfigError(f"train.{key}", value, f"a DFlash block of {block} tokens predicts {block - 1} "
+                              "positions", f"1..{block - 1}, or a larger draft.block_size")

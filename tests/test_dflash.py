@@ -1,0 +1,384 @@
+"""DFlash: lossless greedy under every policy, the draft state after partial acceptance, row-slice
+prefill, the NaN-poisoned fallback, the plan's checks, the checkpoint format, the training forward
+against inference, and a test-sized `train_draft` run whose head beats a random one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import compose_cfg, spread_init
+from test_model import _prompts, pair
+from test_speculative import AUX
+from engine.drafts.base import Proposal, SpecState
+from engine.drafts.dflash import DFlashDraft
+from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.errors import ConfigError
+from engine.generate import Generator
+from engine.graphs.graph_set import GraphSet
+from engine.model import run_steps
+from engine.sampling import SamplingParams
+from engine.train.dflash import dflash_forward
+from engine.train.eagle3 import Batch
+from pipeline.__main__ import run
+from pipeline.config import DraftConfig, to_run_config
+from pipeline.plan import PlanError, build_plan
+
+CUDA = torch.cuda.is_available()
+K, BLOCK = 3, 4
+TINY = ["model=tiny", "draft.aux_layer_ids=[1,2,3]", "draft.aux_layer_convention=input_of"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return pair()[1]
+
+
+def dflash_cfg(**kw) -> DraftConfig:
+    base = dict(algorithm="dflash", init="random", num_steps=K, aux_layer_ids=AUX, block_size=BLOCK, num_layers=2)
+    return DraftConfig(**{**base, **kw})
+
+
+def make_head(target, device="cpu", std=0.1, seed=0, **kw):
+    """A random head with weights wide enough that its logits depend on the context."""
+    plan = plan_draft(dflash_cfg(**kw), target.args)
+    target.set_aux_layers(plan.aux.input_of)
+    head = load_head(plan, target, 0, torch.device(device), torch.float32)
+    with torch.no_grad():
+        spread_init(head, seed=seed, std=std)
+    return plan, head
+
+
+def generator(target, plan, head, batch, params, graphs=None):
+    draft = make_draft(plan, head, target, batch, params, None, graphs=graphs)
+    return Generator(target, batch, draft, K, graphs=graphs)
+
+
+class Recorder:
+    """Wraps a DFlashDraft: records every block's logits, and (with references) replaces the proposed
+    tokens by the target's own up to a random depth per row, so acceptance is partial and uneven."""
+
+    def __init__(self, draft: DFlashDraft, references=None, prompt_lens=None, seed=0):
+        self.draft, self.logits = draft, []
+        self.references, self.prompt_lens = references, prompt_lens
+        self.g = torch.Generator().manual_seed(seed)
+        inner = draft._block_logits
+        draft._block_logits = lambda *a: self.logits.append(inner(*a)) or self.logits[-1]
+        if references is not None:
+            propose = draft.propose
+            draft.propose = lambda state, k: self._oracle(state, propose(state, k), k)
+
+    def _oracle(self, state, prop, k):
+        tokens = prop.tokens.clone()
+        for i, (r, hist) in enumerate(zip(state.row_ids, state.history)):
+            done = len(hist) - self.prompt_lens[r]
+            depth = int(torch.randint(0, k + 1, (1,), generator=self.g))
+            ref = self.references[r][done: done + depth]
+            tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
+        return Proposal(tokens)
+
+
+def run_batches(gen, prompts, params, batch):
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += gen.generate(prompts[i: i + batch], params, row_ids=list(range(i, min(i + batch, len(prompts)))))
+    return out
+
+
+# ------------------------------------------------------------------------------------------ lossless
+POLICIES = ["none", "debug"] + (["full", "breakable"] if CUDA else [])
+
+
+def _lossless(policy, batch):
+    device = "cuda" if policy in ("full", "breakable") else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    plan, head = make_head(target, device)
+    prompts = [p for p in _prompts(4)]
+    params = SamplingParams(max_new_tokens=29, ignore_eos=True)
+    base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
+    graphs = None
+    if policy != "none":
+        graphs = GraphSet(target, head, batch, K, policy, policy, [s for s in (1, 2, 4) if s <= batch], [16],
+                          features=True).capture()
+    gen = generator(target, plan, head, batch, params, graphs)
+    rec = Recorder(gen.draft, base, [len(p) for p in prompts])
+    res = run_batches(gen, prompts, params, batch)
+    assert [r.tokens for r in res] == base
+    accepts = [a for r in res for a in r.accepts]
+    assert len(set(accepts)) >= 3  # partial acceptance of several depths: commits of several widths
+    if graphs is not None:
+        stats = graphs.stats()
+        assert stats["draft_block"].replays > 0 and stats["draft_context"].replays > 0
+        assert stats["draft_block"].fallbacks == 0
+    return rec.logits, target, plan, head, prompts, params, base
+
+
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("policy", ["none", "debug"])
+def test_greedy_is_lossless(policy, batch):
+    _lossless(policy, batch)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 4])
+@pytest.mark.parametrize("policy", ["full", "breakable"])
+def test_greedy_is_lossless_under_cuda_graphs(policy, batch):
+    """The graphs' proposals equal eager ones along the same trajectory (same partial-oracle draws)."""
+    got, target, plan, head, prompts, params, base = _lossless(policy, batch)
+    gen = generator(target, plan, head, batch, params)
+    rec = Recorder(gen.draft, base, [len(p) for p in prompts])
+    run_batches(gen, prompts, params, batch)
+    assert len(got) == len(rec.logits)
+    for a, b in zip(got, rec.logits):
+        torch.testing.assert_close(a, b, atol=1e-3, rtol=1e-3)
+
+
+def test_debug_graphs_propose_what_eager_proposes():
+    got, target, plan, head, prompts, params, base = _lossless("debug", 2)
+    gen = generator(target, plan, head, 2, params)
+    rec = Recorder(gen.draft, base, [len(p) for p in prompts])
+    run_batches(gen, prompts, params, 2)
+    assert len(got) == len(rec.logits) > 10
+    for a, b in zip(got, rec.logits):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------------------ state
+def test_state_after_partial_acceptance_equals_fresh_prefill(target):
+    """After every commit, the next block equals the block of a draft freshly prefilled over the same
+    history: context k/v of rejected positions never survive, the block's own slots never leak."""
+    plan, head = make_head(target)
+    prompts = _prompts(3, seed=12)
+    params = SamplingParams(max_new_tokens=25, ignore_eos=True)
+    base = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
+    gen = generator(target, plan, head, 3, params)
+    draft = gen.draft
+    Recorder(draft, base, [len(p) for p in prompts])
+    fresh = DFlashDraft(head, 1, params, None)
+    commit, checked = draft.commit, []
+
+    def commit_and_check(state, feats, emitted, accepted):
+        commit(state, feats, emitted, accepted)
+        hists = [h + emitted[i, : int(accepted[i]) + 1].tolist() for i, h in enumerate(state.history)]
+        after = SpecState(hists, [len(h) - 1 for h in hists], list(state.live), state.row_ids, "cpu")
+        nxt = DFlashDraft.propose(draft, after, K)  # the block the next round will run (writes only block slots)
+        for i in range(len(prompts)):
+            if not state.live[i]:
+                continue
+            ids = torch.tensor([hists[i][:-1]])  # in the target cache; hists[i][-1]: the pending bonus token
+            out = target(ids, torch.arange(ids.shape[1])[None], target.new_cache(1), kv_len=ids.shape[1])
+            fresh.begin(None, out.aux_hidden_states, ids, torch.ones_like(ids, dtype=torch.bool), None,
+                        torch.tensor([hists[i][-1]]))
+            one = SpecState([hists[i]], [ids.shape[1]], [True], [0], "cpu")
+            env = {"tokens": torch.tensor([[hists[i][-1]] + [head.mask_token_id] * (BLOCK - 1)]),
+                   "positions": ids.shape[1] + torch.arange(BLOCK)[None], "valid": torch.ones(1, BLOCK, dtype=torch.bool),
+                   "kv_len": ids.shape[1] + BLOCK}
+            want = run_steps(head.block_program(fresh.cache.rows(1), K), env)["logits"]
+            torch.testing.assert_close(draft_logits(draft, after)[i], want[0], atol=1e-4, rtol=1e-4)
+            assert torch.equal(nxt.tokens[i], fresh.propose(one, K).tokens[0])
+            checked.append(int(accepted[i]))
+
+    draft.commit = commit_and_check
+    res = gen.generate(prompts, params)
+    assert [r.tokens for r in res] == base
+    assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
+
+
+def draft_logits(draft, state):
+    """The running draft's next block logits [b, k, vocab], eagerly over its cache."""
+    lengths = torch.tensor(state.lengths)
+    b = len(state.lengths)
+    tokens = torch.full((b, BLOCK), draft.head.mask_token_id)
+    tokens[:, 0] = draft.bonus[:b]
+    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK),
+           "valid": torch.ones(b, BLOCK, dtype=torch.bool), "kv_len": max(state.lengths) + BLOCK}
+    return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
+
+
+def _prefill(target, prompts):
+    width = max(len(p) for p in prompts)
+    ids = torch.zeros(len(prompts), width, dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = torch.tensor(p)
+    lens = torch.tensor([len(p) for p in prompts])
+    positions = torch.arange(width).expand(len(prompts), width)
+    valid = positions < lens[:, None]
+    out = target(ids, positions, target.new_cache(len(prompts)), valid=valid, kv_len=width)
+    return out.aux_hidden_states, ids, valid, out.logits[torch.arange(len(prompts)), lens - 1].argmax(-1)
+
+
+def test_begin_on_row_slices_equals_whole_batch(target):
+    plan, head = make_head(target)
+    prompts = _prompts(3, seed=21)
+    params = SamplingParams(max_new_tokens=8)
+    whole, parts = DFlashDraft(head, 3, params, None), DFlashDraft(head, 3, params, None)
+    whole.begin(None, *_prefill(target, prompts)[:3], None, _prefill(target, prompts)[3])
+    for sl in (slice(0, 2), slice(2, 3)):
+        feats, ids, valid, first = _prefill(target, prompts[sl])
+        parts.begin(None, feats, ids, valid, None, first, rows=sl)
+    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
+    torch.testing.assert_close(draft_logits(whole, state), draft_logits(parts, state), atol=1e-5, rtol=1e-5)
+    assert torch.equal(whole.propose(state, K).tokens, parts.propose(state, K).tokens)
+
+
+# ------------------------------------------------------------------------------------------ fallback
+@pytest.mark.parametrize("policy", ["debug"] + (["full", "breakable"] if CUDA else []))
+def test_fallback_with_poisoned_buffers_equals_eager(policy):
+    """Batches above the largest capture size run eagerly; the graphs' static tensors, poisoned with
+    NaN, must not reach the proposals (DESIGN.md hazard 2, for both draft phases)."""
+    device = "cuda" if policy != "debug" else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    plan, head = make_head(target, device)
+    gs = GraphSet(target, head, 4, K, policy, policy, [1, 2], [16], features=True).capture()
+    for name in ("draft_block", "draft_context"):
+        runner = gs.get(name)
+        for buf in runner.buffers.values():
+            if buf.is_floating_point():
+                buf.fill_(float("nan"))
+        for _, env in runner.captured.values():
+            for v in env.values():
+                if torch.is_tensor(v) and v.is_floating_point():
+                    v.fill_(float("nan"))
+    prompts = _prompts(4, seed=31)
+    params = SamplingParams(max_new_tokens=13, ignore_eos=True)
+    base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
+    eager = generator(target, plan, head, 4, params)
+    want = Recorder(eager.draft, base, [len(p) for p in prompts])
+    eager.generate(prompts, params, row_ids=[0, 1, 2, 3])
+    gen = generator(target, plan, head, 4, params, gs)
+    got = Recorder(gen.draft, base, [len(p) for p in prompts])
+    assert [r.tokens for r in gen.generate(prompts, params, row_ids=[0, 1, 2, 3])] == base  # 4 rows > 2
+    stats = gs.stats()
+    assert stats["draft_block"].replays == 0 and stats["draft_block"].fallbacks == len(got.logits) > 0
+    assert stats["draft_context"].replays == 0 and stats["draft_context"].fallbacks > 0
+    for a, b in zip(got.logits, want.logits):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------------------ plan
+def test_plan_rejects_dflash_without_explicit_layer_ids(target, outputs):
+    with pytest.raises(ConfigError, match=r"draft.aux_layer_ids=None.*no default target layers") as e:
+        plan_draft(dflash_cfg(aux_layer_ids=None), target.args)
+    assert "e.g. [" in str(e.value)
+    with pytest.raises(PlanError, match=r"draft.aux_layer_ids=None"):
+        build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "draft.aux_layer_ids=null", "device=cpu")),
+                   outputs)
+
+
+@pytest.mark.parametrize("override, key", [
+    (dict(num_steps=4), "draft.num_steps"),  # k = 4 > block 4 - 1
+    (dict(block_size=1, num_steps=1), "draft.block_size"),
+    (dict(mask_token_id=320), "draft.mask_token_id"),  # the tiny vocabulary has 320 ids
+    (dict(num_layers=0), "draft.num_layers"),
+    (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
+])
+def test_plan_names_the_bad_key(target, override, key):
+    with pytest.raises(ConfigError) as e:
+        plan_draft(dflash_cfg(**override), target.args)
+    assert e.value.key == key
+
+
+def test_aux_capture_is_configured_before_graph_capture(outputs):
+    plan = build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "graph=debug", "device=cpu")), outputs)
+    assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "eval"]
+    assert "output_of [0, 1, 2] (from config)" in plan.describe()
+    assert "block 8 (mask token 319), 2 layers" in plan.describe()
+
+
+# ------------------------------------------------------------------------------------------ checkpoint
+def test_checkpoint_round_trip(target, tmp_path):
+    plan, head = make_head(target, seed=3)
+    head.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["block_size"] == BLOCK
+    assert cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2] and cfg["num_hidden_layers"] == 2
+    assert cfg["mask_token_id"] == 319 and cfg["target_hidden_size"] == 64
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight", "layers.1.self_attn.k_proj.weight"} <= names
+    assert not any(n.startswith(("embed", "lm_head")) for n in names)  # the target's, not stored
+
+    # Loads with the checkpoint's ids (none configured), and drafts exactly as the saved head.
+    loaded_plan = plan_draft(dflash_cfg(init="checkpoint", path=str(tmp_path), aux_layer_ids=None,
+                                        block_size=None, num_layers=None), target.args)
+    assert loaded_plan.aux.input_of == (1, 2, 3) and loaded_plan.aux.source == "checkpoint"
+    loaded = load_head(loaded_plan, target, 0, torch.device("cpu"), torch.float32)
+    for k, v in head.state_dict().items():
+        assert torch.equal(loaded.state_dict()[k], v), k
+    # fc width against the configured ids, before any weight is read
+    with pytest.raises(ConfigError, match="fc.weight takes 192 inputs, but the target provides 128"):
+        plan_draft(dflash_cfg(init="checkpoint", path=str(tmp_path), aux_layer_ids=[1, 2]), target.args)
+    with pytest.raises(ConfigError, match="mask_token_id=319"):
+        plan_draft(dflash_cfg(init="checkpoint", path=str(tmp_path), mask_token_id=5), target.args)
+
+
+# ------------------------------------------------------------------------------------------ training
+def test_training_forward_equals_the_inference_block(target):
+    """dflash_forward's step s at position p is the block anchored at j = p - s, computed through the
+    draft's own programs: context written for 0..j, block [x_{j+1}, m, ...] at j+1..j+B."""
+    plan, head = make_head(target, seed=5)
+    g = torch.Generator().manual_seed(0)
+    b, t = 2, 12
+    feats = torch.randn(b, t, head.feature_width, generator=g)
+    tokens = torch.randint(0, 320, (b, t), generator=g)
+    positions = torch.arange(t).expand(b, t)
+    batch = Batch(tokens, positions, feats, None, None, torch.ones(b, t, dtype=torch.bool))
+    with torch.no_grad():
+        logits = dflash_forward(head, batch, BLOCK - 1)
+    for row in range(b):
+        for j in (0, 4, t - 1):
+            cache = head.new_cache(1)
+            run_steps(head.context_program(cache), {"feats": feats[row:row + 1, : j + 1],
+                                                    "positions": positions[:1, : j + 1], "valid": None})
+            env = {"tokens": torch.tensor([[int(tokens[row, j])] + [head.mask_token_id] * (BLOCK - 1)]),
+                   "positions": j + 1 + torch.arange(BLOCK)[None], "valid": torch.ones(1, BLOCK, dtype=torch.bool),
+                   "kv_len": j + 1 + BLOCK}
+            block = run_steps(head.block_program(cache, BLOCK - 1), env)["logits"][0]  # [B-1, vocab]
+            for s in range(BLOCK - 1):
+                if j + s < t:
+                    torch.testing.assert_close(logits[s][row, j + s], block[s], atol=2e-5, rtol=1e-4)
+
+
+TRAIN = ["+experiment=train_dflash_smollm2", *TINY, "model.random.init_std=0.15", "draft.block_size=4",
+         "draft.num_steps=3", "train.data.num_samples=16", "train.data.batch_size=8",
+         "train.data.max_prompt_tokens=12", "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1",
+         "train.heldout=0.25", "train.lr=1e-2", "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64",
+         "train.eval_every=30", "train.save_every=30", "train.ttt_steps=3", "train.eval_k=3",
+         "train.loop_eval_prompts=2", "train.loop_eval_tokens=16"]
+
+
+def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_path):
+    ctx = run(compose_cfg(*TRAIN, "train.steps=150"))
+    head_dir = Path(ctx["draft_checkpoint"])
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [0, 1, 2]
+    card = (head_dir / "README.md").read_text()
+    assert "DFlash block-diffusion drafter" in card and "accept_length" in card
+
+    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")  # the shared synthesis
+    samples = [json.loads(line) for line in open(data)]
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
+                             for i, s in enumerate(samples)))
+    common = ["+experiment=dflash", *TINY, "model.random.init_std=0.15", f"eval.dataset={qfile}",
+              "eval.max_new_tokens=24", "eval.batch_size=4", "draft.num_steps=3", "tracking=off"]
+    trained = run(compose_cfg(*common, "draft.init=checkpoint", f"draft.path={head_dir}", "draft.block_size=null",
+                              "draft.num_layers=null"))["eval_results"]["metrics"]
+    random_ = run(compose_cfg(*common, "draft.init=random", "draft.block_size=4"))["eval_results"]["metrics"]
+    assert trained["match_baseline"] == 1.0 and random_["match_baseline"] == 1.0
+    assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
+                                                                        random_["accept_length"])
+
+
+def test_train_steps_beyond_the_block_are_one_clear_error(outputs):
+    with pytest.raises(PlanError, match=r"train.ttt_steps=4: a DFlash block of 4 tokens predicts 3"):
+        build_plan(to_run_config(compose_cfg(*TRAIN, "train.ttt_steps=4", "device=cpu")), outputs)
