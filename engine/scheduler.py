@@ -137,6 +137,11 @@ class Scheduler:
     def running(self) -> int:
         return sum(r is not None for r in self.slots)
 
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
     def submit(self, req: GenerationRequest) -> None:
         """Queue a request; raises QueueFull (serve.max_queue waiting) or ShuttingDown."""
         need = len(req.prompt) + req.max_tokens + self.k

@@ -19,8 +19,12 @@ from stages.base import Stage, StageEnv, register_stage
 
 
 def capture_sizes(cfg) -> list[int]:
+    """graph.capture_sizes, else 1, 2, 4, ... up to the cache's rows; under task=serve every round
+    spans all serve.max_batch_size slots (engine/scheduler.py), so that one size is all it needs."""
     g = cfg.graph
-    return sorted(set(g.capture_sizes)) if g.capture_sizes else default_sizes(max_batch(cfg))
+    if g.capture_sizes:
+        return sorted(set(g.capture_sizes))
+    return [cfg.serve.max_batch_size] if cfg.task == "serve" else default_sizes(max_batch(cfg))
 
 
 def run_batch(cfg) -> tuple[str, int]:
