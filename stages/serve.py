@@ -18,6 +18,8 @@ Provides `serve_results` (those metrics).
 
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
@@ -113,10 +115,16 @@ class ServeStage(Stage):
         return OpenAIServer(OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port,
                             s.drain_timeout_s, s.log_level)
 
+    @staticmethod
+    def _announce(server: OpenAIServer, host: str) -> None:
+        if server.wait_ready(timeout=600):
+            print(f"[serve] ready on http://{host}:{server.port}/v1", flush=True)
+
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         server = self.server = self.build(cfg, inputs, env)
         print(f"[serve] model {model_name(cfg)!r} on http://{cfg.serve.host}:{cfg.serve.port}/v1, "
               f"{cfg.serve.max_batch_size} slots; Ctrl-C drains and stops", flush=True)
+        threading.Thread(target=self._announce, args=(server, cfg.serve.host), daemon=True).start()
         try:
             server.run()
         finally:
