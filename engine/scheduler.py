@@ -174,7 +174,7 @@ class Scheduler:
             except ValueError:  # running (or being admitted): the engine thread releases it
                 self._cv.notify()
                 return
-        self._finish(req, "abort")
+            self._finish(req, "abort")  # the lock is reentrant
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
@@ -312,7 +312,8 @@ class Scheduler:
 
     def _finish(self, req: GenerationRequest, reason: str, error: Optional[str] = None,
                 tokens: Optional[list[int]] = None) -> None:
-        req.finish_reason, req.t_done = reason, time.perf_counter()
-        self.stats.finished[reason] += 1
-        self.stats.last_finish = req.t_done
+        with self._cv:  # cancel() finishes waiting requests from another thread
+            req.finish_reason, req.t_done = reason, time.perf_counter()
+            self.stats.finished[reason] += 1
+            self.stats.last_finish = req.t_done
         req.sink(TokenEvent(tokens or [], reason, error))
