@@ -197,7 +197,8 @@ class OpenAIApp:
         self.app = self._build()
 
     # -- validation -------------------------------------------------------------------------------
-    def _params(self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str) -> _Params:
+    def _params(self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str,
+                prompt_key: str) -> _Params:
         lim = self.limits
         if body.model != lim.model_name:
             raise ApiError(404, f"model {body.model!r} does not exist; this server serves {lim.model_name!r}",
@@ -210,8 +211,7 @@ class OpenAIApp:
         if room < 1:
             raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
                            f"{lim.max_seq_len} tokens ({lim.draft_tokens} reserved for draft tokens), "
-                           "which leaves no room to generate", "messages" if key == "max_completion_tokens"
-                           else "prompt", "context_length_exceeded")
+                           "which leaves no room to generate", prompt_key, "context_length_exceeded")
         if max_tokens is None:
             max_tokens = min(lim.default_max_tokens, room)
         elif max_tokens < 1 or max_tokens > lim.max_tokens_limit:
@@ -325,15 +325,15 @@ class OpenAIApp:
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest):
             prompt = self._completion_prompt(body)
-            return await self._run("completion", prompt, self._params(body, prompt, body.max_tokens,
-                                                                                "max_tokens"), body)
+            params = self._params(body, prompt, body.max_tokens, "max_tokens", "prompt")
+            return await self._run("completion", prompt, params, body)
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest):
             prompt = self.tokenizer.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
             key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            return await self._run("chat", prompt, self._params(body, prompt, max_tokens, key), body)
+            return await self._run("chat", prompt, self._params(body, prompt, max_tokens, key, "messages"), body)
 
         @app.get("/v1/models")
         async def models():
@@ -379,6 +379,12 @@ class OpenAIServer:
             self.server.run()  # returns after the graceful shutdown
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once drained
             self.interrupted = True
+        except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)
+            if self.server.started:
+                raise
+            c = self.server.config
+            raise RuntimeError(f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
+                               "serve.port=0 picks a free port)") from None
         finally:
             self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
 

@@ -395,3 +395,58 @@ def test_text_stream_holds_partial_characters_and_stop_strings():
     assert "END" not in "".join(sent)
     plain = TextStream(tok)
     assert "".join(plain.push([i]) for i in ids) + plain.finish() == "héllo wörld END tail"
+
+
+def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
+    import torch
+
+    from engine.sampling import RowSampling
+    from engine.verify import verify, verify_greedy
+
+    g = torch.Generator().manual_seed(0)
+    b, k, vocab = 4, 3, 16
+    logits = torch.randn(b, k + 1, vocab, generator=g) * 2
+    draft = torch.randint(0, vocab, (b, k), generator=g)
+    draft[0, :2] = logits[0, :2].argmax(-1)  # row 0 accepts two greedily
+    want_acc, want_bonus = verify_greedy(logits, draft)
+
+    def once(shared_seed):
+        s = RowSampling.per_row([0.0, 1.0, 0.0, 0.7], [1.0, 0.9, 1.0, 1.0],
+                                [None, torch.Generator().manual_seed(5), None, None], "cpu",
+                                torch.Generator().manual_seed(shared_seed))
+        return verify(logits, draft, None, s)
+
+    runs = [once(seed) for seed in range(6)]
+    for acc, bonus in runs:
+        assert acc[[0, 2]].tolist() == want_acc[[0, 2]].tolist() and acc[0] == 2
+        assert bonus[[0, 2]].tolist() == want_bonus[[0, 2]].tolist()
+        assert (acc[1], bonus[1]) == (runs[0][0][1], runs[0][1][1])  # the seeded row ignores the shared draws
+    assert len({int(bonus[3]) for _, bonus in runs}) > 1  # the unseeded sampled row does not
+
+
+def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
+    """3 slots, graphs captured for 1 and 2 rows: every round falls back to eager, is counted, and the
+    outputs still equal the eager generator's."""
+    from test_graphs import setup
+    from test_model import _prompts
+    from test_speculative import build
+
+    from engine.generate import SpecDecoder
+    from engine.scheduler import GenerationRequest, Scheduler
+    from pipeline.config import DraftConfig
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
+    draft = make_draft(plan, head, target, 3, SamplingParams(), None, cfg=DraftConfig(algorithm="eagle3"),
+                       graphs=gs)
+    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8).start()
+    prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
+    reqs = [GenerationRequest(p, 10, lambda ev: ev.finish_reason and done.release()) for p in prompts]
+    for r in reqs:
+        sched.submit(r)
+    assert all(done.acquire(timeout=30) for _ in reqs)
+    sched.close()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eager = build(target, "eagle3", 1, params)
+    assert [r.output for r in reqs] == [eager.generate([p], params)[0].tokens for p in prompts]
+    verify_stats = gs.get("verify").stats
+    assert verify_stats.fallbacks == sched.stats.rounds > 0 and verify_stats.replays == 0
