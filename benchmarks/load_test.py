@@ -1,6 +1,7 @@
 """A bounded load test of an OpenAI-compatible server: N concurrent clients for a fixed time.
 
-    python benchmarks/load_test.py --url http://127.0.0.1:8000 --clients 1 8 32 --duration 30 --max-tokens 128
+    python benchmarks/load_test.py --url http://127.0.0.1:8000 --clients 1 8 32 --duration 30 --max-tokens 128 \
+        --chat --ignore-eos --stream
 
 Each client sends completions back to back (a new one as soon as the last is answered) until the
 duration is up; a request in flight at the deadline finishes and counts. Prompts cycle through a
@@ -110,9 +111,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
 
 async def run_level(base_url: str, model: str, clients: int, duration_s: float, max_tokens: int,
                     prompts: list[str], temperature: float = 0.0, stream: bool = False,
-                    timeout_s: float = 600.0) -> LevelResult:
+                    timeout_s: float = 600.0, chat: bool = False, ignore_eos: bool = False) -> LevelResult:
     """`clients` loops sending completions until `duration_s` is up; in-flight requests finish."""
-    url = base_url.rstrip("/") + "/v1/completions"
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     res = LevelResult(clients, duration_s)
     deadline = time.perf_counter() + duration_s
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -120,8 +121,11 @@ async def run_level(base_url: str, model: str, clients: int, duration_s: float, 
         async def loop(c: int) -> None:
             i = c
             while time.perf_counter() < deadline:
-                body = {"model": model, "prompt": prompts[i % len(prompts)], "max_tokens": max_tokens,
-                        "temperature": temperature, "stream": stream}
+                text = prompts[i % len(prompts)]
+                body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream,
+                        **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+                if ignore_eos:
+                    body["ignore_eos"] = True
                 if stream:
                     body["stream_options"] = {"include_usage": True}
                 await _one(client, url, body, res)
@@ -164,15 +168,23 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", default=None, help="a question.jsonl (first turns); default: built-in")
     ap.add_argument("--stream", action="store_true", help="stream (SSE) and report time to first token")
+    ap.add_argument("--chat", action="store_true", help="/v1/chat/completions (the chat template) instead of "
+                    "/v1/completions")
+    ap.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens "
+                    "(the server's ignore_eos extension, as vLLM's)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--label", default="", help="a label printed above the table (e.g. the server's config)")
     a = ap.parse_args(argv)
     model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)
     results = []
     for n in a.clients:
-        r = asyncio.run(run_level(a.url, model, n, a.duration, a.max_tokens, prompts, a.temperature, a.stream))
+        r = asyncio.run(run_level(a.url, model, n, a.duration, a.max_tokens, prompts, a.temperature, a.stream,
+                                  chat=a.chat, ignore_eos=a.ignore_eos))
         results.append(r)
         for e in r.errors[:3]:
             print(f"  [{n} clients] failed: {e}")
+    if a.label:
+        print(a.label)
     print(table(results))
     if a.json:
         Path(a.json).write_text(json.dumps([r.row() for r in results], indent=1))

@@ -78,6 +78,7 @@ class _Sampling(_Body):
     seed: Optional[int] = None
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (fixed-length benchmarks)
 
 
 class CompletionRequest(_Sampling):
@@ -123,6 +124,7 @@ class _Params:
     top_p: float
     seed: Optional[int]
     stop: tuple[str, ...]
+    ignore_eos: bool
 
 
 class _Flight:
@@ -133,7 +135,7 @@ class _Flight:
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.text = TextStream(tokenizer, p.stop)
         self.req = GenerationRequest(prompt, p.max_tokens, self._sink, p.temperature, p.top_p, p.seed,
-                                     tokenizer.eos_token_ids)
+                                     frozenset() if p.ignore_eos else tokenizer.eos_token_ids)
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
 
@@ -225,7 +227,7 @@ class OpenAIApp:
             raise ApiError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
         temperature = body.temperature if body.temperature is not None else lim.default_temperature
         return _Params(max_tokens, temperature, body.top_p if body.top_p is not None else 1.0, body.seed,
-                       tuple(stop))
+                       tuple(stop), body.ignore_eos)
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         p = body.prompt

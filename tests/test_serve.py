@@ -324,10 +324,11 @@ def test_bounded_load_has_no_failed_request(servers):
 
     lt, s = _load_test_module(), servers("eagle3_debug")
     res = asyncio.run(lt.run_level(s.root, s.model, clients=4, duration_s=3.0, max_tokens=16, prompts=PROMPTS,
-                                   stream=True))
+                                   stream=True, chat=True, ignore_eos=True))
     print("\n" + lt.table([res]))
     assert res.failures == 0, res.errors
-    assert res.requests >= 4 and res.tokens > 0 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
+    assert res.requests >= 4 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
+    assert res.tokens == 16 * res.requests  # ignore_eos: exactly max_tokens each
 
 
 # ------------------------------------------------------------------------------------------ plan, Ctrl-C
