@@ -288,6 +288,13 @@ def test_queue_full_answers_429_and_a_disconnect_frees_the_slot(servers):
     r = complete(s, PROMPTS[3], max_tokens=3)  # the slot is free again
     assert r.usage.completion_tokens == 3
 
+    # A non-streaming client that gives up frees its slot too (the handler polls for it).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.root + "/v1/completions", timeout=1.0,
+                   json={"model": s.model, "prompt": PROMPTS[4], "max_tokens": 1800, "temperature": 0})
+    _wait(lambda: s.metrics()["specpipe_running_requests"] == 0)
+    assert s.metrics()["specpipe_requests_total{finish_reason=abort}"] == aborts0 + 3
+
 
 def test_models_health_and_metrics(servers):
     s = servers("eagle3_debug")
