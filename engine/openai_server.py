@@ -54,6 +54,7 @@ DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether it
 @dataclass(frozen=True)
 class ApiLimits:
     model_name: str
+    vocab_size: int  # prompt token ids must be below it
     max_seq_len: int  # KV slots per sequence: prompt + max_tokens + draft tokens must fit
     draft_tokens: int  # k: the verify of the last round writes k slots past the last token
     default_max_tokens: int
@@ -257,6 +258,10 @@ class OpenAIApp:
             p = p[0]
         if isinstance(p, str):
             return self.tokenizer.encode(p) if p else []
+        bad = [t for t in p if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})",
+                           "prompt")
         return list(p)
 
     # -- responses --------------------------------------------------------------------------------

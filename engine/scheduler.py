@@ -240,7 +240,16 @@ class Scheduler:
             if req.cancelled:
                 self._finish(req, "abort")
                 continue
-            self._join(req, free[0])
+            try:
+                self._join(req, free[0])
+            except Exception as e:  # this request's prefill failed: it alone fails, its row is left free
+                log.exception("prefill failed")
+                if self.slots[free[0]] is req:
+                    self._release(free[0], req, "error", str(e))
+                else:
+                    self.state.history[free[0]], self.state.lengths[free[0]] = [0], 0
+                    self.state.live[free[0]] = False
+                    self._finish(req, "error", str(e))
 
     def _join(self, req: GenerationRequest, i: int) -> None:
         t0, rows, st = time.perf_counter(), slice(i, i + 1), self.state

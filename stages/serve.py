@@ -110,7 +110,7 @@ class ServeStage(Stage):
                            cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
         scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng)
-        limits = ApiLimits(model_name(cfg), cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
+        limits = ApiLimits(model_name(cfg), target.model.args.vocab_size, cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
                            s.default_temperature)
         return OpenAIServer(OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port,
                             s.drain_timeout_s, s.log_level)

@@ -240,6 +240,8 @@ def test_bad_inputs_get_their_status(servers):
     assert code == 422 and err["param"] == "temperature"
     assert post({"model": s.model})[0] == 422  # no prompt
     assert post({**ok, "n": 3})[0] == 400
+    assert post({**ok, "prompt": [1, 2, 99999]})[1]["param"] == "prompt"  # token ids beyond the vocabulary
+    assert complete(s, [72, 105], max_tokens=2).usage.prompt_tokens == 2  # token ids are a prompt too
     # The official client maps them to its exceptions.
     with pytest.raises(openai.NotFoundError):
         s.client.completions.create(model="nope", prompt="hi", max_tokens=2)
