@@ -436,7 +436,7 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
 
 def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     """3 slots, graphs captured for 1 and 2 rows: every round falls back to eager, is counted, and the
-    outputs still equal the eager generator's."""
+    outputs still equal the eager generator's. Requests waiting together prefill together."""
     from test_graphs import setup
     from test_model import _prompts
     from test_speculative import build
@@ -448,15 +448,19 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
     draft = make_draft(plan, head, target, 3, SamplingParams(), None, cfg=DraftConfig(algorithm="eagle3"),
                        graphs=gs)
-    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8).start()
+    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
-    reqs = [GenerationRequest(p, 10, lambda ev: ev.finish_reason and done.release()) for p in prompts]
+    reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release())
+            for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
+    sched.start()  # three join at once (one prefill over slots 0..2), the fourth when slot 0 frees
     assert all(done.acquire(timeout=30) for _ in reqs)
     sched.close()
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    eager = build(target, "eagle3", 1, params)
-    assert [r.output for r in reqs] == [eager.generate([p], params)[0].tokens for p in prompts]
+    assert sched.stats.prefills == 2 and [r.slot for r in reqs] == [0, 1, 2, 0]
+    eager = build(target, "eagle3", 1, SamplingParams())
+    want = [eager.generate([p], SamplingParams(max_new_tokens=10 + i, ignore_eos=True))[0].tokens
+            for i, p in enumerate(prompts)]
+    assert [r.output for r in reqs] == want
     verify_stats = gs.get("verify").stats
     assert verify_stats.fallbacks == sched.stats.rounds > 0 and verify_stats.replays == 0
