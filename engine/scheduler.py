@@ -147,7 +147,8 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
     def submit(self, req: GenerationRequest) -> None:
-        """Queue a request; raises QueueFull (serve.max_queue waiting) or ShuttingDown."""
+        """Queue a request; raises QueueFull (max_queue requests already wait beyond the free slots)
+        or ShuttingDown."""
         need = len(req.prompt) + req.max_tokens + self.k
         if not req.prompt or need > self.dec.model.max_seq_len:
             raise ValueError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
@@ -157,8 +158,10 @@ class Scheduler:
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (serve.max_queue={self.max_queue})")
+            free = self.n - self.running  # waiting requests about to take a free slot do not queue
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self.waiting) - free} requests are waiting for a slot "
+                                f"(serve.max_queue={self.max_queue})")
             req.t_submit = time.perf_counter()
             self.stats.submitted += 1
             self.stats.prompt_tokens += len(req.prompt)

@@ -464,3 +464,17 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     assert [r.output for r in reqs] == want
     verify_stats = gs.get("verify").stats
     assert verify_stats.fallbacks == sched.stats.rounds > 0 and verify_stats.replays == 0
+
+
+def test_max_queue_counts_requests_beyond_the_free_slots():
+    from test_model import pair
+
+    from engine.generate import SpecDecoder
+    from engine.scheduler import GenerationRequest, QueueFull, Scheduler
+
+    sched = Scheduler(SpecDecoder(pair()[1], 2), 2, max_queue=0)  # not started: both slots free
+    for _ in range(2):  # they take the free slots: no queue
+        sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
+    with pytest.raises(QueueFull, match="serve.max_queue=0"):
+        sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
+    sched.close(drain=False)
