@@ -94,11 +94,12 @@ def run_batches(gen, prompts, params, batch):
 POLICIES = ["none", "debug"] + (["full", "breakable"] if CUDA else [])
 
 
-def _lossless(policy, batch):
+def _lossless(policy, batch, kernel=False):
     device = "cuda" if policy in ("full", "breakable") else "cpu"
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
+    target.attention_kernel = kernel  # the head follows in bind(): Triton decode attention, else SDPA
     plan, head = make_head(target, device)
     prompts = [p for p in _prompts(4)]
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
@@ -127,11 +128,12 @@ def test_greedy_is_lossless(policy, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["full", "breakable"])
-def test_greedy_is_lossless_under_cuda_graphs(policy, batch):
+def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention):
     """The graphs' proposals equal eager ones along the same trajectory (same partial-oracle draws)."""
-    got, target, plan, head, prompts, params, base = _lossless(policy, batch)
+    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton")
     gen = generator(target, plan, head, batch, params)
     rec = Recorder(gen.draft, base, [len(p) for p in prompts])
     run_batches(gen, prompts, params, batch)
@@ -191,12 +193,15 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
 
 
-def draft_logits(draft, state):
-    """The running draft's next block logits [b, k, vocab], eagerly over its cache."""
+def draft_logits(draft, state, last_token=None):
+    """The running draft's next block logits [b, k, vocab], eagerly over its cache (with `last_token`:
+    the block's last mask replaced by that token)."""
     lengths = torch.tensor(state.lengths)
     b = len(state.lengths)
     tokens = torch.full((b, BLOCK), draft.head.mask_token_id)
     tokens[:, 0] = draft.bonus[:b]
+    if last_token is not None:
+        tokens[:, -1] = last_token
     env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK),
            "valid": torch.ones(b, BLOCK, dtype=torch.bool), "kv_len": max(state.lengths) + BLOCK}
     return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
@@ -407,3 +412,23 @@ def test_sampling_with_dflash_matches_sampling_without():
         a = torch.bincount(torch.tensor([r.tokens[pos] for r in plain]), minlength=8).float() / n
         b = torch.bincount(torch.tensor([r.tokens[pos] for r in spec]), minlength=8).float() / n
         assert 0.5 * (a - b).abs().sum() < 0.05, (pos, a, b)
+
+
+def test_triton_attention_reads_the_whole_block(target):
+    """The Triton decode-attention kernel (the CUDA default, here under the interpreter) gives every
+    block query the block's last slot as its bound (qpos): it equals the SDPA mask, and the first
+    draft depends on the block's last token (a causal block would not)."""
+    plan, head = make_head(target)
+    prompts = _prompts(3, seed=41)
+    draft = DFlashDraft(head, 3, SamplingParams(max_new_tokens=8), None)
+    feats, ids, valid, first = _prefill(target, prompts)
+    draft.begin(None, feats, ids, valid, None, first)
+    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
+    sdpa = draft_logits(draft, state)
+    head.attention_kernel = True
+    try:
+        kernel, changed = draft_logits(draft, state), draft_logits(draft, state, last_token=7)
+    finally:
+        head.attention_kernel = False
+    torch.testing.assert_close(kernel, sdpa, atol=1e-4, rtol=1e-4)
+    assert (changed[:, 0] - kernel[:, 0]).abs().max() > 1e-3
