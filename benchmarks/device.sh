@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU runs of issues 4-7 on the device machine (see docs/benchmarks.md), one phase per call:
 #   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped|final
-#                             launch|poll|fetch (issue 6: train heads in the background, see below)
+#                             warm|par|poll|collect (issues 5-7 on 4 GPUs in the background: benchmarks/par.sh)
 # Expects the wheelhouse (.whl), model parts (.model/pN) and prompt sets (.data) carried in, and
 # writes logs under $OUT. Phases after `assemble` need PYTHONPATH=/tmp/site:$PWD (set here).
 set -euo pipefail
@@ -25,38 +25,24 @@ tests)
   python -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" tests/test_kernels.py tests/test_graphs.py \
     tests/test_gpu.py tests/test_multi_layer.py $(ls tests/test_dflash.py tests/test_serve.py 2>/dev/null) 2>&1 \
     | tee "$OUT/tests.log" | grep -E "passed|failed|Error|FAILED" ;;
-launch)  # setsid: data once, then each head in $HEADS in turn (train_<name>_smollm2), logs in /tmp/bg
-  mkdir -p /tmp/bg
-  setsid bash -c 'for h in '"${HEADS:-eagle3 mtp}"'; do
-      python -m pipeline +experiment=train_${h}_smollm2 tracking.run_name=bg_$h '"${TRAIN_EXTRA:-}"' \
-        > /tmp/bg/$h.log 2>&1; echo "exit $? $(date +%T)" >> /tmp/bg/$h.done; done' > /dev/null 2>&1 < /dev/null &
-  echo "launched ${HEADS:-eagle3 mtp} at $(date +%T)" ;;
-poll)  # progress of the background training (optionally wait first: WAIT=seconds)
-  sleep "${WAIT:-0}"
-  for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[|Error|error" | tail -6
-    tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-160; done
-  cat /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
-evals6)  # issue 6: the heads trained by `launch`, on MT-bench and GSM8K (RUNS: a subset of the names below)
-  m="^(accept_length|accept_rate_pos|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms)"
-  E="draft.init=checkpoint draft.path=outputs/train/train_eagle3_smollm2/head"
-  M="draft.init=checkpoint draft.path=outputs/train/train_mtp_smollm2/head"
-  declare -A R=(
-    [e3_mt]="+experiment=eagle3_full eval=mt_bench $E"
-    [e3_mt_quick]="+experiment=eagle3_full eval=mt_bench $E eval.baseline=false"
-    [e3_gsm]="+experiment=eagle3_full eval.dataset=gsm8k eval.limit=40 $E"
-    [e3_none]="+experiment=eagle3 eval=mt_bench eval.limit=10 $E"
-    [mtp_mt]="+experiment=mtp_bcg eval=mt_bench $M"
-    [mtp_mt_full]="+experiment=mtp_bcg graph=full eval=mt_bench $M"
-    [mtp_gsm]="+experiment=mtp_bcg eval.dataset=gsm8k eval.limit=40 $M"
-    [mtp_none]="+experiment=mtp eval=mt_bench eval.limit=10 $M"
-  )
-  for r in ${RUNS:-e3_mt e3_gsm mtp_mt mtp_gsm mtp_none}; do echo "== $r: ${R[$r]}" | tee -a "$OUT/evals6.log"
-    python -m pipeline ${R[$r]} tracking.run_name=$r 2>&1 | grep -E "$m|Error" | tee -a "$OUT/evals6.log"; done ;;
-fetch)  # the trained heads, split under the 16 MB a file that comes back
-  for h in ${HEADS:-eagle3 mtp}; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] || continue
-    mkdir -p "$OUT/$h"; tar -C $d -cf "$OUT/$h/meta.tar" config.json README.md training.json
-    split -b 15000000 $d/model.safetensors "$OUT/$h/model.safetensors.part"; done
-  ls -la "$OUT"/* ;;
+warm)  # the GGUF converted once, before parallel jobs read outputs/weights
+  python -m pipeline +experiment=baseline eval.limit=1 eval.max_new_tokens=4 tracking=off 2>&1 | grep -E "^\[load\]" ;;
+par)  # issues 5-7 on 4 GPUs in the background (benchmarks/par.sh); read with poll
+  mkdir -p /tmp/bg; setsid bash benchmarks/par.sh > /tmp/bg/par.log 2>&1 < /dev/null &
+  echo "launched at $(date +%T)" ;;
+poll)  # progress of the background jobs (WAIT=seconds first; stops early once ALL is done)
+  for _ in $(seq "${WAIT:-0}"); do grep -q "all done" /tmp/bg/done 2>/dev/null && break; sleep 1; done
+  m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms|accept_rate_pos)"
+  for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[train_draft\]|Error|error|Traceback|passed|failed" | tail -4
+    tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-140; grep -E "$m" "$f" | tr '\n' ' '; echo; done
+  cat /tmp/bg/done /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
+collect)  # every log (one archive) and the new EAGLE3 head, split under the 16 MB a file that comes back
+  tar -C /tmp/bg -czf "$OUT/bg_logs.tar.gz" --exclude=runs --exclude='*.db' . 
+  d=outputs/train/train_eagle3_smollm2/head
+  [ -d $d ] && tar -C $d -cf "$OUT/e3_meta.tar" config.json README.md training.json && \
+    split -b 15000000 $d/model.safetensors "$OUT/e3_model.safetensors.part"
+  for h in mtp dflash; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] && tar -C $d -cf "$OUT/${h}_meta.tar" \
+    config.json README.md training.json; done; ls -la "$OUT" ;;
 decode)  # no-draft decode step, full graph + fused kernels, batch 1 and 8
   for bs in 1 8; do lim=$([ $bs = 1 ] && echo 3 || echo 8)
     python -m pipeline -m +experiment=baseline graph=full,breakable eval.batch_size=$bs eval.limit=$lim \

@@ -12,6 +12,14 @@ Rollback after a partial acceptance is free: validity is by position (a query at
 0..p of its row), so slots written for rejected drafts are simply overwritten later. Finished rows
 ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
 plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
+
+`SpecDecoder` holds the parts every caller shares: the prefill forward, the draft prefill and one
+round (propose -> verify -> commit -> advance the host state) over a batch of rows. Two callers drive it:
+
+    Generator.generate   eval: a batch of prompts from prefill to the last token (below)
+    engine.scheduler     serve: a fixed set of slots that requests join and leave between rounds
+
+so served outputs at temperature 0 are the eval outputs, token for token.
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ from engine.errors import ConfigError
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel
-from engine.sampling import SamplingParams, sample
+from engine.sampling import RowSampling, SamplingParams, as_rows, sample
 from engine.verify import verify
 
 
@@ -77,14 +85,35 @@ def _features(out: ForwardOutput, kind: FeatureKind) -> Optional[Tensor]:
     return out.hidden_states if kind == FeatureKind.final else None
 
 
+@dataclass
+class Prefill:
+    out: ForwardOutput  # logits [b, 1, vocab] (each row's last prompt position), features [b, T, F]
+    tokens: Tensor  # [b, T] right-padded prompt ids
+    valid: Tensor  # [b, T] bool
+    embeds: Optional[Tensor]  # [b, T, hidden] when the prompts came as embeddings, else None
+
+
+@dataclass
+class RoundResult:
+    accepted: list[int]  # per row: draft tokens kept (a); 0 for rows not live
+    emitted: list[list[int]]  # per row: the a + 1 tokens the round emitted ([] for rows not live)
+    bonus: Tensor  # [b] the last emitted token of every row: the next round's first input
+    time: float  # perf_counter() when the tokens reached the host
+
+
 def sync(device: torch.device) -> None:
     """Wait for the device (timings); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-class Generator:
-    """Generation for batches of up to `batch_size` prompts, with an optional draft of k tokens."""
+class SpecDecoder:
+    """Prefill, draft prefill and draft-and-verify rounds over a static cache of `batch_size` rows.
+
+    With `graphs` the rounds (and a piecewise prefill) replay the set's runners over the set's cache,
+    falling back to eager by themselves (a batch larger than the largest capture size): the caller
+    never reads a graph buffer. Without, everything runs eagerly over a cache allocated here.
+    """
 
     def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0,
                  graphs: Optional[GraphSet] = None):
@@ -112,7 +141,9 @@ class Generator:
         out, _ = runner(live, kv_len, self.mode)
         return ForwardOutput(out["logits"], out.get("hidden"), out.get("aux"), out.get("embeds"))
 
-    def _prefill(self, prompts, prompt_embeds, cache):
+    def prefill(self, prompts: list[list[int]], prompt_embeds, cache, use_graph: bool = True) -> Prefill:
+        """The target's prefill of `prompts` into `cache` (rows 0..b-1 of it: pass a row view to
+        prefill other rows). use_graph=False: eagerly (the prefill graph covers rows 0..b-1 only)."""
         b, dev = len(prompts), self.device
         lens = [len(p) for p in prompts]
         width = max(lens)
@@ -122,17 +153,73 @@ class Generator:
         tokens = tokens.to(dev)
         positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
         valid = positions < torch.tensor(lens, device=dev)[:, None]
+        runner = self.prefill_runner if use_graph else None
         given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)
         embeds = None
-        if given or self.prefill_runner is not None:  # the piecewise prefill graph takes embeddings
+        if given or runner is not None:  # the piecewise prefill graph takes embeddings
             embeds = self.model.model.embed_tokens(tokens)  # [b, width, hidden]
             for i, e in enumerate(prompt_embeds or []):
                 if e is not None:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)
         live = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": embeds,
                 "logits_index": torch.tensor(lens, device=dev) - 1}
-        out = self._forward(self.prefill_runner, live, width, cache)
-        return out, tokens, valid, embeds if given else None
+        out = self._forward(runner, live, width, cache)
+        return Prefill(out, tokens, valid, embeds if given else None)
+
+    def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
+        """The draft's prefill after the target's (rows: where in the batch these prompts sit)."""
+        if self.draft is not None:
+            self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first,
+                             rows=rows)
+
+    def round(self, state: SpecState, last: Tensor, sampling: SamplingParams | RowSampling,
+              cache, generator: Optional[torch.Generator] = None) -> RoundResult:
+        """One round over every row of `state`: propose k, verify k + 1, draft extend, advance the live
+        rows' history and lengths. last [b]: each row's last emitted token (not yet in the cache)."""
+        b, k, draft, dev, stats = len(state.lengths), self.k, self.draft, self.device, self.stats
+        sampling = as_rows(sampling, generator)
+        t_round = time.perf_counter()
+        if draft is not None:
+            proposal = draft.propose(state, k)
+            draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
+            sync(dev)
+        else:
+            draft_tokens, q = last.new_empty(b, 0), None
+        t_verify = time.perf_counter()
+        lengths, live = state.on_device()  # [b], [b]
+        tokens = torch.cat([last[:, None], draft_tokens], 1) if k else last[:, None]  # [b, k+1]
+        steps = torch.arange(k + 1, device=dev)
+        out = self._forward(self.round_runner, {"tokens": tokens, "positions": lengths[:, None] + steps,
+                                                "valid": live[:, None].expand(b, k + 1)},
+                            max(state.lengths) + k + 1, cache)
+        accepted, bonus = verify(out.logits, draft_tokens, q, sampling)  # [b], [b]
+        if k:
+            emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
+            emitted[torch.arange(b, device=dev), accepted] = bonus
+        else:
+            emitted = bonus[:, None]
+        host = torch.cat([accepted[:, None], emitted], 1).tolist()  # the round's one sync
+        now = time.perf_counter()
+        stats.rounds += 1
+        stats.verify_s += now - t_verify
+        stats.draft_s += t_verify - t_round
+
+        if draft is not None and k > 0:
+            t_commit = time.perf_counter()
+            draft.commit(state, _features(out, self.kind), emitted, accepted)  # before the state advances
+            sync(dev)
+            stats.draft_s += time.perf_counter() - t_commit
+        acc, new = [0] * b, [[] for _ in range(b)]
+        for i, row in enumerate(host):
+            if state.live[i]:
+                acc[i], new[i] = row[0], row[1: row[0] + 2]
+                state.history[i] += new[i]
+                state.lengths[i] += len(new[i])
+        return RoundResult(acc, new, bonus, now)
+
+
+class Generator(SpecDecoder):
+    """Generation for batches of up to `batch_size` prompts, with an optional draft of k tokens."""
 
     @torch.inference_mode()
     def generate(
@@ -144,7 +231,7 @@ class Generator:
         prompt_embeds: Optional[list[Optional[Tensor]]] = None,  # per prompt [len, hidden], or None
         row_ids: Optional[list[int]] = None,  # each prompt's index in the whole set (the oracle reads it)
     ) -> list[SequenceResult]:
-        b, k, draft, dev = len(prompts), self.k, self.draft, self.device
+        b, k, dev = len(prompts), self.k, self.device
         if not 0 < b <= self.batch_size:
             raise ValueError(f"batch of {b} prompts; this generator holds 1..{self.batch_size}")
         lens = [len(p) for p in prompts]
@@ -153,20 +240,18 @@ class Generator:
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
         cache = self.cache.rows(b)
         stop = frozenset() if params.ignore_eos else stop_ids
-        kind = self.kind
+        sampling = RowSampling.uniform(params, generator)
         state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
                           row_ids if row_ids is not None else list(range(b)), dev)
 
         t0 = time.perf_counter()
-        out, tokens, valid, embeds = self._prefill(prompts, prompt_embeds, cache)
-        last = sample(out.logits[:, -1], params, generator)  # [b]
-        if draft is not None:
-            draft.begin(state, _features(out, kind), tokens, valid, embeds, last)
+        pre = self.prefill(prompts, prompt_embeds, cache)
+        last = sample(pre.out.logits[:, -1], sampling)  # [b]
+        self.begin(state, pre, last)
 
         outs: list[list[int]] = [[] for _ in range(b)]
         accepts: list[list[int]] = [[] for _ in range(b)]
         first_t, last_t = [0.0] * b, [0.0] * b
-        stats = self.stats
 
         def emit(new: list[list[int]], now: float) -> None:
             for i, toks in enumerate(new):
@@ -184,47 +269,14 @@ class Generator:
         emit([[t] for t in first], time.perf_counter())
         for i, t in enumerate(first):
             state.history[i].append(t)
-        steps = torch.arange(k + 1, device=dev)
         while any(state.live):
-            t_round = time.perf_counter()
-            if draft is not None:
-                proposal = draft.propose(state, k)
-                draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
-                sync(dev)
-            else:
-                draft_tokens, q = last.new_empty(b, 0), None
-            t_verify = time.perf_counter()
-            lengths, live = state.on_device()  # [b], [b]
-            tokens = torch.cat([last[:, None], draft_tokens], 1) if k else last[:, None]  # [b, k+1]
-            out = self._forward(self.round_runner, {"tokens": tokens, "positions": lengths[:, None] + steps,
-                                                    "valid": live[:, None].expand(b, k + 1)},
-                                max(state.lengths) + k + 1, cache)
-            accepted, bonus = verify(out.logits, draft_tokens, q, params, generator)  # [b], [b]
-            if k:
-                emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
-                emitted[torch.arange(b, device=dev), accepted] = bonus
-            else:
-                emitted = bonus[:, None]
-            host = torch.cat([accepted[:, None], emitted], 1).tolist()  # the round's one sync
-            acc_host, em_host = [r[0] for r in host], [r[1:] for r in host]
-            now = time.perf_counter()
-            stats.rounds += 1
-            stats.verify_s += now - t_verify
-            stats.draft_s += t_verify - t_round
-
             was_live = list(state.live)
-            if draft is not None and k > 0:
-                t_commit = time.perf_counter()
-                draft.commit(state, _features(out, kind), emitted, accepted)
-                sync(dev)
-                stats.draft_s += time.perf_counter() - t_commit
-            emit([em[: a + 1] for em, a in zip(em_host, acc_host)], now)
+            r = self.round(state, last, sampling, cache)
+            emit(r.emitted, r.time)
             for i in range(b):
                 if was_live[i]:
-                    accepts[i].append(acc_host[i])
-                    state.history[i] += em_host[i][: acc_host[i] + 1]
-                    state.lengths[i] += acc_host[i] + 1
-            last = bonus
+                    accepts[i].append(r.accepted[i])
+            last = r.bonus
 
         return [
             SequenceResult(

@@ -19,6 +19,11 @@ class Tokenizer(Protocol):
 
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]: ...
 
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        """A whole conversation ([{"role", "content"}, ...]) through the chat template, ready for the
+        assistant's turn; `encode_chat(user, system)` is the one-turn case of it."""
+        ...
+
     def user_turn(self) -> tuple[list[int], frozenset[int]]:
         """(ids of the chat template up to where a user message starts, ids that end a user turn):
         what a target is prompted with to write a user message itself (Magpie)."""
@@ -50,7 +55,12 @@ class HFTokenizer:
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
         if not getattr(self.tok, "chat_template", None):
             return self.encode(user)
-        text = self.tok.apply_chat_template(_messages(user, system), add_generation_prompt=True, tokenize=False)
+        return self.encode_messages(_messages(user, system))
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        if not getattr(self.tok, "chat_template", None):
+            return self.encode("\n".join(m["content"] for m in messages))
+        text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tok.encode(text, add_special_tokens=False)
 
     def user_turn(self) -> tuple[list[int], frozenset[int]]:
@@ -75,8 +85,10 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
-        text = "".join(f"<{m['role']}>{m['content']}\n" for m in _messages(user, system)) + "<assistant>"
-        return self.encode(text)
+        return self.encode_messages(_messages(user, system))
+
+    def encode_messages(self, messages: list[dict]) -> list[int]:
+        return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
 
     def user_turn(self) -> tuple[list[int], frozenset[int]]:
         return self.encode("<user>"), frozenset({ord("\n"), self.EOS})

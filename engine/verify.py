@@ -12,6 +12,10 @@ Sampling (temperature > 0): speculative rejection sampling. Keep d_i with probab
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw the bonus from norm(max(0, p_a - q_a));
 if all k survive draw it from p_k. Each emitted token is then distributed exactly as the target's
 (with the same temperature and top-p), whatever the draft proposes.
+
+Per row (`engine.sampling.RowSampling`, serve: every request its own setting): greedy rows take the
+greedy rule, the others rejection sampling with their own temperature / top-p / generator; a
+batch of only greedy rows runs the greedy rule alone (no probabilities, no random numbers).
 """
 
 from __future__ import annotations
@@ -22,12 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.sampling import SamplingParams, probs_from_logits
-
-
-def _race(probs: Tensor, generator: Optional[torch.Generator]) -> Tensor:
-    """One draw per row of [b, vocab] probabilities (exponential race: no host sync)."""
-    return (probs / torch.empty_like(probs).exponential_(1.0, generator=generator)).argmax(-1)
+from engine.sampling import RowSampling, SamplingParams, as_rows, probs_from_logits
 
 
 def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
@@ -39,16 +38,19 @@ def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
     return accepted, target.gather(1, accepted[:, None])[:, 0]
 
 
-def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams,
-                    generator: Optional[torch.Generator]) -> tuple[Tensor, Tensor]:
+def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams | RowSampling,
+                    generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+    s = as_rows(params, generator)
     b, k1, vocab = logits.shape
     k = k1 - 1
-    p = probs_from_logits(logits.reshape(b * k1, vocab), params.temperature, params.top_p).view(b, k1, vocab)
+    flat = s.repeat_rows(k1)  # each row's temperature / top-p for its k+1 positions
+    p = probs_from_logits(logits.reshape(b * k1, vocab), flat.temperature, flat.top_p, s.any_top_p
+                          ).view(b, k1, vocab)
     if q is None:
         q = F.one_hot(draft, vocab).to(p.dtype)  # [b, k, vocab]
     p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]  # [b, k]
     q_d = q.gather(-1, draft[..., None])[..., 0].float()
-    u = torch.rand(b, k, device=logits.device, generator=generator)
+    u = s.rand(b, k, logits.device)
     accepted = (u * q_d < p_d).int().cumprod(1).sum(1)  # [b]
 
     rows = torch.arange(b, device=logits.device)
@@ -57,11 +59,17 @@ def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: 
     residual = (p_a - q_a).clamp_min(0)
     mass = residual.sum(-1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-30), p_a)  # p == q exactly: draw from p
-    return accepted, _race(residual, generator)
+    return accepted, s.race(residual)
 
 
-def verify(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams,
+def verify(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams | RowSampling,
            generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
-    if params.greedy:
+    s = as_rows(params, generator)
+    if s.all_greedy:
         return verify_greedy(logits, draft)
-    return verify_sampling(logits, draft, q, params, generator)
+    accepted, bonus = verify_sampling(logits, draft, q, s)
+    if isinstance(s.greedy, Tensor):  # a mixed batch: greedy rows keep the greedy rule exactly
+        g_accepted, g_bonus = verify_greedy(logits, draft)
+        accepted = torch.where(s.greedy, g_accepted.to(accepted.dtype), accepted)
+        bonus = torch.where(s.greedy, g_bonus, bonus)
+    return accepted, bonus

@@ -113,7 +113,7 @@ class GraphConfig:
     draft_policy: Optional[str] = None
     # Batch sizes to capture (decode, verify, draft step/extend); null: 1, 2, 4, ... up to max_batch_size.
     capture_sizes: Optional[list[int]] = None
-    max_batch_size: Optional[int] = None  # null: eval.batch_size
+    max_batch_size: Optional[int] = None  # null: eval.batch_size (task=serve: serve.max_batch_size)
     # piecewise: prompt-length buckets for the target prefill (longer prompts prefill eagerly).
     prefill_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
 
@@ -144,6 +144,25 @@ class EvalConfig:
     # Also run the no-draft baseline on the same prompts (speedup, match_baseline).
     # null: on when a draft is configured.
     baseline: Optional[bool] = None
+
+
+@dataclass
+class ServeConfig:
+    """Stage `serve` (task=serve): an OpenAI-compatible HTTP server over the configured draft and graphs."""
+
+    host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
+    port: int = 8000  # 0: any free port (printed when the server is up)
+    model_name: Optional[str] = None  # the id served at /v1/models and checked in requests; null: model.name
+    # Slots: rows of the target's static KV cache, of the draft's and of the graphs' buffers. Every
+    # round runs all of them (free slots ride along as padding rows); null graph.max_batch_size
+    # captures exactly this many.
+    max_batch_size: int = 8
+    max_queue: int = 64  # requests waiting for a slot; one more answers 429
+    default_max_tokens: int = 256  # a request without max_tokens (cut to what the context leaves)
+    max_tokens_limit: int = 4096  # a request asking for more answers 400
+    default_temperature: float = 1.0  # a request without temperature (OpenAI's default)
+    drain_timeout_s: float = 60.0  # Ctrl-C: in-flight requests get this long to finish
+    log_level: str = "warning"  # uvicorn's: critical | error | warning | info | debug | trace
 
 
 @dataclass
@@ -206,9 +225,10 @@ class RunConfig:
     graph: GraphConfig = field(default_factory=GraphConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    serve: ServeConfig = field(default_factory=ServeConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     experiment_name: str = "default"  # the MLflow experiment; set by conf/experiment/*.yaml
-    task: str = "eval"  # the final stage: eval | train_draft
+    task: str = "eval"  # the final stage: eval | serve | train_draft
     device: Device = Device.auto
     dtype: DType = DType.auto
     seed: int = 0

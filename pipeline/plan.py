@@ -26,7 +26,7 @@ from engine.loading import describe_model
 from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir
 from stages.base import STAGES, Stage, StageEnv, final_stages
-from stages.capture_graphs import uses_graphs
+from stages.capture_graphs import run_batch, uses_graphs
 
 DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
 
@@ -72,7 +72,7 @@ class Plan:
 
     def memory_estimate(self) -> dict[str, float]:
         a, elem = self.env.target_args, torch.empty((), dtype=self.env.dtype).element_size()
-        batch = self.cfg.eval.batch_size
+        batch = run_batch(self.cfg)[1]
         return {
             "weights_mb": a.num_params() * elem / 2**20,
             "kv_cache_mb": a.kv_bytes_per_token(self.env.dtype) * (self.cfg.model.max_seq_len + 1) * batch / 2**20,
@@ -94,7 +94,7 @@ class Plan:
             if d := s.describe(self.cfg, env):
                 lines.append(f"     {d}")
         lines.append(f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
-                     f"({self.cfg.eval.batch_size} x {self.cfg.model.max_seq_len} slots)")
+                     f"({run_batch(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)")
         lines += [f"note: {n}" for n in env.notes]
         return "\n".join(lines)
 

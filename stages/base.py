@@ -7,7 +7,7 @@ A stage is a class registered under a name with
     check(cfg, env)   static validation from config files alone (no weights, no GPU); raises ConfigError
     run(cfg, inputs, env) -> {key: value for key in provides}
 
-`final = True` marks a stage that can end a plan (`task=eval`, later `serve`); `runs_target = True`
+`final = True` marks a stage that can end a plan (`task=eval`, `serve`, `train_draft`); `runs_target = True`
 a stage that runs target forwards (eval, serve, capture_graphs), which the plan puts after
 `configure_aux_capture` whenever the draft reads aux layers. The runner
 (`pipeline.execute`) hands each stage only what it requires and checks that it returned exactly what it

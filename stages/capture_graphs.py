@@ -19,12 +19,23 @@ from stages.base import Stage, StageEnv, register_stage
 
 
 def capture_sizes(cfg) -> list[int]:
+    """graph.capture_sizes, else 1, 2, 4, ... up to the cache's rows; under task=serve every round
+    spans all serve.max_batch_size slots (engine/scheduler.py), so that one size is all it needs."""
     g = cfg.graph
-    return sorted(set(g.capture_sizes)) if g.capture_sizes else default_sizes(max_batch(cfg))
+    if g.capture_sizes:
+        return sorted(set(g.capture_sizes))
+    return [cfg.serve.max_batch_size] if cfg.task == "serve" else default_sizes(max_batch(cfg))
+
+
+def run_batch(cfg) -> tuple[str, int]:
+    """(key, rows) of the batch the final stage runs: serve's slots, or eval's batch."""
+    if cfg.task == "serve":
+        return "serve.max_batch_size", cfg.serve.max_batch_size
+    return "eval.batch_size", cfg.eval.batch_size
 
 
 def max_batch(cfg) -> int:
-    return cfg.graph.max_batch_size or cfg.eval.batch_size
+    return cfg.graph.max_batch_size or run_batch(cfg)[1]
 
 
 def uses_graphs(cfg) -> bool:
@@ -52,16 +63,17 @@ class CaptureGraphsStage(Stage):
         sizes = capture_sizes(cfg)
         if min(sizes) < 1:
             raise ConfigError("graph.capture_sizes", list(g.capture_sizes), "batch sizes must be >= 1", ">= 1")
+        key, batch = run_batch(cfg)
         if max(sizes) > max_batch(cfg):
             raise ConfigError("graph.capture_sizes", sizes, f"larger than the cache's {max_batch(cfg)} rows",
-                              f"sizes <= graph.max_batch_size (or eval.batch_size) = {max_batch(cfg)}")
-        if max_batch(cfg) < cfg.eval.batch_size:
-            raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below eval.batch_size={cfg.eval.batch_size}",
-                              f">= {cfg.eval.batch_size}, or null")
-        if cfg.eval.batch_size > max(sizes):
+                              f"sizes <= graph.max_batch_size (or {key}) = {max_batch(cfg)}")
+        if max_batch(cfg) < batch:
+            raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below {key}={batch}",
+                              f">= {batch}, or null")
+        if batch > max(sizes):
             k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
             env.notes.append(
-                f"batches of {max(sizes) + 1}..{cfg.eval.batch_size} rows ({(max(sizes) + 1) * (k + 1)}+ verify "
+                f"batches of {max(sizes) + 1}..{batch} rows ({(max(sizes) + 1) * (k + 1)}+ verify "
                 f"tokens) exceed the largest capture size {max(sizes)}: they run eagerly (counted as fallbacks)")
 
     def describe(self, cfg, env: StageEnv) -> str:

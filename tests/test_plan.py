@@ -34,7 +34,7 @@ def test_valid_plan_and_its_description(outputs):
 
 
 @pytest.mark.parametrize("overrides, needles", [
-    (["task=serve"], ["task='serve'", "eval"]),
+    (["task=serving"], ["task='serving'", "eval, serve, train_draft"]),
     (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none, eagle3, eagle, multi_layer_eagle, ngram, oracle, dflash"]),
     (["graph.policy=fullest"], ["graph.policy='fullest'", "none"]),
     (["eval.dataset=nope_bench"], ["eval.dataset='nope_bench'", "humaneval", "mt_bench"]),

@@ -1,0 +1,195 @@
+"""A bounded load test of an OpenAI-compatible server: N concurrent clients for a fixed time.
+
+    python benchmarks/load_test.py --url http://127.0.0.1:8000 --clients 1 8 32 --duration 30 --max-tokens 128 \
+        --chat --ignore-eos --stream
+
+Each client sends completions back to back (a new one as soon as the last is answered) until the
+duration is up; a request in flight at the deadline finishes and counts. Prompts cycle through a
+question.jsonl (`--prompts`, first turns) or a small built-in set. One row per concurrency level:
+
+    clients  requests  failures  tokens/s  req/s  p50 s  p99 s  ttft p50 s
+
+tokens/s is completion tokens (the server's `usage`) over the level's wall time; latency is per
+request, send to last byte. `--stream` measures time to first token from the SSE stream instead
+of usage counts (tokens are then counted from the final usage chunk). Only asyncio and httpx: it
+runs wherever the server's clients would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import httpx
+
+PROMPTS = [
+    "Write a Python function that checks whether a number is prime.",
+    "Explain the difference between a list and a tuple in Python.",
+    "Summarise the plot of Romeo and Juliet in three sentences.",
+    "What are the main causes of inflation?",
+    "Write a haiku about the sea.",
+    "How does a hash map work?",
+    "Give three tips for writing clear documentation.",
+    "Translate 'good morning, how are you?' into French and Spanish.",
+]
+
+
+@dataclass
+class LevelResult:
+    clients: int
+    duration_s: float
+    latencies: list[float] = field(default_factory=list)
+    ttfts: list[float] = field(default_factory=list)
+    tokens: int = 0
+    failures: int = 0
+    errors: list[str] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return len(self.latencies)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.duration_s if self.duration_s else 0.0
+
+    def pct(self, q: float, xs: Optional[list[float]] = None) -> float:
+        xs = sorted(self.latencies if xs is None else xs)
+        if not xs:
+            return float("nan")
+        return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]  # nearest rank
+
+    def row(self) -> dict:
+        return {"clients": self.clients, "requests": self.requests, "failures": self.failures,
+                "tokens_per_s": round(self.tokens_per_s, 1), "req_per_s": round(self.requests / self.duration_s, 2),
+                "p50_s": round(self.pct(50), 3), "p99_s": round(self.pct(99), 3),
+                "ttft_p50_s": round(self.pct(50, self.ttfts), 3) if self.ttfts else None}
+
+
+def load_prompts(path: Optional[str]) -> list[str]:
+    if not path:
+        return PROMPTS
+    out = [json.loads(line)["turns"][0] for line in Path(path).read_text().splitlines() if line.strip()]
+    return out or PROMPTS
+
+
+async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult) -> None:
+    t0 = time.perf_counter()
+    try:
+        if body.get("stream"):
+            tokens, first = 0, None
+            async with client.stream("POST", url, json=body) as r:
+                if r.status_code != 200:
+                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if "error" in chunk:
+                        raise RuntimeError(chunk["error"]["message"])
+                    if first is None and chunk.get("choices"):
+                        first = time.perf_counter() - t0
+                    if chunk.get("usage"):
+                        tokens = chunk["usage"]["completion_tokens"]
+            if first is not None:
+                res.ttfts.append(first)
+        else:
+            r = await client.post(url, json=body)
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+            tokens = r.json()["usage"]["completion_tokens"]
+        res.latencies.append(time.perf_counter() - t0)
+        res.tokens += tokens
+    except Exception as e:  # counted, the run goes on
+        res.failures += 1
+        res.errors.append(repr(e)[:300])
+
+
+async def run_level(base_url: str, model: str, clients: int, duration_s: float, max_tokens: int,
+                    prompts: list[str], temperature: float = 0.0, stream: bool = False,
+                    timeout_s: float = 600.0, chat: bool = False, ignore_eos: bool = False) -> LevelResult:
+    """`clients` loops sending completions until `duration_s` is up; in-flight requests finish."""
+    url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
+    res = LevelResult(clients, duration_s)
+    deadline = time.perf_counter() + duration_s
+    limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
+    async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+        async def loop(c: int) -> None:
+            i = c
+            while time.perf_counter() < deadline:
+                text = prompts[i % len(prompts)]
+                body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream,
+                        **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+                if ignore_eos:
+                    body["ignore_eos"] = True
+                if stream:
+                    body["stream_options"] = {"include_usage": True}
+                await _one(client, url, body, res)
+                i += clients
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(loop(c) for c in range(clients)))
+        res.duration_s = time.perf_counter() - t0
+    return res
+
+
+def served_model(base_url: str) -> str:
+    r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
+    r.raise_for_status()
+    return r.json()["data"][0]["id"]
+
+
+def table(results: list[LevelResult]) -> str:
+    head = f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7}"
+    if any(r.ttfts for r in results):
+        head += f" {'ttft p50 s':>10}"
+    lines = [head]
+    for r in results:
+        x = r.row()
+        line = (f"{x['clients']:>7} {x['requests']:>8} {x['failures']:>8} {x['tokens_per_s']:>9.1f} "
+                f"{x['req_per_s']:>7.2f} {x['p50_s']:>7.3f} {x['p99_s']:>7.3f}")
+        if x["ttft_p50_s"] is not None:
+            line += f" {x['ttft_p50_s']:>10.3f}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--url", default="http://127.0.0.1:8000", help="server root (without /v1)")
+    ap.add_argument("--model", default=None, help="model id (default: the server's /v1/models)")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--duration", type=float, default=30.0, help="seconds per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--prompts", default=None, help="a question.jsonl (first turns); default: built-in")
+    ap.add_argument("--stream", action="store_true", help="stream (SSE) and report time to first token")
+    ap.add_argument("--chat", action="store_true", help="/v1/chat/completions (the chat template) instead of "
+                    "/v1/completions")
+    ap.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens "
+                    "(the server's ignore_eos extension, as vLLM's)")
+    ap.add_argument("--json", default=None, help="also write the rows to this file")
+    ap.add_argument("--label", default="", help="a label printed above the table (e.g. the server's config)")
+    a = ap.parse_args(argv)
+    model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)
+    results = []
+    for n in a.clients:
+        r = asyncio.run(run_level(a.url, model, n, a.duration, a.max_tokens, prompts, a.temperature, a.stream,
+                                  chat=a.chat, ignore_eos=a.ignore_eos))
+        results.append(r)
+        for e in r.errors[:3]:
+            print(f"  [{n} clients] failed: {e}")
+    if a.label:
+        print(a.label)
+    print(table(results))
+    if a.json:
+        Path(a.json).write_text(json.dumps([r.row() for r in results], indent=1))
+    return 1 if any(r.failures for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,403 @@
+"""The OpenAI-compatible HTTP front of the scheduler: FastAPI on uvicorn, one process, one engine thread.
+
+    POST /v1/completions         prompt: a string (or one-element list, or token ids)
+    POST /v1/chat/completions    messages through the tokenizer's chat template
+        both: max_tokens (chat also max_completion_tokens), temperature, top_p, stop, seed, stream
+        (server-sent events `data: {chunk}\\n\\n` ending with `data: [DONE]`), stream_options.include_usage
+    GET  /v1/models, /health, /metrics (Prometheus text)
+
+Threads: the ASGI app runs on uvicorn's event loop; all torch work runs on the scheduler's engine
+thread. A request is one `_Flight`: it submits a `GenerationRequest` whose sink hands `TokenEvent`s
+back to an asyncio queue (`loop.call_soon_threadsafe`), and the handler turns them into text deltas
+with `TextStream` (incremental detokenization, stop strings). A handler that ends early (the client
+disconnected mid-stream: Starlette cancels the response; a stop string matched) cancels its request,
+which frees the slot before the next round.
+
+Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
+
+    400  malformed JSON; max_tokens < 1 or above serve.max_tokens_limit; prompt + max_tokens beyond
+         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts
+    404  a model other than the served one (code model_not_found); unknown routes
+    422  well-formed JSON of the wrong shape (a missing field, a wrong type, temperature out of [0, 2])
+    429  serve.max_queue requests already waiting (code queue_full)
+    503  shutting down
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Literal, Optional, Union
+
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ConfigDict, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.detokenize import TextStream
+from engine.graphs.graph_set import GraphSet
+from engine.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
+from engine.serve_metrics import ServeMetrics
+from engine.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ApiLimits:
+    model_name: str
+    max_seq_len: int  # KV slots per sequence: prompt + max_tokens + draft tokens must fit
+    draft_tokens: int  # k: the verify of the last round writes k slots past the last token
+    default_max_tokens: int
+    max_tokens_limit: int
+    default_temperature: float
+
+
+# ------------------------------------------------------------------------------------------ protocol
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _Sampling(_Body):
+    model: str
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
+    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
+    n: int = 1
+    stop: Optional[Union[str, list[str]]] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (fixed-length benchmarks)
+
+
+class CompletionRequest(_Sampling):
+    prompt: Union[str, list[str], list[int]]
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant", "developer"]
+    content: Union[str, list[TextPart]]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+
+
+class ChatCompletionRequest(_Sampling):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 type_: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+# ------------------------------------------------------------------------------------------ one request
+@dataclass(frozen=True)
+class _Params:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: Optional[int]
+    stop: tuple[str, ...]
+    ignore_eos: bool
+
+
+class _Flight:
+    """One request between the event loop and the engine thread."""
+
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, prompt: list[int], p: _Params):
+        self.scheduler, self.loop = scheduler, asyncio.get_running_loop()
+        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self.text = TextStream(tokenizer, p.stop)
+        self.req = GenerationRequest(prompt, p.max_tokens, self._sink, p.temperature, p.top_p, p.seed,
+                                     frozenset() if p.ignore_eos else tokenizer.eos_token_ids)
+        self.t0 = time.perf_counter()
+        self.t_first: Optional[float] = None
+
+    def _sink(self, ev: TokenEvent) -> None:  # engine thread
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def submit(self) -> "_Flight":
+        try:
+            self.scheduler.submit(self.req)
+        except QueueFull as e:
+            raise ApiError(429, f"server busy: {e}; retry later", code="queue_full",
+                           type_="rate_limit_error") from None
+        except ShuttingDown as e:
+            raise ApiError(503, str(e), code="shutting_down", type_="server_error") from None
+        return self
+
+    @property
+    def usage(self) -> dict:
+        n, m = len(self.req.prompt), len(self.req.output)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    async def deltas(self) -> AsyncIterator[tuple[str, Optional[str]]]:
+        """(text delta, None) while generating, then (last delta, "stop" | "length")."""
+        try:
+            while True:
+                ev = await self.events.get()
+                if ev.finish_reason in ("error", "abort"):
+                    raise ApiError(500 if ev.finish_reason == "error" else 503,
+                                   ev.error or "the request was aborted (server shutting down)",
+                                   type_="server_error", code=ev.finish_reason)
+                self.t_first = self.t_first or time.perf_counter()
+                delta = self.text.push(ev.tokens)
+                if self.text.stopped:  # a stop string: the engine may stop now
+                    self.scheduler.cancel(self.req)
+                    yield delta, "stop"
+                    return
+                if ev.finish_reason is not None:
+                    yield delta + self.text.finish(), ev.finish_reason
+                    return
+                if delta:
+                    yield delta, None
+        finally:  # finished, or the client is gone (the response task was cancelled)
+            if self.req.finish_reason is None:
+                self.scheduler.cancel(self.req)
+
+
+# ------------------------------------------------------------------------------------------ the app
+def _sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+class OpenAIApp:
+    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: ApiLimits,
+                 graphs: Optional[GraphSet] = None):
+        self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
+        self.metrics = ServeMetrics(scheduler, graphs)
+        self.created = int(time.time())
+        self.app = self._build()
+
+    # -- validation -------------------------------------------------------------------------------
+    def _params(self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str,
+                prompt_key: str) -> _Params:
+        lim = self.limits
+        if body.model != lim.model_name:
+            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {lim.model_name!r}",
+                           "model", "model_not_found")
+        if body.n != 1:
+            raise ApiError(400, f"n={body.n}: one choice per request (valid: 1)", "n")
+        if not prompt:
+            raise ApiError(400, "the prompt is empty", "prompt")
+        room = lim.max_seq_len - len(prompt) - lim.draft_tokens
+        if room < 1:
+            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
+                           f"{lim.max_seq_len} tokens ({lim.draft_tokens} reserved for draft tokens), "
+                           "which leaves no room to generate", prompt_key, "context_length_exceeded")
+        if max_tokens is None:
+            max_tokens = min(lim.default_max_tokens, room)
+        elif max_tokens < 1 or max_tokens > lim.max_tokens_limit:
+            raise ApiError(400, f"{key}={max_tokens}: must be in [1, {lim.max_tokens_limit}]", key)
+        elif max_tokens > room:
+            raise ApiError(400, f"this model's context is {lim.max_seq_len} tokens; the prompt has {len(prompt)} "
+                           f"and {key}={max_tokens} asks for {max_tokens} more ({lim.draft_tokens} reserved for "
+                           f"draft tokens): at most {room}", key, "context_length_exceeded")
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise ApiError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
+        temperature = body.temperature if body.temperature is not None else lim.default_temperature
+        return _Params(max_tokens, temperature, body.top_p if body.top_p is not None else 1.0, body.seed,
+                       tuple(stop), body.ignore_eos)
+
+    def _completion_prompt(self, body: CompletionRequest) -> list[int]:
+        p = body.prompt
+        if isinstance(p, list) and p and isinstance(p[0], str):
+            if len(p) != 1:
+                raise ApiError(400, f"a batch of {len(p)} prompts: send one prompt per request "
+                               "(requests are batched by the server)", "prompt")
+            p = p[0]
+        if isinstance(p, str):
+            return self.tokenizer.encode(p) if p else []
+        return list(p)
+
+    # -- responses --------------------------------------------------------------------------------
+    async def _run(self, kind: str, prompt: list[int], p: _Params, body: _Sampling):
+        flight = _Flight(self.scheduler, self.tokenizer, prompt, p).submit()
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+                "created": int(time.time()), "model": self.limits.model_name}
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            return StreamingResponse(self._stream(flight, kind, head, usage), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        parts, finish = [], None
+        async for delta, finish in flight.deltas():
+            parts.append(delta)
+        self._observe(flight)
+        text = "".join(parts)
+        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                   "finish_reason": finish} if kind == "chat" else
+                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
+        return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
+                "choices": [choice], "usage": flight.usage}
+
+    def _chunk(self, head: dict, kind: str, delta: Optional[str], finish: Optional[str], first=False) -> dict:
+        if kind == "chat":
+            d = {"role": "assistant", "content": delta or ""} if first else ({"content": delta} if delta else {})
+            choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}
+        return {**head, "choices": [choice]}
+
+    async def _stream(self, flight: _Flight, kind: str, head: dict, usage: bool) -> AsyncIterator[str]:
+        try:
+            if kind == "chat":
+                yield _sse(self._chunk(head, kind, "", None, first=True))
+            async for delta, finish in flight.deltas():
+                if finish is None:
+                    yield _sse(self._chunk(head, kind, delta, None))
+                else:
+                    if delta:
+                        yield _sse(self._chunk(head, kind, delta, None))
+                    yield _sse(self._chunk(head, kind, None, finish))
+            self._observe(flight)
+            if usage:
+                yield _sse({**head, "choices": [], "usage": flight.usage})
+        except ApiError as e:  # the status line is gone: report in the stream
+            yield _sse(e.body())
+        yield "data: [DONE]\n\n"
+
+    def _observe(self, flight: _Flight) -> None:
+        now = time.perf_counter()
+        self.metrics.latency.observe(now - flight.t0)
+        if flight.t_first is not None:
+            self.metrics.ttft.observe(flight.t_first - flight.t0)
+
+    # -- routes -----------------------------------------------------------------------------------
+    def _build(self) -> FastAPI:
+        app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)
+        metrics = self.metrics
+
+        @app.exception_handler(ApiError)
+        async def api_error(request: Request, e: ApiError):
+            metrics.rejected.labels(str(e.status)).inc()
+            return e.response()
+
+        @app.exception_handler(RequestValidationError)
+        async def validation_error(request: Request, e: RequestValidationError):
+            errs = e.errors()
+            first = errs[0] if errs else {}
+            if first.get("type") == "json_invalid":
+                err = ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                               code="invalid_json")
+            else:
+                loc = [str(x) for x in first.get("loc", ()) if x != "body"]
+                param = loc[0] if loc else None
+                where = ".".join(loc) or "body"
+                err = ApiError(422, f"{where}: {first.get('msg', 'invalid')}"
+                               + (f" (got {first['input']!r})" if "input" in first and loc else ""), param)
+            metrics.rejected.labels(str(err.status)).inc()
+            return err.response()
+
+        @app.exception_handler(StarletteHTTPException)
+        async def http_error(request: Request, e: StarletteHTTPException):
+            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+            return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest):
+            prompt = self._completion_prompt(body)
+            params = self._params(body, prompt, body.max_tokens, "max_tokens", "prompt")
+            return await self._run("completion", prompt, params, body)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatCompletionRequest):
+            prompt = self.tokenizer.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
+            key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+            max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+            return await self._run("chat", prompt, self._params(body, prompt, max_tokens, key, "messages"), body)
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [{"id": self.limits.model_name, "object": "model",
+                                                "created": self.created, "owned_by": "specpipe",
+                                                "max_model_len": self.limits.max_seq_len}]}
+
+        @app.get("/health")
+        async def health():
+            ok = self.scheduler.alive
+            return JSONResponse({"status": "ok" if ok else "unavailable", "running": self.scheduler.running,
+                                 "waiting": self.scheduler.queue_depth}, status_code=200 if ok else 503)
+
+        @app.get("/metrics")
+        async def prometheus():
+            return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+        return app
+
+
+# ------------------------------------------------------------------------------------------ the server
+class OpenAIServer:
+    """uvicorn around `OpenAIApp`, with the scheduler's lifetime tied to it.
+
+    run() blocks: starts the engine thread, serves until Ctrl-C (or `shutdown()` from another
+    thread), lets in-flight requests finish (uvicorn's graceful shutdown, up to drain_timeout_s),
+    then drains and stops the engine. In the main thread a Ctrl-C ends run() normally."""
+
+    def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
+        self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
+        config = uvicorn.Config(api.app, host=host, port=port, log_config=None, log_level=log_level,
+                                timeout_graceful_shutdown=drain_timeout_s, lifespan="off", access_log=False)
+        self.server = uvicorn.Server(config)
+        self.interrupted = False
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def run(self) -> None:
+        self.scheduler.start()
+        try:
+            self.server.run()  # returns after the graceful shutdown
+        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once drained
+            self.interrupted = True
+        except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)
+            if self.server.started:
+                raise
+            c = self.server.config
+            raise RuntimeError(f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
+                               "serve.port=0 picks a free port)") from None
+        finally:
+            self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.server.started:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def shutdown(self) -> None:
+        """From any thread: what Ctrl-C does."""
+        self.server.should_exit = True

@@ -1,0 +1,319 @@
+"""Continuous batching over a fixed set of slots: requests join and leave a running batch between rounds.
+
+    slots    n = serve.max_batch_size rows of the target's static KV cache, of the draft's and of the
+             graphs' buffers; a request holds one slot from its prefill to its last token
+    join     the target prefills the prompt into its slot row (`cache.rows(slice(i, i + 1))`, a view
+             sharing storage; eager: the prefill graph covers rows 0..b-1 only), samples the first
+             token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every other row's draft state
+    step     one `SpecDecoder.round` over all n slots: propose -> verify -> commit, the same code eval
+             runs; free slots ride along as invalid rows (they write to the cache's dummy slot and are
+             never read); then finished and cancelled requests leave and waiting ones join
+    threads  `run()` is the engine loop, on one thread (all torch work). `submit` / `cancel` / `close`
+             come from any thread (the HTTP event loop) and only touch the queue, under a lock. Tokens
+             go back through each request's `sink`, called on the engine thread.
+
+The round spans all n slots: the draft keeps per-row state (KV rows, carried hidden state, next
+proposal) for the whole batch, and the graphs replay one bucket. A slot count above the largest
+capture size runs eagerly, counted by the graph runners as fallbacks.
+
+Sampling is per request (`engine.sampling.RowSampling`): greedy requests are exactly greedy in any
+batch; sampled ones use their own temperature and top-p, and a request with a `seed` draws from its
+own generator (the same output whatever else is in the batch). The draft always proposes greedily
+(its q is one-hot), so rejection sampling stays lossless for every row whatever its temperature.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, Optional
+
+import torch
+
+from engine.drafts.base import SpecState
+from engine.generate import SpecDecoder
+from engine.sampling import RowSampling, sample
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled (client gone, stop string, shutdown)
+_ids = itertools.count()
+
+
+class QueueFull(RuntimeError):
+    pass
+
+
+class ShuttingDown(RuntimeError):
+    pass
+
+
+@dataclass
+class TokenEvent:
+    tokens: list[int]  # new tokens of the request (a stop token included when it ended the request)
+    finish_reason: Optional[str] = None  # None: more to come; else one of FINISH_REASONS
+    error: Optional[str] = None
+
+
+@dataclass(eq=False)
+class GenerationRequest:
+    prompt: list[int]
+    max_tokens: int
+    sink: Callable[[TokenEvent], None]  # called on the engine thread: must not block
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    seed: Optional[int] = None
+    stop_ids: frozenset[int] = frozenset()
+    id: int = field(default_factory=lambda: next(_ids))
+    # -- the engine's bookkeeping ------------------------------------------------------------------
+    output: list[int] = field(default_factory=list)
+    accepts: list[int] = field(default_factory=list)  # per round: draft tokens accepted
+    finish_reason: Optional[str] = None
+    cancelled: bool = False
+    slot: Optional[int] = None
+    generator: Optional[torch.Generator] = None
+    t_submit: float = 0.0
+    t_first: Optional[float] = None
+    t_done: Optional[float] = None
+
+
+@dataclass
+class ServeStats:
+    """Counters since start; read by /metrics from another thread (plain ints and floats)."""
+
+    submitted: int = 0
+    finished: dict[str, int] = field(default_factory=lambda: dict.fromkeys(FINISH_REASONS, 0))
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    rounds: int = 0
+    row_rounds: int = 0  # live rows verified, summed over rounds
+    accepted_tokens: int = 0  # draft tokens accepted, summed over row rounds
+    accepted_at: list[int] = field(default_factory=list)  # [k]: row rounds whose draft token i was accepted
+    prefill_s: float = 0.0
+    round_s: float = 0.0
+    first_submit: Optional[float] = None
+    last_finish: Optional[float] = None
+
+    @property
+    def accept_length(self) -> float:
+        """Tokens emitted per verify round and row, bonus included (sglang / vLLM's accept length)."""
+        return (self.accepted_tokens + self.row_rounds) / self.row_rounds if self.row_rounds else float("nan")
+
+    def accept_rates(self) -> list[float]:
+        return [a / self.row_rounds if self.row_rounds else float("nan") for a in self.accepted_at]
+
+
+class Scheduler:
+    def __init__(self, decoder: SpecDecoder, num_slots: int, max_queue: int,
+                 generator: Optional[torch.Generator] = None):
+        if num_slots > decoder.batch_size:
+            raise ValueError(f"{num_slots} slots, but the decoder's cache holds {decoder.batch_size} rows")
+        self.dec, self.n, self.max_queue = decoder, num_slots, max_queue
+        self.device, self.k = decoder.device, decoder.k
+        self.generator = generator  # shared by sampled requests without a seed
+        self.cache = decoder.cache.rows(num_slots)
+        self.slots: list[Optional[GenerationRequest]] = [None] * num_slots
+        self.state = SpecState([[0] for _ in range(num_slots)], [0] * num_slots, [False] * num_slots,
+                               list(range(num_slots)), self.device)
+        self.last = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [n] last emitted token
+        self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
+        self.stats = ServeStats(accepted_at=[0] * self.k)
+        self.waiting: deque[GenerationRequest] = deque()
+        self._cv = threading.Condition()
+        self._closing = self._stop = False
+        self._drain = True
+        self._thread: Optional[threading.Thread] = None
+
+    # -- any thread ---------------------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(r is not None for r in self.slots)
+
+    @property
+    def alive(self) -> bool:
+        """The engine thread runs and takes requests."""
+        return self._thread is not None and self._thread.is_alive() and not self._closing
+
+    def submit(self, req: GenerationRequest) -> None:
+        """Queue a request; raises QueueFull (serve.max_queue waiting) or ShuttingDown."""
+        need = len(req.prompt) + req.max_tokens + self.k
+        if not req.prompt or need > self.dec.model.max_seq_len:
+            raise ValueError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
+                             f"draft tokens needs {need} KV slots, the cache has {self.dec.model.max_seq_len}")
+        if req.seed is not None and req.temperature > 0:
+            req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
+        with self._cv:
+            if self._closing:
+                raise ShuttingDown("the server is shutting down")
+            if len(self.waiting) >= self.max_queue:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (serve.max_queue={self.max_queue})")
+            req.t_submit = time.perf_counter()
+            self.stats.submitted += 1
+            self.stats.prompt_tokens += len(req.prompt)
+            if self.stats.first_submit is None:
+                self.stats.first_submit = req.t_submit
+            self.waiting.append(req)
+            self._cv.notify()
+
+    def cancel(self, req: GenerationRequest) -> None:
+        """The request's client is gone (or a stop string ended it): free its slot at the next step."""
+        with self._cv:
+            if req.finish_reason is not None:
+                return
+            req.cancelled = True
+            try:
+                self.waiting.remove(req)
+            except ValueError:  # running (or being admitted): the engine thread releases it
+                self._cv.notify()
+                return
+            self._finish(req, "abort")  # the lock is reentrant
+
+    def start(self) -> "Scheduler":
+        self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self, drain: bool = True, timeout: Optional[float] = None) -> None:
+        """Stop taking requests; drain=True finishes the running and waiting ones first (up to
+        `timeout` seconds, then aborts them), drain=False aborts them now."""
+        with self._cv:
+            self._closing = self._stop = True
+            self._drain = drain
+            self._cv.notify_all()
+        if self._thread is None:
+            return
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            with self._cv:
+                self._drain = False
+                self._cv.notify_all()
+            self._thread.join(30)
+
+    # -- the engine thread --------------------------------------------------------------------------
+    def run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cv:
+                    while not (self.waiting or self.running or self._stop):
+                        self._cv.wait()
+                    if self._stop and (not self._drain or not (self.waiting or self.running)):
+                        break
+                try:
+                    self._retire_cancelled()
+                    self._admit()
+                    if self.running:
+                        self._step()
+                except Exception as e:  # a bug, or out of memory: fail what runs, keep serving
+                    log.exception("engine step failed")
+                    for i, req in enumerate(self.slots):
+                        if req is not None:
+                            self._release(i, req, "error", str(e))
+            with self._cv:
+                left = list(self.waiting)
+                self.waiting.clear()
+            for req in left:
+                self._finish(req, "abort")
+            for i, req in enumerate(self.slots):
+                if req is not None:
+                    self._release(i, req, "abort")
+
+    def _retire_cancelled(self) -> None:
+        for i, req in enumerate(self.slots):
+            if req is not None and req.cancelled:
+                self._release(i, req, "abort")
+
+    def _admit(self) -> None:
+        while True:
+            free = [i for i, r in enumerate(self.slots) if r is None]
+            with self._cv:
+                if not free or not self.waiting:
+                    return
+                req = self.waiting.popleft()
+            if req.cancelled:
+                self._finish(req, "abort")
+                continue
+            self._join(req, free[0])
+
+    def _join(self, req: GenerationRequest, i: int) -> None:
+        t0, rows, st = time.perf_counter(), slice(i, i + 1), self.state
+        pre = self.dec.prefill([req.prompt], None, self.cache.rows(rows), use_graph=False)
+        sampling = RowSampling.per_row([req.temperature], [req.top_p], [req.generator], self.device, self.generator)
+        first = sample(pre.out.logits[:, -1], sampling)  # [1]
+        st.history[i], st.lengths[i], st.live[i] = list(req.prompt), len(req.prompt), True
+        self.dec.begin(st, pre, first, rows=rows)
+        self.last[i] = first[0]
+        tok = int(first[0])  # the join's one sync
+        st.history[i].append(tok)
+        self.slots[i], req.slot, self._sampling = req, i, None
+        self.stats.prefill_s += time.perf_counter() - t0
+        self._emit(i, req, [tok], time.perf_counter())
+
+    def _row_sampling(self) -> RowSampling:
+        if self._sampling is None:
+            reqs = self.slots
+            self._sampling = RowSampling.per_row(
+                [r.temperature if r else 0.0 for r in reqs], [r.top_p if r else 1.0 for r in reqs],
+                [r.generator if r else None for r in reqs], self.device, self.generator)
+        return self._sampling
+
+    def _step(self) -> None:
+        t0, stats = time.perf_counter(), self.stats
+        r = self.dec.round(self.state, self.last, self._row_sampling(), self.cache)
+        self.last = r.bonus
+        stats.rounds += 1
+        stats.round_s += time.perf_counter() - t0
+        for i, req in enumerate(self.slots):
+            if req is None:
+                continue
+            a = r.accepted[i]
+            req.accepts.append(a)
+            stats.row_rounds += 1
+            stats.accepted_tokens += a
+            for p in range(a):
+                stats.accepted_at[p] += 1
+            if req.cancelled:
+                self._release(i, req, "abort")
+            else:
+                self._emit(i, req, r.emitted[i], r.time)
+
+    def _emit(self, i: int, req: GenerationRequest, tokens: list[int], now: float) -> None:
+        """Hand a slot's new tokens to its request, cut at a stop token or max_tokens."""
+        out, finish = [], None
+        for tok in tokens:
+            out.append(tok)
+            if tok in req.stop_ids:
+                finish = "stop"
+                break
+            if len(req.output) + len(out) >= req.max_tokens:
+                finish = "length"
+                break
+        req.output += out
+        req.t_first = req.t_first or now
+        self.stats.generated_tokens += len(out)
+        if finish is None:
+            req.sink(TokenEvent(out))
+        else:
+            self._release(i, req, finish, tokens=out)
+
+    def _release(self, i: int, req: GenerationRequest, reason: str, error: Optional[str] = None,
+                 tokens: Optional[list[int]] = None) -> None:
+        st = self.state
+        self.slots[i], self._sampling = None, None
+        st.history[i], st.lengths[i], st.live[i] = [0], 0, False
+        self._finish(req, reason, error, tokens or [])
+
+    def _finish(self, req: GenerationRequest, reason: str, error: Optional[str] = None,
+                tokens: Optional[list[int]] = None) -> None:
+        with self._cv:  # cancel() finishes waiting requests from another thread
+            req.finish_reason, req.t_done = reason, time.perf_counter()
+            self.stats.finished[reason] += 1
+            self.stats.last_finish = req.t_done
+        req.sink(TokenEvent(tokens or [], reason, error))

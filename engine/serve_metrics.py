@@ -1,0 +1,81 @@
+"""Prometheus metrics of a server, in its own registry (never the process-global one).
+
+Counters and gauges are read at scrape time from the scheduler's `ServeStats` and the graph
+runners' `PhaseStats` (one source of truth, no double bookkeeping); latencies are histograms the
+HTTP layer observes per request.
+
+    specpipe_requests_total{finish_reason}           finished requests: stop | length | abort | error
+    specpipe_requests_rejected_total{status}         answered 4xx/5xx before reaching the engine
+    specpipe_prompt_tokens_total, specpipe_generation_tokens_total
+    specpipe_rounds_total, specpipe_verify_rows_total   draft-and-verify rounds; live rows they verified
+    specpipe_accept_length                           tokens per verify round and row, bonus included
+    specpipe_accept_rate{position}                   fraction of row rounds whose draft token i was kept
+    specpipe_graph_replays_total{phase}, specpipe_graph_fallbacks_total{phase}   (fallback: ran eagerly)
+    specpipe_queue_depth, specpipe_running_requests, specpipe_slots
+    specpipe_request_latency_seconds, specpipe_time_to_first_token_seconds   histograms
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from engine.graphs.graph_set import GraphSet
+from engine.scheduler import Scheduler
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
+
+
+class _EngineCollector(Collector):
+    def __init__(self, scheduler: Scheduler, graphs: Optional[GraphSet]):
+        self.scheduler, self.graphs = scheduler, graphs
+
+    def collect(self):
+        s, st = self.scheduler, self.scheduler.stats
+        done = CounterMetricFamily("specpipe_requests", "Finished requests", labels=["finish_reason"])
+        for reason, n in list(st.finished.items()):
+            done.add_metric([reason], n)
+        yield done
+        yield CounterMetricFamily("specpipe_prompt_tokens", "Prompt tokens of submitted requests",
+                                  value=st.prompt_tokens)
+        yield CounterMetricFamily("specpipe_generation_tokens", "Generated tokens", value=st.generated_tokens)
+        yield CounterMetricFamily("specpipe_rounds", "Draft-and-verify rounds (decode steps without a draft)",
+                                  value=st.rounds)
+        yield CounterMetricFamily("specpipe_verify_rows", "Live rows verified, summed over rounds",
+                                  value=st.row_rounds)
+        yield GaugeMetricFamily("specpipe_accept_length", "Tokens emitted per verify round and row, bonus "
+                                "included", value=st.accept_length if st.row_rounds else 0.0)
+        rate = GaugeMetricFamily("specpipe_accept_rate", "Fraction of row rounds whose draft token at this "
+                                 "position was accepted", labels=["position"])
+        for i, r in enumerate(st.accept_rates()):
+            rate.add_metric([str(i)], r if st.row_rounds else 0.0)
+        yield rate
+        replays = CounterMetricFamily("specpipe_graph_replays", "Graph replays", labels=["phase"])
+        fallbacks = CounterMetricFamily("specpipe_graph_fallbacks", "Calls that ran eagerly (no graph for "
+                                        "the batch, or a hidden-state mode not captured)", labels=["phase"])
+        for phase, ps in (self.graphs.stats() if self.graphs is not None else {}).items():
+            replays.add_metric([phase], ps.replays)
+            fallbacks.add_metric([phase], ps.fallbacks)
+        yield replays
+        yield fallbacks
+        yield GaugeMetricFamily("specpipe_queue_depth", "Requests waiting for a slot", value=s.queue_depth)
+        yield GaugeMetricFamily("specpipe_running_requests", "Requests holding a slot", value=s.running)
+        yield GaugeMetricFamily("specpipe_slots", "Slots (serve.max_batch_size)", value=s.n)
+
+
+class ServeMetrics:
+    def __init__(self, scheduler: Scheduler, graphs: Optional[GraphSet]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.registry.register(_EngineCollector(scheduler, graphs))
+        self.rejected = Counter("specpipe_requests_rejected", "Requests answered with an error status before "
+                                "reaching the engine", ["status"], registry=self.registry)
+        self.latency = Histogram("specpipe_request_latency_seconds", "Request latency, arrival to last token",
+                                 buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.ttft = Histogram("specpipe_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=self.registry)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

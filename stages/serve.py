@@ -1,0 +1,138 @@
+"""Stage `serve` (task=serve): the validated plan ends in an OpenAI-compatible server instead of an eval.
+
+    load -> configure_aux_capture -> capture_graphs -> serve
+
+The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
+graphs), the continuous-batching scheduler (engine/scheduler.py: the same draft-and-verify round as
+eval) and the HTTP app (engine/openai_server.py), and serves on `serve.host:serve.port` until Ctrl-C,
+which lets in-flight requests finish before the stage returns and the MLflow run closes normally.
+
+The draft proposes greedily whatever the request's temperature (lossless either way, see
+engine/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
+
+Logs at the end: `requests`, `requests_<finish_reason>`, `prompt_tokens`, `generated_tokens`,
+`tokens_per_s` (generated over the time from the first request to the last), `accept_length`,
+`accept_rate_pos_<i>`, `rounds`, `graph_replays` / `graph_fallbacks` (totals and `.<phase>`).
+Provides `serve_results` (those metrics).
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
+from engine.errors import ConfigError
+from engine.generate import SpecDecoder
+from engine.loading import LoadedModel
+from engine.openai_server import ApiLimits, OpenAIApp, OpenAIServer
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, ServeStats
+from stages.base import Stage, StageEnv, register_stage
+
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def model_name(cfg) -> str:
+    return cfg.serve.model_name or cfg.model.name
+
+
+def draft_tokens(cfg) -> int:
+    return cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+
+
+def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
+    out = {"requests": sum(stats.finished.values()), "prompt_tokens": stats.prompt_tokens,
+           "generated_tokens": stats.generated_tokens, "rounds": stats.rounds}
+    out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
+    if stats.first_submit is not None and stats.last_finish is not None and stats.last_finish > stats.first_submit:
+        out["tokens_per_s"] = stats.generated_tokens / (stats.last_finish - stats.first_submit)
+    if stats.row_rounds:
+        out["accept_length"] = stats.accept_length
+        out.update({f"accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rates())})
+    if graphs is not None:
+        out.update({k: v for k, v in graphs.metrics().items() if k.startswith(("graph_replays", "graph_fallbacks"))})
+    return out
+
+
+@register_stage
+class ServeStage(Stage):
+    name = "serve"
+    requires = ("target", "draft_head")
+    optional = ("graphs",)
+    provides = ("serve_results",)
+    final = True
+    runs_target = True
+
+    def __init__(self):
+        self.server: OpenAIServer | None = None  # set while serving (tests and embedders stop it)
+
+    def check(self, cfg, env: StageEnv) -> None:
+        s, k = cfg.serve, draft_tokens(cfg)
+        for key, value, ok, valid in [
+            ("serve.host", s.host, bool(s.host), "an address to bind, e.g. 127.0.0.1"),
+            ("serve.port", s.port, 0 <= s.port <= 65535, "0..65535 (0: any free port)"),
+            ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
+            ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
+            ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
+            ("serve.default_max_tokens", s.default_max_tokens, 1 <= s.default_max_tokens <= s.max_tokens_limit,
+             f"1..serve.max_tokens_limit={s.max_tokens_limit}"),
+            ("serve.default_temperature", s.default_temperature, 0 <= s.default_temperature <= 2,
+             "in [0, 2] (0: greedy)"),
+            ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
+            ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS),
+        ]:
+            if not ok:
+                raise ConfigError(key, value, "out of range" if key != "serve.log_level" else "unknown", valid)
+        if cfg.model.max_seq_len < k + 2:
+            raise ConfigError("model.max_seq_len", cfg.model.max_seq_len, f"leaves no room for a prompt and a "
+                              f"token with draft.num_steps={k}", f">= {k + 2}")
+        spec = DRAFTS.get(cfg.draft.algorithm)
+        if spec is not None and spec.needs_baseline:
+            raise ConfigError("draft.algorithm", cfg.draft.algorithm, "replays an eval baseline's outputs; a "
+                              "server has none", [a for a in ALGORITHMS if not (a in DRAFTS and DRAFTS[a].needs_baseline)])
+
+    def describe(self, cfg, env: StageEnv) -> str:
+        s = cfg.serve
+        draft = (f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps} (greedy proposals)"
+                 if env.draft_plan is not None else "no draft")
+        return (f"http://{s.host}:{s.port}/v1 (OpenAI API) model {model_name(cfg)!r}; {s.max_batch_size} slots "
+                f"(continuous batching), queue {s.max_queue}; max_tokens default {s.default_max_tokens}, limit "
+                f"{s.max_tokens_limit}; context {cfg.model.max_seq_len}; {draft}")
+
+    def build(self, cfg, inputs, env: StageEnv) -> OpenAIServer:
+        target: LoadedModel = inputs["target"]
+        s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
+        rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
+        k = draft_tokens(cfg)
+        draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, SamplingParams(), None,
+                           cfg=cfg.draft, graphs=graphs)
+        decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
+        scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng)
+        limits = ApiLimits(model_name(cfg), cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
+                           s.default_temperature)
+        return OpenAIServer(OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port,
+                            s.drain_timeout_s, s.log_level)
+
+    @staticmethod
+    def _announce(server: OpenAIServer, host: str) -> None:
+        if server.wait_ready(timeout=600):
+            print(f"[serve] ready on http://{host}:{server.port}/v1", flush=True)
+
+    def run(self, cfg, inputs, env: StageEnv) -> dict:
+        server = self.server = self.build(cfg, inputs, env)
+        print(f"[serve] model {model_name(cfg)!r} on http://{cfg.serve.host}:{cfg.serve.port}/v1, "
+              f"{cfg.serve.max_batch_size} slots; Ctrl-C drains and stops", flush=True)
+        threading.Thread(target=self._announce, args=(server, cfg.serve.host), daemon=True).start()
+        try:
+            server.run()
+        finally:
+            self.server = None
+        metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"))
+        if env.tracker is not None:
+            env.tracker.log_metrics(metrics)
+        print("[serve] stopped" + (" (Ctrl-C)" if server.interrupted else "") + ": "
+              + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
+              flush=True)
+        return {"serve_results": metrics}

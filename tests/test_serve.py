@@ -1,0 +1,453 @@
+"""Stage `serve`: a real uvicorn server on a loopback port, driven by the official `openai` client.
+
+Servers run in-process (a background thread runs the whole plan, `execute(plan)`) on the tiny random
+model, and are stopped the way Ctrl-C stops them; one test runs the CLI in a subprocess and sends it
+a real SIGINT mid-request. Served outputs at temperature 0 are checked against `Generator` and the
+eval stage on the same prompts, with and without a draft, sequential and concurrent.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from conftest import compose_cfg
+from engine.detokenize import TextStream
+from engine.drafts.registry import load_head, make_draft
+from engine.generate import Generator
+from engine.loading import load_model
+from engine.sampling import SamplingParams
+from engine.tokenizer import ByteTokenizer
+from pipeline.__main__ import run
+from pipeline.config import to_run_config
+from pipeline.execute import execute
+from pipeline.paths import REPO
+from pipeline.plan import PlanError, build_plan
+
+BASE = ("model=tiny", "device=cpu", "tracking=off", "serve.port=0", "model.random.init_std=0.15")
+EAGLE3 = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]", "draft.num_steps=3")
+CONFIGS = {
+    "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3"),
+    "eagle3_debug": ("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug", "model.max_seq_len=256",
+                     "serve.max_batch_size=4"),
+    # one slot, one waiting request: queue-full and disconnect tests; long generations
+    "tight": ("+experiment=serve", *BASE, "serve.max_batch_size=1", "serve.max_queue=1"),
+}
+PROMPTS = ["def add(a, b):", "Hello there", "The quick brown fox", "1, 2, 3, 4,", "Once upon a time",
+           "import torch"]
+N = 12  # max_tokens of the equality checks
+
+
+class Served:
+    """The pipeline's plan ending in `serve`, executed in a background thread; `close()` is Ctrl-C."""
+
+    def __init__(self, overrides, outputs: Path):
+        self.cfg = to_run_config(compose_cfg(*overrides))
+        self.plan = build_plan(self.cfg, outputs)
+        assert self.plan.names[-1] == "serve"
+        self.stage = self.plan.stages[-1]
+        self.result, self.error = None, None
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        t0 = time.monotonic()
+        while self.stage.server is None or not self.stage.server.wait_ready(0.05):
+            assert self.error is None and time.monotonic() - t0 < 60, f"server did not start: {self.error!r}"
+        self.server = self.stage.server
+        self.root = f"http://127.0.0.1:{self.server.port}"
+        self.client = openai.OpenAI(base_url=self.root + "/v1", api_key="unused", max_retries=0, timeout=60)
+        self.model = self.cfg.model.name
+
+    def _run(self):
+        try:
+            self.result = execute(self.plan)
+        except BaseException as e:  # reported by the test that needs the server
+            self.error = e
+
+    def metrics(self) -> dict[str, float]:
+        text = httpx.get(self.root + "/metrics", timeout=10).text
+        out = {}
+        for fam in text_string_to_metric_families(text):
+            for s in fam.samples:
+                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
+                                if s.labels else "")
+                out[key] = s.value
+        return out
+
+    def close(self):
+        self.server.shutdown()
+        self.thread.join(60)
+        assert not self.thread.is_alive(), "the server did not stop"
+        assert self.error is None, self.error
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    outputs = tmp_path_factory.mktemp("serve_outputs")
+    started: dict[str, Served] = {}
+
+    def get(name: str) -> Served:
+        if name not in started:
+            started[name] = Served(CONFIGS[name], outputs)
+        return started[name]
+
+    yield get
+    for s in started.values():
+        s.close()
+
+
+def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What eval's generator emits for these prompts, one at a time, on a fresh copy of the weights."""
+    cfg, env = served.cfg, served.plan.env
+    loaded = load_model(cfg.model, env.weights_dir, env.device, env.dtype)
+    plan = env.draft_plan
+    if plan is not None and plan.aux is not None:
+        loaded.model.set_aux_layers(plan.aux.input_of)
+    head = load_head(plan, loaded.model, cfg.draft.init_seed, env.device, env.dtype)
+    params = SamplingParams(max_new_tokens=max_tokens)
+    draft = make_draft(plan, head, loaded.model, 1, params, None, cfg=cfg.draft)
+    gen = Generator(loaded.model, 1, draft, cfg.draft.num_steps if plan is not None else 0)
+    return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
+
+
+def complete(s: Served, prompt: str, **kw):
+    return s.client.completions.create(model=s.model, prompt=prompt, max_tokens=kw.pop("max_tokens", N),
+                                       temperature=kw.pop("temperature", 0), **kw)
+
+
+def chat(s: Served, content: str, **kw):
+    return s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": content}],
+                                            max_tokens=kw.pop("max_tokens", N), temperature=kw.pop("temperature", 0),
+                                            **kw)
+
+
+# ------------------------------------------------------------------------------------------ outputs
+@pytest.mark.parametrize("name", ["plain", "eagle3_debug"])
+def test_served_outputs_equal_eval_sequential_and_concurrent(servers, name):
+    s, tok = servers(name), ByteTokenizer()
+    ref = eval_reference(s, [tok.encode(p) for p in PROMPTS], N)
+    want = [tok.decode(r) for r in ref]
+    assert len(set(want)) > 1  # varied outputs: the comparison can fail
+
+    seq = [complete(s, p) for p in PROMPTS]
+    assert [r.choices[0].text for r in seq] == want
+    assert [r.usage.completion_tokens for r in seq] == [len(r) for r in ref]
+    assert [r.choices[0].finish_reason for r in seq] == ["stop" if r[-1] in tok.eos_token_ids else "length"
+                                                         for r in ref]
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # more requests than slots: they queue, join, leave
+        conc = list(pool.map(lambda p: complete(s, p), PROMPTS))
+    assert [r.choices[0].text for r in conc] == want
+
+    # chat: the chat template, as eval applies it
+    ref_chat = eval_reference(s, [tok.encode_chat(p) for p in PROMPTS[:3]], N)
+    with ThreadPoolExecutor(3) as pool:
+        got = list(pool.map(lambda p: chat(s, p), PROMPTS[:3]))
+    assert [r.choices[0].message.content for r in got] == [tok.decode(r) for r in ref_chat]
+    assert all(r.choices[0].message.role == "assistant" and r.object == "chat.completion" for r in got)
+
+
+def test_served_chat_equals_the_eval_stage(servers, tmp_path, outputs):
+    """The eval stage (eagle3, graph=debug) on a question.jsonl vs the server on the same prompts."""
+    s = servers("eagle3_debug")
+    qs = tmp_path / "question.jsonl"
+    qs.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS[:4])))
+    ctx = run(compose_cfg("+experiment=eagle3_bcg", *BASE, *EAGLE3,
+                          "graph=debug", "model.max_seq_len=256", f"eval.dataset={qs}", f"eval.max_new_tokens={N}",
+                          "eval.batch_size=2", "eval.baseline=false", "eval.warmup=false"))
+    records = ctx["eval_results"]["records"]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda p: chat(s, p), PROMPTS[:4]))
+    assert [r.choices[0].message.content for r in got] == [r.text for r in records]
+
+
+@pytest.mark.parametrize("kind", ["completion", "chat"])
+def test_streaming_equals_non_streaming(servers, kind):
+    s = servers("eagle3_debug")
+    call = complete if kind == "completion" else chat
+    whole = call(s, PROMPTS[0])
+    chunks = list(call(s, PROMPTS[0], stream=True, stream_options={"include_usage": True}))
+    body = [c for c in chunks if c.choices]
+    if kind == "completion":
+        text = "".join(c.choices[0].text for c in body)
+        assert text == whole.choices[0].text
+    else:
+        assert body[0].choices[0].delta.role == "assistant"
+        text = "".join(c.choices[0].delta.content or "" for c in body)
+        assert text == whole.choices[0].message.content and body[0].object == "chat.completion.chunk"
+    assert len(body) > 2  # it streamed, token by token
+    assert [c.choices[0].finish_reason for c in body][-1] == whole.choices[0].finish_reason
+    assert all(c.choices[0].finish_reason is None for c in body[:-1])
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+
+
+def test_stop_strings_and_seeds(servers):
+    s = servers("plain")
+    full = complete(s, PROMPTS[1], max_tokens=24).choices[0].text
+    stop = full[5:7]
+    cut = complete(s, PROMPTS[1], max_tokens=24, stop=[stop])
+    assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = "".join(c.choices[0].text for c in complete(s, PROMPTS[1], max_tokens=24, stop=stop, stream=True))
+    assert streamed == cut.choices[0].text
+
+    # A seeded sampled request gives the same output alone and among other sampled requests.
+    alone = complete(s, PROMPTS[2], temperature=0.9, seed=7, max_tokens=16).choices[0].text
+    with ThreadPoolExecutor(3) as pool:
+        jobs = [pool.submit(complete, s, PROMPTS[2], temperature=0.9, seed=7, max_tokens=16)]
+        jobs += [pool.submit(complete, s, p, temperature=1.0, max_tokens=16) for p in PROMPTS[3:5]]
+        assert jobs[0].result().choices[0].text == alone
+    others = {complete(s, PROMPTS[2], temperature=0.9, seed=seed, max_tokens=16).choices[0].text
+              for seed in (1, 2, 3)}
+    assert len(others | {alone}) > 1
+
+
+# ------------------------------------------------------------------------------------------ errors
+def test_bad_inputs_get_their_status(servers):
+    s = servers("plain")
+    url = s.root + "/v1/completions"
+
+    def post(body, raw=None):
+        r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30) if raw \
+            else httpx.post(url, json=body, timeout=30)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+        return r.status_code, err
+
+    ok = {"model": s.model, "prompt": "hi", "max_tokens": 4}
+    assert post(None, raw=b'{"model": "tiny-random", "prompt": ')[0] == 400
+    code, err = post({**ok, "model": "gpt-4"})
+    assert code == 404 and err["code"] == "model_not_found" and err["param"] == "model"
+    for bad in (-1, 0, 10**12):
+        code, err = post({**ok, "max_tokens": bad})
+        assert code == 400 and err["param"] == "max_tokens", bad
+    code, err = post({**ok, "prompt": "x" * 300})  # model.max_seq_len=256
+    assert code == 400 and err["code"] == "context_length_exceeded"
+    code, err = post({**ok, "max_tokens": 254})  # 3 prompt tokens + 254 > 256
+    assert code == 400 and err["code"] == "context_length_exceeded" and "256" in err["message"]
+    code, err = post({**ok, "temperature": "hot"})
+    assert code == 422 and err["param"] == "temperature"
+    assert post({"model": s.model})[0] == 422  # no prompt
+    assert post({**ok, "n": 3})[0] == 400
+    # The official client maps them to its exceptions.
+    with pytest.raises(openai.NotFoundError):
+        s.client.completions.create(model="nope", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=-5)
+    assert httpx.get(s.root + "/v1/nothing", timeout=10).status_code == 404
+    assert s.metrics()['specpipe_requests_rejected_total{status=400}'] >= 6
+
+
+def _open_stream(s: Served, prompt: str, max_tokens: int):
+    """A streaming request whose first token has arrived: (response, its context manager, line iterator)."""
+    cm = httpx.stream("POST", s.root + "/v1/completions", timeout=60,
+                      json={"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+                            "stream": True})
+    r = cm.__enter__()
+    assert r.status_code == 200
+    lines = r.iter_lines()
+    return r, cm, lines
+
+
+def _wait(cond, timeout=20.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.05)
+
+
+def test_queue_full_answers_429_and_a_disconnect_frees_the_slot(servers):
+    s = servers("tight")  # 1 slot, 1 waiting
+    aborts0 = s.metrics().get("specpipe_requests_total{finish_reason=abort}", 0)
+    a, a_cm, a_lines = _open_stream(s, PROMPTS[0], 1500)
+    next(line for line in a_lines if line.startswith("data: {"))  # A holds the slot, generating
+    b, b_cm, _ = _open_stream(s, PROMPTS[1], 1500)  # B waits
+    _wait(lambda: s.metrics()["specpipe_queue_depth"] == 1)
+    with pytest.raises(openai.RateLimitError) as e:
+        complete(s, PROMPTS[2], max_tokens=2)
+    assert e.value.status_code == 429 and e.value.body["code"] == "queue_full"
+
+    a_cm.__exit__(None, None, None)  # A's client goes away mid-stream: its slot goes to B
+    _wait(lambda: s.metrics()["specpipe_queue_depth"] == 0)
+    b_cm.__exit__(None, None, None)  # and B's
+    _wait(lambda: s.metrics()["specpipe_running_requests"] == 0)
+    m = s.metrics()
+    assert m["specpipe_requests_total{finish_reason=abort}"] == aborts0 + 2
+    assert m["specpipe_generation_tokens_total"] < 2 * 1500  # neither ran to the end
+    r = complete(s, PROMPTS[3], max_tokens=3)  # the slot is free again
+    assert r.usage.completion_tokens == 3
+
+
+def test_models_health_and_metrics(servers):
+    s = servers("eagle3_debug")
+    complete(s, PROMPTS[0])
+    models = s.client.models.list()
+    assert [m.id for m in models.data] == [s.model]
+    assert httpx.get(s.root + "/health", timeout=10).json()["status"] == "ok"
+    text = httpx.get(s.root + "/metrics", timeout=10).text
+    families = {f.name: f for f in text_string_to_metric_families(text)}  # parses as Prometheus text
+    for name in ("specpipe_requests", "specpipe_generation_tokens", "specpipe_accept_length", "specpipe_accept_rate",
+                 "specpipe_graph_replays", "specpipe_graph_fallbacks", "specpipe_queue_depth",
+                 "specpipe_request_latency_seconds", "specpipe_time_to_first_token_seconds"):
+        assert name in families, name
+    m = s.metrics()
+    assert m["specpipe_generation_tokens_total"] > 0 and m["specpipe_accept_length"] >= 1.0
+    assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {f"specpipe_accept_rate{{position={i}}}"
+                                                                      for i in range(3)}
+    for phase in ("verify", "draft_step", "draft_extend"):  # every round replayed, none ran eagerly
+        assert m[f"specpipe_graph_replays_total{{phase={phase}}}"] > 0
+        assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
+
+
+# ------------------------------------------------------------------------------------------ load
+def _load_test_module():
+    spec = importlib.util.spec_from_file_location("load_test", REPO / "benchmarks" / "load_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bounded_load_has_no_failed_request(servers):
+    import asyncio
+
+    lt, s = _load_test_module(), servers("eagle3_debug")
+    res = asyncio.run(lt.run_level(s.root, s.model, clients=4, duration_s=3.0, max_tokens=16, prompts=PROMPTS,
+                                   stream=True, chat=True, ignore_eos=True))
+    print("\n" + lt.table([res]))
+    assert res.failures == 0, res.errors
+    assert res.requests >= 4 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
+    assert res.tokens == 16 * res.requests  # ignore_eos: exactly max_tokens each
+
+
+# ------------------------------------------------------------------------------------------ plan, Ctrl-C
+def test_plan_ends_in_serve_and_checks_its_keys(outputs):
+    cfg = to_run_config(compose_cfg("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug",
+                                    "serve.max_batch_size=6"))
+    plan = build_plan(cfg, outputs)
+    assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "serve"]
+    text = plan.describe()
+    assert "capture sizes [6]" in text and "6 slots" in text and "http://127.0.0.1:0/v1" in text
+    for override, key in [("draft=oracle", "draft.algorithm='oracle'"), ("serve.max_batch_size=0",
+                          "serve.max_batch_size=0"), ("serve.port=70000", "serve.port=70000"),
+                          ("serve.default_max_tokens=9999", "serve.default_max_tokens=9999")]:
+        with pytest.raises(PlanError, match=re.escape(key)):
+            build_plan(to_run_config(compose_cfg("+experiment=serve", *BASE, override)), outputs)
+    small = to_run_config(compose_cfg("+experiment=serve", *BASE, "graph=debug", "graph.capture_sizes=[1,2]"))
+    assert "exceed the largest capture size 2: they run eagerly" in build_plan(small, outputs).describe()
+
+
+def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    p = subprocess.Popen([sys.executable, "-m", "pipeline", "+experiment=serve", "model=tiny", "device=cpu",
+                          "serve.port=0", "experiment_name=serve_sigint"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        t0 = time.monotonic()
+        for line in p.stdout:
+            if m := re.search(r"ready on http://127\.0\.0\.1:(\d+)/v1", line):
+                port = int(m.group(1))
+                break
+            assert time.monotonic() - t0 < 120
+        assert port, "no ready line"
+        body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            p.send_signal(signal.SIGINT)  # Ctrl-C while the request generates
+            rest = [line for line in lines if line.startswith("data: ")]
+        chunks = [json.loads(x[6:]) for x in rest if x != "data: [DONE]"]
+        assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        out, _ = p.communicate(timeout=60)
+        assert p.returncode == 0, out[-2000:]
+        assert "[serve] stopped (Ctrl-C)" in out and "Traceback" not in out
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(10)
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
+    (run_,) = c.search_runs([c.get_experiment_by_name("serve_sigint").experiment_id])
+    assert run_.info.status == "FINISHED"
+    assert run_.data.metrics["requests_length"] == 1 and run_.data.metrics["generated_tokens"] == 300
+
+
+# ------------------------------------------------------------------------------------------ units
+def test_text_stream_holds_partial_characters_and_stop_strings():
+    tok = ByteTokenizer()
+    ids = list("héllo wörld END tail".encode())
+    ts = TextStream(tok, stop=["END"])
+    sent = [ts.push([i]) for i in ids]
+    assert "".join(sent) + ts.finish() == "héllo wörld " and ts.stopped
+    assert all("\ufffd" not in d for d in sent)  # a 2-byte character is sent whole
+    assert "END" not in "".join(sent)
+    plain = TextStream(tok)
+    assert "".join(plain.push([i]) for i in ids) + plain.finish() == "héllo wörld END tail"
+
+
+def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
+    import torch
+
+    from engine.sampling import RowSampling
+    from engine.verify import verify, verify_greedy
+
+    g = torch.Generator().manual_seed(0)
+    b, k, vocab = 4, 3, 16
+    logits = torch.randn(b, k + 1, vocab, generator=g) * 2
+    draft = torch.randint(0, vocab, (b, k), generator=g)
+    draft[0, :2] = logits[0, :2].argmax(-1)  # row 0 accepts two greedily
+    want_acc, want_bonus = verify_greedy(logits, draft)
+
+    def once(shared_seed):
+        s = RowSampling.per_row([0.0, 1.0, 0.0, 0.7], [1.0, 0.9, 1.0, 1.0],
+                                [None, torch.Generator().manual_seed(5), None, None], "cpu",
+                                torch.Generator().manual_seed(shared_seed))
+        return verify(logits, draft, None, s)
+
+    runs = [once(seed) for seed in range(6)]
+    for acc, bonus in runs:
+        assert acc[[0, 2]].tolist() == want_acc[[0, 2]].tolist() and acc[0] == 2
+        assert bonus[[0, 2]].tolist() == want_bonus[[0, 2]].tolist()
+        assert (acc[1], bonus[1]) == (runs[0][0][1], runs[0][1][1])  # the seeded row ignores the shared draws
+    assert len({int(bonus[3]) for _, bonus in runs}) > 1  # the unseeded sampled row does not
+
+
+def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
+    """3 slots, graphs captured for 1 and 2 rows: every round falls back to eager, is counted, and the
+    outputs still equal the eager generator's."""
+    from test_graphs import setup
+    from test_model import _prompts
+    from test_speculative import build
+
+    from engine.generate import SpecDecoder
+    from engine.scheduler import GenerationRequest, Scheduler
+    from pipeline.config import DraftConfig
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
+    draft = make_draft(plan, head, target, 3, SamplingParams(), None, cfg=DraftConfig(algorithm="eagle3"),
+                       graphs=gs)
+    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8).start()
+    prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
+    reqs = [GenerationRequest(p, 10, lambda ev: ev.finish_reason and done.release()) for p in prompts]
+    for r in reqs:
+        sched.submit(r)
+    assert all(done.acquire(timeout=30) for _ in reqs)
+    sched.close()
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    eager = build(target, "eagle3", 1, params)
+    assert [r.output for r in reqs] == [eager.generate([p], params)[0].tokens for p in prompts]
+    verify_stats = gs.get("verify").stats
+    assert verify_stats.fallbacks == sched.stats.rounds > 0 and verify_stats.replays == 0
