@@ -195,24 +195,26 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
 def draft_logits(draft, state, last_token=None):
     """The running draft's next block logits [b, k, vocab], eagerly over its cache (with `last_token`:
     the block's last mask replaced by that token)."""
-    lengths = torch.tensor(state.lengths)
+    dev = draft.bonus.device
+    lengths = torch.tensor(state.lengths, device=dev)
     b = len(state.lengths)
-    tokens = torch.full((b, BLOCK), draft.head.mask_token_id)
+    tokens = torch.full((b, BLOCK), draft.head.mask_token_id, device=dev)
     tokens[:, 0] = draft.bonus[:b]
     if last_token is not None:
         tokens[:, -1] = last_token
-    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK),
-           "valid": torch.ones(b, BLOCK, dtype=torch.bool), "kv_len": max(state.lengths) + BLOCK}
+    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
+           "valid": torch.ones(b, BLOCK, dtype=torch.bool, device=dev), "kv_len": max(state.lengths) + BLOCK}
     return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
 
 
 def _prefill(target, prompts):
+    dev = target.lm_head.weight.device
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts])
-    positions = torch.arange(width).expand(len(prompts), width)
+    ids, lens = ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
+    positions = torch.arange(width, device=dev).expand(len(prompts), width)
     valid = positions < lens[:, None]
     out = target(ids, positions, target.new_cache(len(prompts)), valid=valid, kv_len=width)
     return out.aux_hidden_states, ids, valid, out.logits[torch.arange(len(prompts)), lens - 1].argmax(-1)
@@ -413,16 +415,20 @@ def test_sampling_with_dflash_matches_sampling_without():
         assert 0.5 * (a - b).abs().sum() < 0.05, (pos, a, b)
 
 
-def test_triton_attention_reads_the_whole_block(target):
-    """The Triton decode-attention kernel (the CUDA default, here under the interpreter) gives every
+def test_triton_attention_reads_the_whole_block():
+    """The Triton decode-attention kernel (the CUDA default; on CPU under the interpreter) gives every
     block query the block's last slot as its bound (qpos): it equals the SDPA mask, and the first
     draft depends on the block's last token (a causal block would not)."""
-    plan, head = make_head(target)
+    device = "cuda" if CUDA else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    plan, head = make_head(target, device)
     prompts = _prompts(3, seed=41)
     draft = DFlashDraft(head, 3, SamplingParams(max_new_tokens=8), None)
     feats, ids, valid, first = _prefill(target, prompts)
     draft.begin(None, feats, ids, valid, None, first)
-    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
+    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], device)
     sdpa = draft_logits(draft, state)
     head.attention_kernel = True
     try:
