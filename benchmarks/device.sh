@@ -31,6 +31,7 @@ par)  # issues 5-7 on 4 GPUs in the background (benchmarks/par.sh); read with po
   mkdir -p /tmp/bg; setsid bash benchmarks/par.sh > /tmp/bg/par.log 2>&1 < /dev/null &
   echo "launched at $(date +%T)" ;;
 poll)  # progress of the background jobs (WAIT=seconds first; stops early once ALL is done)
+  set +e +o pipefail
   for _ in $(seq "${WAIT:-0}"); do grep -q "all done" /tmp/bg/done 2>/dev/null && break; sleep 1; done
   m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms|accept_rate_pos)"
   for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[train_draft\]|Error|error|Traceback|passed|failed" | tail -4
