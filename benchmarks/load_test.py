@@ -91,8 +91,9 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
                     chunk = json.loads(line[6:])
                     if "error" in chunk:
                         raise RuntimeError(chunk["error"]["message"])
-                    if first is None and chunk.get("choices"):
-                        first = time.perf_counter() - t0
+                    choice = (chunk.get("choices") or [{}])[0]
+                    if first is None and (choice.get("text") or (choice.get("delta") or {}).get("content")):
+                        first = time.perf_counter() - t0  # the first text (chat's first chunk is the role)
                     if chunk.get("usage"):
                         tokens = chunk["usage"]["completion_tokens"]
             if first is not None:

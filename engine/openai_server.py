@@ -11,7 +11,8 @@ thread. A request is one `_Flight`: it submits a `GenerationRequest` whose sink 
 back to an asyncio queue (`loop.call_soon_threadsafe`), and the handler turns them into text deltas
 with `TextStream` (incremental detokenization, stop strings). A handler that ends early (the client
 disconnected mid-stream: Starlette cancels the response; a stop string matched) cancels its request,
-which frees the slot before the next round.
+which frees the slot before the next round; a non-streaming handler polls for its client (there is no
+write to fail on) and does the same.
 
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 
@@ -31,7 +32,7 @@ import logging
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Literal, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -47,11 +48,13 @@ from engine.serve_metrics import ServeMetrics
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
 
 
 @dataclass(frozen=True)
 class ApiLimits:
     model_name: str
+    vocab_size: int  # prompt token ids must be below it
     max_seq_len: int  # KV slots per sequence: prompt + max_tokens + draft tokens must fit
     draft_tokens: int  # k: the verify of the last round writes k slots past the last token
     default_max_tokens: int
@@ -160,11 +163,28 @@ class _Flight:
         n, m = len(self.req.prompt), len(self.req.output)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    async def deltas(self) -> AsyncIterator[tuple[str, Optional[str]]]:
-        """(text delta, None) while generating, then (last delta, "stop" | "length")."""
+    async def deltas(self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
+                     ) -> AsyncIterator[tuple[str, Optional[str]]]:
+        """(text delta, None) while generating, then (last delta, "stop" | "length").
+
+        disconnected: polled every DISCONNECT_POLL_S for a client that went away (a non-streaming
+        response has no write to fail on); the request is then cancelled."""
+        next_poll = time.monotonic() + DISCONNECT_POLL_S
         try:
             while True:
-                ev = await self.events.get()
+                if disconnected is None:
+                    ev = await self.events.get()
+                else:
+                    try:
+                        ev = await asyncio.wait_for(self.events.get(), max(0.0, next_poll - time.monotonic()))
+                    except asyncio.TimeoutError:
+                        ev = None
+                    if time.monotonic() >= next_poll:
+                        next_poll = time.monotonic() + DISCONNECT_POLL_S
+                        if await disconnected():
+                            return
+                    if ev is None:
+                        continue
                 if ev.finish_reason in ("error", "abort"):
                     raise ApiError(500 if ev.finish_reason == "error" else 503,
                                    ev.error or "the request was aborted (server shutting down)",
@@ -238,10 +258,14 @@ class OpenAIApp:
             p = p[0]
         if isinstance(p, str):
             return self.tokenizer.encode(p) if p else []
+        bad = [t for t in p if not 0 <= t < self.limits.vocab_size]
+        if bad:
+            raise ApiError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})",
+                           "prompt")
         return list(p)
 
     # -- responses --------------------------------------------------------------------------------
-    async def _run(self, kind: str, prompt: list[int], p: _Params, body: _Sampling):
+    async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: _Sampling):
         flight = _Flight(self.scheduler, self.tokenizer, prompt, p).submit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
@@ -251,8 +275,10 @@ class OpenAIApp:
             return StreamingResponse(self._stream(flight, kind, head, usage), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         parts, finish = [], None
-        async for delta, finish in flight.deltas():
+        async for delta, finish in flight.deltas(request.is_disconnected):
             parts.append(delta)
+        if finish is None:  # the client went away: nobody to answer
+            return Response(status_code=499)
         self._observe(flight)
         text = "".join(parts)
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
@@ -325,17 +351,18 @@ class OpenAIApp:
             return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
 
         @app.post("/v1/completions")
-        async def completions(body: CompletionRequest):
+        async def completions(body: CompletionRequest, request: Request):
             prompt = self._completion_prompt(body)
             params = self._params(body, prompt, body.max_tokens, "max_tokens", "prompt")
-            return await self._run("completion", prompt, params, body)
+            return await self._run(request, "completion", prompt, params, body)
 
         @app.post("/v1/chat/completions")
-        async def chat(body: ChatCompletionRequest):
+        async def chat(body: ChatCompletionRequest, request: Request):
             prompt = self.tokenizer.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
             key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            return await self._run("chat", prompt, self._params(body, prompt, max_tokens, key, "messages"), body)
+            return await self._run(request, "chat", prompt, self._params(body, prompt, max_tokens, key, "messages"),
+                                   body)
 
         @app.get("/v1/models")
         async def models():

@@ -4,7 +4,9 @@
              graphs' buffers; a request holds one slot from its prefill to its last token
     join     the target prefills the prompt into its slot row (`cache.rows(slice(i, i + 1))`, a view
              sharing storage; eager: the prefill graph covers rows 0..b-1 only), samples the first
-             token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every other row's draft state
+             token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every other row's draft state.
+             Requests waiting together join together: one right-padded prefill over a run of
+             contiguous free slots (`rows=slice(i, i + m)`, up to `max_prefill_tokens` padded tokens)
     step     one `SpecDecoder.round` over all n slots: propose -> verify -> commit, the same code eval
              runs; free slots ride along as invalid rows (they write to the cache's dummy slot and are
              never read); then finished and cancelled requests leave and waiting ones join
@@ -93,6 +95,7 @@ class ServeStats:
     row_rounds: int = 0  # live rows verified, summed over rounds
     accepted_tokens: int = 0  # draft tokens accepted, summed over row rounds
     accepted_at: list[int] = field(default_factory=list)  # [k]: row rounds whose draft token i was accepted
+    prefills: int = 0  # joint prefills (one per group of requests joining together)
     prefill_s: float = 0.0
     round_s: float = 0.0
     first_submit: Optional[float] = None
@@ -109,10 +112,11 @@ class ServeStats:
 
 class Scheduler:
     def __init__(self, decoder: SpecDecoder, num_slots: int, max_queue: int,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, max_prefill_tokens: int = 8192):
         if num_slots > decoder.batch_size:
             raise ValueError(f"{num_slots} slots, but the decoder's cache holds {decoder.batch_size} rows")
         self.dec, self.n, self.max_queue = decoder, num_slots, max_queue
+        self.max_prefill_tokens = max_prefill_tokens  # padded tokens of one joint prefill (one request: any)
         self.device, self.k = decoder.device, decoder.k
         self.generator = generator  # shared by sampled requests without a seed
         self.cache = decoder.cache.rows(num_slots)
@@ -143,7 +147,8 @@ class Scheduler:
         return self._thread is not None and self._thread.is_alive() and not self._closing
 
     def submit(self, req: GenerationRequest) -> None:
-        """Queue a request; raises QueueFull (serve.max_queue waiting) or ShuttingDown."""
+        """Queue a request; raises QueueFull (max_queue requests already wait beyond the free slots)
+        or ShuttingDown."""
         need = len(req.prompt) + req.max_tokens + self.k
         if not req.prompt or need > self.dec.model.max_seq_len:
             raise ValueError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
@@ -153,8 +158,10 @@ class Scheduler:
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
-            if len(self.waiting) >= self.max_queue:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (serve.max_queue={self.max_queue})")
+            free = self.n - self.running  # waiting requests about to take a free slot do not queue
+            if len(self.waiting) >= self.max_queue + free:
+                raise QueueFull(f"{len(self.waiting) - free} requests are waiting for a slot "
+                                f"(serve.max_queue={self.max_queue})")
             req.t_submit = time.perf_counter()
             self.stats.submitted += 1
             self.stats.prompt_tokens += len(req.prompt)
@@ -231,30 +238,65 @@ class Scheduler:
                 self._release(i, req, "abort")
 
     def _admit(self) -> None:
+        """Fill free slots from the queue: waiting requests that fit a run of contiguous free slots
+        (and the prefill token budget) prefill together, as one right-padded batch."""
         while True:
             free = [i for i, r in enumerate(self.slots) if r is None]
+            if not free:
+                return
+            start = end = free[0]
+            while end + 1 < self.n and self.slots[end + 1] is None:
+                end += 1
+            batch: list[GenerationRequest] = []
             with self._cv:
-                if not free or not self.waiting:
+                while self.waiting and len(batch) < end - start + 1:
+                    req = self.waiting[0]
+                    width = max([len(r.prompt) for r in batch] + [len(req.prompt)])
+                    if batch and width * (len(batch) + 1) > self.max_prefill_tokens:
+                        break
+                    self.waiting.popleft()
+                    if req.cancelled:
+                        self._finish(req, "abort")
+                    else:
+                        batch.append(req)
+            if not batch:
+                if not self.waiting:
                     return
-                req = self.waiting.popleft()
-            if req.cancelled:
-                self._finish(req, "abort")
                 continue
-            self._join(req, free[0])
+            try:
+                self._join(batch, start)
+            except Exception as e:  # these requests' prefill failed: they alone fail, their rows stay free
+                log.exception("prefill failed")
+                for j, req in enumerate(batch):
+                    i = start + j
+                    if self.slots[i] is req:
+                        self._release(i, req, "error", str(e))
+                    elif req.finish_reason is None:
+                        self.state.history[i], self.state.lengths[i], self.state.live[i] = [0], 0, False
+                        self._finish(req, "error", str(e))
 
-    def _join(self, req: GenerationRequest, i: int) -> None:
-        t0, rows, st = time.perf_counter(), slice(i, i + 1), self.state
-        pre = self.dec.prefill([req.prompt], None, self.cache.rows(rows), use_graph=False)
-        sampling = RowSampling.per_row([req.temperature], [req.top_p], [req.generator], self.device, self.generator)
-        first = sample(pre.out.logits[:, -1], sampling)  # [1]
-        st.history[i], st.lengths[i], st.live[i] = list(req.prompt), len(req.prompt), True
+    def _join(self, reqs: list[GenerationRequest], start: int) -> None:
+        """Prefill `reqs` into slots start..start+m-1 (target, then draft), and emit their first tokens."""
+        t0, m, st = time.perf_counter(), len(reqs), self.state
+        rows = slice(start, start + m)
+        pre = self.dec.prefill([r.prompt for r in reqs], None, self.cache.rows(rows), use_graph=False)
+        sampling = RowSampling.per_row([r.temperature for r in reqs], [r.top_p for r in reqs],
+                                       [r.generator for r in reqs], self.device, self.generator)
+        first = sample(pre.out.logits[:, -1], sampling)  # [m]
+        for j, req in enumerate(reqs):
+            st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
         self.dec.begin(st, pre, first, rows=rows)
-        self.last[i] = first[0]
-        tok = int(first[0])  # the join's one sync
-        st.history[i].append(tok)
-        self.slots[i], req.slot, self._sampling = req, i, None
+        self.last[rows] = first
+        toks = first.tolist()  # the join's one sync
+        for j, (req, tok) in enumerate(zip(reqs, toks)):
+            st.history[start + j].append(tok)
+            self.slots[start + j], req.slot = req, start + j
+        self._sampling = None
         self.stats.prefill_s += time.perf_counter() - t0
-        self._emit(i, req, [tok], time.perf_counter())
+        self.stats.prefills += 1
+        now = time.perf_counter()
+        for j, (req, tok) in enumerate(zip(reqs, toks)):
+            self._emit(start + j, req, [tok], now)
 
     def _row_sampling(self) -> RowSampling:
         if self._sampling is None:

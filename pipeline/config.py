@@ -116,6 +116,9 @@ class GraphConfig:
     max_batch_size: Optional[int] = None  # null: eval.batch_size (task=serve: serve.max_batch_size)
     # piecewise: prompt-length buckets for the target prefill (longer prompts prefill eagerly).
     prefill_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    # Greedy EAGLE/EAGLE3 drafting: the k-1 steps after the first replay as one program (one graph
+    # under `full`) instead of k-1 runner calls. false: one call per step (for comparison).
+    draft_chain: bool = True
 
     @property
     def target(self) -> str:
@@ -157,7 +160,8 @@ class ServeConfig:
     # round runs all of them (free slots ride along as padding rows); null graph.max_batch_size
     # captures exactly this many.
     max_batch_size: int = 8
-    max_queue: int = 64  # requests waiting for a slot; one more answers 429
+    max_queue: int = 64  # requests waiting for a slot (beyond the free ones); one more answers 429
+    max_prefill_tokens: int = 8192  # requests joining together prefill as one batch of up to this many padded tokens
     default_max_tokens: int = 256  # a request without max_tokens (cut to what the context leaves)
     max_tokens_limit: int = 4096  # a request asking for more answers 400
     default_temperature: float = 1.0  # a request without temperature (OpenAI's default)

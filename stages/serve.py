@@ -75,6 +75,7 @@ class ServeStage(Stage):
             ("serve.port", s.port, 0 <= s.port <= 65535, "0..65535 (0: any free port)"),
             ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
             ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
+            ("serve.max_prefill_tokens", s.max_prefill_tokens, s.max_prefill_tokens >= 1, ">= 1"),
             ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
             ("serve.default_max_tokens", s.default_max_tokens, 1 <= s.default_max_tokens <= s.max_tokens_limit,
              f"1..serve.max_tokens_limit={s.max_tokens_limit}"),
@@ -109,8 +110,8 @@ class ServeStage(Stage):
         draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, SamplingParams(), None,
                            cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
-        scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng)
-        limits = ApiLimits(model_name(cfg), cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
+        scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
+        limits = ApiLimits(model_name(cfg), target.model.args.vocab_size, cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
                            s.default_temperature)
         return OpenAIServer(OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port,
                             s.drain_timeout_s, s.log_level)

@@ -240,6 +240,8 @@ def test_bad_inputs_get_their_status(servers):
     assert code == 422 and err["param"] == "temperature"
     assert post({"model": s.model})[0] == 422  # no prompt
     assert post({**ok, "n": 3})[0] == 400
+    assert post({**ok, "prompt": [1, 2, 99999]})[1]["param"] == "prompt"  # token ids beyond the vocabulary
+    assert complete(s, [72, 105], max_tokens=2).usage.prompt_tokens == 2  # token ids are a prompt too
     # The official client maps them to its exceptions.
     with pytest.raises(openai.NotFoundError):
         s.client.completions.create(model="nope", prompt="hi", max_tokens=2)
@@ -287,6 +289,13 @@ def test_queue_full_answers_429_and_a_disconnect_frees_the_slot(servers):
     assert m["specpipe_generation_tokens_total"] < 2 * 1500  # neither ran to the end
     r = complete(s, PROMPTS[3], max_tokens=3)  # the slot is free again
     assert r.usage.completion_tokens == 3
+
+    # A non-streaming client that gives up frees its slot too (the handler polls for it).
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(s.root + "/v1/completions", timeout=1.0,
+                   json={"model": s.model, "prompt": PROMPTS[4], "max_tokens": 1800, "temperature": 0})
+    _wait(lambda: s.metrics()["specpipe_running_requests"] == 0)
+    assert s.metrics()["specpipe_requests_total{finish_reason=abort}"] == aborts0 + 3
 
 
 def test_models_health_and_metrics(servers):
@@ -427,7 +436,7 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
 
 def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     """3 slots, graphs captured for 1 and 2 rows: every round falls back to eager, is counted, and the
-    outputs still equal the eager generator's."""
+    outputs still equal the eager generator's. Requests waiting together prefill together."""
     from test_graphs import setup
     from test_model import _prompts
     from test_speculative import build
@@ -439,15 +448,33 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
     draft = make_draft(plan, head, target, 3, SamplingParams(), None, cfg=DraftConfig(algorithm="eagle3"),
                        graphs=gs)
-    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8).start()
+    sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
-    reqs = [GenerationRequest(p, 10, lambda ev: ev.finish_reason and done.release()) for p in prompts]
+    reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release())
+            for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
+    sched.start()  # three join at once (one prefill over slots 0..2), the fourth when slot 0 frees
     assert all(done.acquire(timeout=30) for _ in reqs)
     sched.close()
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    eager = build(target, "eagle3", 1, params)
-    assert [r.output for r in reqs] == [eager.generate([p], params)[0].tokens for p in prompts]
+    assert sched.stats.prefills == 2 and [r.slot for r in reqs] == [0, 1, 2, 0]
+    eager = build(target, "eagle3", 1, SamplingParams())
+    want = [eager.generate([p], SamplingParams(max_new_tokens=10 + i, ignore_eos=True))[0].tokens
+            for i, p in enumerate(prompts)]
+    assert [r.output for r in reqs] == want
     verify_stats = gs.get("verify").stats
     assert verify_stats.fallbacks == sched.stats.rounds > 0 and verify_stats.replays == 0
+
+
+def test_max_queue_counts_requests_beyond_the_free_slots():
+    from test_model import pair
+
+    from engine.generate import SpecDecoder
+    from engine.scheduler import GenerationRequest, QueueFull, Scheduler
+
+    sched = Scheduler(SpecDecoder(pair()[1], 2), 2, max_queue=0)  # not started: both slots free
+    for _ in range(2):  # they take the free slots: no queue
+        sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
+    with pytest.raises(QueueFull, match="serve.max_queue=0"):
+        sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
+    sched.close(drain=False)
