@@ -1,6 +1,7 @@
-"""DFlash: lossless greedy under every policy, the draft state after partial acceptance, row-slice
-prefill, the NaN-poisoned fallback, the plan's checks, the checkpoint format, the training forward
-against inference, and a test-sized `train_draft` run whose head beats a random one."""
+"""DFlash: lossless greedy under every policy, rejection sampling in distribution, the draft state
+after partial acceptance, row-slice prefill, the NaN-poisoned fallback, the plan's checks, the
+checkpoint format, the training forward against inference, and a test-sized `train_draft` run whose
+head beats a random one."""
 
 from __future__ import annotations
 
@@ -66,10 +67,14 @@ class Recorder:
         self.draft, self.logits = draft, []
         self.references, self.prompt_lens = references, prompt_lens
         self.g = torch.Generator().manual_seed(seed)
-        inner = draft._block_logits
-        draft._block_logits = lambda *a: self.logits.append(inner(*a)) or self.logits[-1]
+        inner, propose = draft._block_logits, draft.propose
+
+        def record(*args):
+            self.logits.append(inner(*args))
+            return self.logits[-1]
+
+        draft._block_logits = record
         if references is not None:
-            propose = draft.propose
             draft.propose = lambda state, k: self._oracle(state, propose(state, k), k)
 
     def _oracle(self, state, prop, k):
@@ -90,16 +95,15 @@ def run_batches(gen, prompts, params, batch):
 
 
 # ------------------------------------------------------------------------------------------ lossless
-POLICIES = ["none", "debug"] + (["full", "breakable"] if CUDA else [])
 
-
-def _lossless(policy, batch):
+def _lossless(policy, batch, kernel=False):
     device = "cuda" if policy in ("full", "breakable") else "cpu"
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
+    target.attention_kernel = kernel  # the head follows in bind(): Triton decode attention, else SDPA
     plan, head = make_head(target, device)
-    prompts = [p for p in _prompts(4)]
+    prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
     graphs = None
@@ -126,11 +130,12 @@ def test_greedy_is_lossless(policy, batch):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["full", "breakable"])
-def test_greedy_is_lossless_under_cuda_graphs(policy, batch):
+def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention):
     """The graphs' proposals equal eager ones along the same trajectory (same partial-oracle draws)."""
-    got, target, plan, head, prompts, params, base = _lossless(policy, batch)
+    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton")
     gen = generator(target, plan, head, batch, params)
     rec = Recorder(gen.draft, base, [len(p) for p in prompts])
     run_batches(gen, prompts, params, batch)
@@ -152,7 +157,8 @@ def test_debug_graphs_propose_what_eager_proposes():
 # ------------------------------------------------------------------------------------------ state
 def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     """After every commit, the next block equals the block of a draft freshly prefilled over the same
-    history: context k/v of rejected positions never survive, the block's own slots never leak."""
+    history: the commit writes the verified positions at the right slots, the bonus is the right token,
+    and neither rejected drafts nor the previous block's slots leak into the next block."""
     plan, head = make_head(target)
     prompts = _prompts(3, seed=12)
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
@@ -176,11 +182,7 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
             fresh.begin(None, out.aux_hidden_states, ids, torch.ones_like(ids, dtype=torch.bool), None,
                         torch.tensor([hists[i][-1]]))
             one = SpecState([hists[i]], [ids.shape[1]], [True], [0], "cpu")
-            env = {"tokens": torch.tensor([[hists[i][-1]] + [head.mask_token_id] * (BLOCK - 1)]),
-                   "positions": ids.shape[1] + torch.arange(BLOCK)[None], "valid": torch.ones(1, BLOCK, dtype=torch.bool),
-                   "kv_len": ids.shape[1] + BLOCK}
-            want = run_steps(head.block_program(fresh.cache.rows(1), K), env)["logits"]
-            torch.testing.assert_close(draft_logits(draft, after)[i], want[0], atol=1e-4, rtol=1e-4)
+            torch.testing.assert_close(draft_logits(draft, after)[i], draft_logits(fresh, one)[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(nxt.tokens[i], fresh.propose(one, K).tokens[0])
             checked.append(int(accepted[i]))
 
@@ -190,24 +192,29 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
 
 
-def draft_logits(draft, state):
-    """The running draft's next block logits [b, k, vocab], eagerly over its cache."""
-    lengths = torch.tensor(state.lengths)
+def draft_logits(draft, state, last_token=None):
+    """The running draft's next block logits [b, k, vocab], eagerly over its cache (with `last_token`:
+    the block's last mask replaced by that token)."""
+    dev = draft.bonus.device
+    lengths = torch.tensor(state.lengths, device=dev)
     b = len(state.lengths)
-    tokens = torch.full((b, BLOCK), draft.head.mask_token_id)
+    tokens = torch.full((b, BLOCK), draft.head.mask_token_id, device=dev)
     tokens[:, 0] = draft.bonus[:b]
-    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK),
-           "valid": torch.ones(b, BLOCK, dtype=torch.bool), "kv_len": max(state.lengths) + BLOCK}
+    if last_token is not None:
+        tokens[:, -1] = last_token
+    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
+           "valid": torch.ones(b, BLOCK, dtype=torch.bool, device=dev), "kv_len": max(state.lengths) + BLOCK}
     return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
 
 
 def _prefill(target, prompts):
+    dev = target.lm_head.weight.device
     width = max(len(p) for p in prompts)
     ids = torch.zeros(len(prompts), width, dtype=torch.long)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = torch.tensor(p)
-    lens = torch.tensor([len(p) for p in prompts])
-    positions = torch.arange(width).expand(len(prompts), width)
+    ids, lens = ids.to(dev), torch.tensor([len(p) for p in prompts], device=dev)
+    positions = torch.arange(width, device=dev).expand(len(prompts), width)
     valid = positions < lens[:, None]
     out = target(ids, positions, target.new_cache(len(prompts)), valid=valid, kv_len=width)
     return out.aux_hidden_states, ids, valid, out.logits[torch.arange(len(prompts)), lens - 1].argmax(-1)
@@ -382,3 +389,51 @@ def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_pa
 def test_train_steps_beyond_the_block_are_one_clear_error(outputs):
     with pytest.raises(PlanError, match=r"train.ttt_steps=4: a DFlash block of 4 tokens predicts 3"):
         build_plan(to_run_config(compose_cfg(*TRAIN, "train.ttt_steps=4", "device=cpu")), outputs)
+
+
+def test_sampling_with_dflash_matches_sampling_without():
+    """Temperature 1: token frequencies at positions 1..3 over many sequences equal plain sampling's,
+    with a block drafter whose distribution is far from the target's (rejection sampling on q_i)."""
+    from engine.model import LlamaModel, ModelArgs, init_normal_
+
+    args = ModelArgs(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
+                     num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    tgt = init_normal_(LlamaModel(args, 16), seed=3, std=0.5)
+    n, prompt = 3000, [1, 2, 3]
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
+    plain = Generator(tgt, n).generate([prompt] * n, params, generator=torch.Generator().manual_seed(0))
+    plan = plan_draft(DraftConfig(algorithm="dflash", init="random", num_steps=2, aux_layer_ids=AUX, block_size=3),
+                      args)
+    tgt.set_aux_layers(plan.aux.input_of)
+    head = init_normal_(load_head(plan, tgt, 0, torch.device("cpu"), torch.float32), seed=9, std=0.5)
+    draft = make_draft(plan, head, tgt, n, params, torch.Generator().manual_seed(5))
+    spec = Generator(tgt, n, draft, 2).generate([prompt] * n, params, generator=torch.Generator().manual_seed(1))
+    assert any(a > 0 for r in spec for a in r.accepts)  # drafts are accepted, so the rule is exercised
+    for pos in (1, 2, 3):
+        a = torch.bincount(torch.tensor([r.tokens[pos] for r in plain]), minlength=8).float() / n
+        b = torch.bincount(torch.tensor([r.tokens[pos] for r in spec]), minlength=8).float() / n
+        assert 0.5 * (a - b).abs().sum() < 0.05, (pos, a, b)
+
+
+def test_triton_attention_reads_the_whole_block():
+    """The Triton decode-attention kernel (the CUDA default; on CPU under the interpreter) gives every
+    block query the block's last slot as its bound (qpos): it equals the SDPA mask, and the first
+    draft depends on the block's last token (a causal block would not)."""
+    device = "cuda" if CUDA else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    plan, head = make_head(target, device)
+    prompts = _prompts(3, seed=41)
+    draft = DFlashDraft(head, 3, SamplingParams(max_new_tokens=8), None)
+    feats, ids, valid, first = _prefill(target, prompts)
+    draft.begin(None, feats, ids, valid, None, first)
+    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], device)
+    sdpa = draft_logits(draft, state)
+    head.attention_kernel = True
+    try:
+        kernel, changed = draft_logits(draft, state), draft_logits(draft, state, last_token=7)
+    finally:
+        head.attention_kernel = False
+    torch.testing.assert_close(kernel, sdpa, atol=1e-4, rtol=1e-4)
+    assert (changed[:, 0] - kernel[:, 0]).abs().max() > 1e-3

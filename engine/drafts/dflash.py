@@ -50,7 +50,8 @@ from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
 from engine.drafts.heads import _Head
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, run_steps
+from engine.model import (AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, rope_tables,
+                          run_steps)
 from engine.sampling import SamplingParams, probs_from_logits
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -112,8 +113,6 @@ class DFlashHead(_Head):
         return self.target_lm_head[0]
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
-        from engine.model import rope_tables
-
         with torch.device("cpu"):
             cos, sin = rope_tables(self.args, self.slots + 1)
         device = device or self.fc.weight.device
@@ -135,12 +134,9 @@ class DFlashHead(_Head):
             self.norm.weight.copy_(target.model.norm.weight)
 
     def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DFlashHead":
-        head = super().copy(device, dtype)
+        head = super().copy(device, dtype)  # bound to the same target (embedding and lm_head) when this one is
         head.target_lm_head = list(self.target_lm_head)
         return head
-
-    def _meta(self) -> dict:
-        return {"embed_ptr": self.embed.weight.data_ptr()}
 
     # -- programs -----------------------------------------------------------------------------------
     def context(self, feats: Tensor) -> Tensor:
@@ -160,7 +156,7 @@ class DFlashHead(_Head):
             for layer in self.layers:
                 layer.self_attn.write_kv(c, cache, a)
 
-        return [Step("dflash_context", write, meta=self._meta())]
+        return [Step("dflash_context", write, meta=self.graph_meta())]
 
     def block_program(self, cache: StaticKVCache, num_drafts: int) -> list[Step]:
         """The block forward as segments and attention breaks, like the target's program.
@@ -201,13 +197,12 @@ class DFlashHead(_Head):
             h = self.norm(env["x"] + env["delta"])  # [b, B, hidden]
             env["logits"] = self.lm_head(h[:, 1: num_drafts + 1])  # [b, k, vocab]
 
-        meta = self._meta()
+        meta = self.graph_meta()
         steps = [Step("dflash_embed+pre0", chain(start, pre(0)), meta=meta)]
         for i in range(n):
             steps.append(Step(f"dflash_attn{i}", attend(i), is_break=True, meta=meta))
             steps.append(Step(f"dflash_post{i}", chain(post(i), pre(i + 1) if i + 1 < n else finish), meta=meta))
         return steps
-
 
     def graph_phases(self, k: int) -> list[DraftPhase]:
         """draft_block [rows, B] (logits of k drafts) and draft_context [rows, k + 1] (cache writes only)."""
@@ -255,7 +250,7 @@ class DFlashDraft(Draft):
     # -- forwards: through a phase's runner when there is one (it falls back by itself), else eager ---
     def _write_context(self, feats: Tensor, positions: Tensor, valid: Tensor, runner=None,
                        rows: Optional[slice] = None) -> None:
-        env = {"feats": feats, "positions": positions, "valid": valid, "tokens": torch.zeros_like(positions)}
+        env = {"feats": feats, "positions": positions, "valid": valid}  # no tokens: the context has none
         if runner is not None:
             runner(env, 0, CaptureHiddenMode.NULL)
             return
