@@ -44,6 +44,11 @@ CONFIGS = {
     "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3"),
     "eagle3_debug": ("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug", "model.max_seq_len=256",
                      "serve.max_batch_size=4"),
+    "mtp_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=multi_layer_eagle", "draft.num_steps=3",
+                  "graph=debug", "model.max_seq_len=256", "serve.max_batch_size=4"),
+    "dflash_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=dflash", "draft.num_steps=3", "draft.block_size=4",
+                     "draft.aux_layer_ids=[1,2,3]", "draft.num_layers=1", "graph=debug", "model.max_seq_len=256",
+                     "serve.max_batch_size=4"),
     # one slot, one waiting request: queue-full and disconnect tests; long generations
     "tight": ("+experiment=serve", *BASE, "serve.max_batch_size=1", "serve.max_queue=1"),
 }
@@ -135,7 +140,7 @@ def chat(s: Served, content: str, **kw):
 
 
 # ------------------------------------------------------------------------------------------ outputs
-@pytest.mark.parametrize("name", ["plain", "eagle3_debug"])
+@pytest.mark.parametrize("name", ["plain", "eagle3_debug", "mtp_debug", "dflash_debug"])
 def test_served_outputs_equal_eval_sequential_and_concurrent(servers, name):
     s, tok = servers(name), ByteTokenizer()
     ref = eval_reference(s, [tok.encode(p) for p in PROMPTS], N)
