@@ -116,9 +116,6 @@ class GraphConfig:
     max_batch_size: Optional[int] = None  # null: eval.batch_size (task=serve: serve.max_batch_size)
     # piecewise: prompt-length buckets for the target prefill (longer prompts prefill eagerly).
     prefill_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
-    # Greedy EAGLE/EAGLE3 drafting: the k-1 steps after the first replay as one program (one graph
-    # under `full`) instead of k-1 runner calls. false: one call per step (for comparison).
-    draft_chain: bool = True
 
     @property
     def target(self) -> str:

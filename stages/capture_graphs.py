@@ -95,7 +95,7 @@ class CaptureGraphsStage(Stage):
             inputs["target"].model, head, max_batch(cfg), k, cfg.graph.target,
             cfg.graph.draft if plan is not None else "none", capture_sizes(cfg),
             [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
-            features=plan is not None and plan.features.value != "none", draft_chain=cfg.graph.draft_chain,
+            features=plan is not None and plan.features.value != "none",
         ).capture()
         m = graphs.metrics()
         if env.tracker is not None:

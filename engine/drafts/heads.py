@@ -166,7 +166,7 @@ class _Head(nn.Module):
             return [extend]
         step = DraftPhase("draft_step", 1, M.LAST, hidden, out, self.program)
         greedy = DraftPhase("draft_chain", 1, M.NULL, hidden, {m: ("drafts",) for m in M},
-                            lambda c: self.chain_program(c, k - 1), shares="draft_step", chain=True)
+                            lambda c: self.chain_program(c, k - 1), shares="draft_step")
         return [step, greedy, extend]
 
     # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.

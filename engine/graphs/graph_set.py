@@ -51,7 +51,6 @@ class DraftPhase:
     outputs: dict[CaptureHiddenMode, tuple[str, ...]]
     build: Callable[[Any], list[Step]]
     shares: Optional[str] = None
-    chain: bool = False  # several draft steps fused into one program (skipped when the set's draft_chain is off)
 
 
 @dataclass
@@ -65,7 +64,6 @@ class GraphSet:
     sizes: list[int]
     prefill_buckets: list[int]
     features: bool  # the draft reads target hidden states: verify/prefill capture FULL
-    draft_chain: bool = True  # capture the head's fused multi-step phases (DraftPhase.chain)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -100,8 +98,6 @@ class GraphSet:
         if self.head is not None and self.draft_policy != "none" and k > 0:
             head = self.head
             for ph in head.graph_phases(k):
-                if ph.chain and not self.draft_chain:
-                    continue
                 build = lambda b, ph=ph: ph.build(self.draft_cache.rows(b))  # noqa: E731
                 shared = self.runners[ph.shares].buffers if ph.shares else None
                 self.runners[ph.name] = GraphRunner(
