@@ -319,7 +319,7 @@ def test_models_health_and_metrics(servers):
     assert m["specpipe_generation_tokens_total"] > 0 and m["specpipe_accept_length"] >= 1.0
     assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {f"specpipe_accept_rate{{position={i}}}"
                                                                       for i in range(3)}
-    for phase in ("verify", "draft_chain", "draft_extend"):  # every round replayed, none ran eagerly
+    for phase in ("verify", "draft_step", "draft_extend"):  # every round replayed, none ran eagerly
         assert m[f"specpipe_graph_replays_total{{phase={phase}}}"] > 0
         assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
 

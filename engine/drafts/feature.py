@@ -28,11 +28,10 @@ class FeatureDraft(Draft):
                  features: FeatureKind, graphs=None):
         self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
         self.features = features
-        self.step_runner = self.extend_runner = self.chain_runner = None
+        self.step_runner = self.extend_runner = None
         if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
             self.cache = graphs.draft_cache
             self.step_runner, self.extend_runner = graphs.get("draft_step"), graphs.get("draft_extend")
-            self.chain_runner, self.chain_k = graphs.get("draft_chain"), graphs.num_steps
         else:
             self.cache = head.new_cache(batch_size)
         self.hidden: Optional[Tensor] = None  # [b, hidden]
@@ -100,12 +99,6 @@ class FeatureDraft(Draft):
     def propose(self, state: SpecState, k: int) -> Proposal:
         lengths, live = state.on_device()
         live = live[:, None]
-        if self.params.greedy and self.chain_runner is not None and k == self.chain_k:
-            # d_2..d_k in one replay (one graph under `full`) instead of k-1 runner calls
-            env = {"tokens": self.next[:, None], "hidden": self.hidden[:, None], "positions": lengths[:, None],
-                   "valid": live}
-            out, _ = self.chain_runner(env, max(state.lengths) + k - 1)
-            return Proposal(torch.cat([self.next[:, None], out["drafts"]], 1))
         tokens, probs = [self.next], [self.next_probs]
         h, tok = self.hidden, self.next
         for i in range(1, k):

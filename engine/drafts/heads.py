@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from engine.errors import ConfigError
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode as M
-from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, Step, chain, rope_tables
+from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, Step, rope_tables
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
@@ -118,56 +118,16 @@ class _Head(nn.Module):
         return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
                 Step("draft_post", self.post, meta=meta)]
 
-    def chain_program(self, cache: StaticKVCache, steps: int) -> list[Step]:
-        """`steps` greedy draft steps in one program (one graph under `full`): step i at position
-        positions + i - 1 reads the previous step's output hidden state and argmax token.
-
-        env in:  tokens [b, 1] (d_1, target ids), hidden [b, 1, hidden], positions [b, 1] (L),
-                 valid [b, 1], kv_len (>= max L + steps)
-        env out: drafts [b, steps]: d_2 .. d_{steps+1} (target ids)
-        """
-        inputs = ("tokens", "hidden", "positions")
-
-        def setup(i):
-            def fn(env):
-                if i == 1:  # the inputs (a graph's static buffers) are kept aside, never rebound
-                    env.setdefault("chain_inputs", tuple(env[key] for key in inputs))
-                    env.update(zip(inputs, env["chain_inputs"]))
-                    env["chain_out"] = []
-                else:  # the previous step's outputs become this step's inputs
-                    env["hidden"] = env["out_hidden"]
-                    env["tokens"] = env["chain_out"][-1][:, None]
-                    env["positions"] = env["chain_inputs"][2] + (i - 1)
-            return fn
-
-        def pick(env):
-            env["chain_out"].append(self.to_target(env["logits"][:, 0].argmax(-1)))  # [b]
-            if len(env["chain_out"]) == steps:
-                env["drafts"] = torch.stack(env["chain_out"], 1)  # [b, steps]
-                env.update(zip(inputs, env["chain_inputs"]))  # the next warm-up/capture/replay reads them
-
-        out: list[Step] = []
-        for i in range(1, steps + 1):
-            pre, attn, post = self.program(cache)
-            out += [Step(f"chain{i}_pre", chain(setup(i), pre.fn), meta=pre.meta), attn,
-                    Step(f"chain{i}_post", chain(post.fn, pick), meta=post.meta)]
-        return out
-
     def graph_phases(self, k: int) -> list[DraftPhase]:
-        """draft_extend [B, k+1] (the commit over verified positions, FULL) and, with k > 1,
-        draft_chain [B, 1] (the k-1 steps after d_1 with greedy picks, one graph under `full`) and
-        draft_step [B, 1] (one step, LAST: sampled drafts)."""
+        """draft_step [B, 1] (k > 1: the chain's steps after the first, LAST) and draft_extend
+        [B, k+1] (the commit over verified positions, FULL), both over this head's program."""
         out = {M.NULL: ("logits",), M.LAST: ("logits", "out_hidden"), M.FULL: ("logits", "out_hidden")}
         dtype = next(self.parameters()).dtype
-        hidden = {"hidden": InputSpec((self.args.hidden_size,), dtype)}
+        step = DraftPhase("draft_step", 1, M.LAST, {"hidden": InputSpec((self.args.hidden_size,), dtype)}, out,
+                          self.program)
         extend = DraftPhase("draft_extend", k + 1, M.FULL, {"hidden": InputSpec((self.feature_width,), dtype)},
                             out, self.program)
-        if k == 1:
-            return [extend]
-        step = DraftPhase("draft_step", 1, M.LAST, hidden, out, self.program)
-        greedy = DraftPhase("draft_chain", 1, M.NULL, hidden, {m: ("drafts",) for m in M},
-                            lambda c: self.chain_program(c, k - 1), shares="draft_step")
-        return [step, greedy, extend]
+        return ([step] if k > 1 else []) + [extend]
 
     # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.
     def to_target(self, draft_ids: Tensor) -> Tensor:
