@@ -2,7 +2,7 @@
 # GPU runs of issues 4-7 on the device machine (see docs/benchmarks.md), one phase per call:
 #   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped|final
 #                             warm|par|poll|collect (issues 5-7 on 4 GPUs in the background: benchmarks/par.sh)
-#                             chain|serve (the fused draft chain on/off; the serve load test per level)
+#                             serve (the serve load test per level, benchmarks/serve_levels.sh)
 # Expects the wheelhouse (.whl), model parts (.model/pN) and prompt sets (.data) carried in, and
 # writes logs under $OUT. Phases after `assemble` need PYTHONPATH=/tmp/site:$PWD (set here).
 set -euo pipefail
@@ -45,13 +45,6 @@ collect)  # every log (one archive) and the new EAGLE3 head, split under the 16 
     split -b 15000000 $d/model.safetensors "$OUT/e3_model.safetensors.part"
   for h in mtp dflash; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] && tar -C $d -cf "$OUT/${h}_meta.tar" \
     config.json README.md training.json; done; ls -la "$OUT" ;;
-chain)  # the fused greedy draft chain on and off (shipped EAGLE3 head, MT-bench), after a GPU check of it
-  m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms)"
-  python -m pytest -q -p no:cacheprovider tests/test_graphs.py -k "chain or every_policy" 2>&1 | tail -1 | tee "$OUT/chain.log"
-  for run in "eagle3_full graph.draft_chain=true" "eagle3_full graph.draft_chain=false" "eagle3_bcg graph.draft_chain=true"; do
-    set -- $run; echo "== $run" | tee -a "$OUT/chain.log"
-    python -m pipeline +experiment=$1 $2 eval=mt_bench tracking.run_name=chain 2>&1 | grep -E "$m" | tee -a "$OUT/chain.log"
-  done ;;
 serve)  # the serve load test per level, eagle3_bcg and no draft (benchmarks/serve_levels.sh)
   bash benchmarks/serve_levels.sh eagle3_bcg && bash benchmarks/serve_levels.sh none draft=none ;;
 decode)  # no-draft decode step, full graph + fused kernels, batch 1 and 8
