@@ -131,3 +131,16 @@ def sample(logits: Tensor, params: SamplingParams | RowSampling,
         return greedy
     drawn = s.race(probs_from_logits(logits, s.temperature, s.top_p, s.any_top_p))
     return drawn if isinstance(s.greedy, bool) else torch.where(s.greedy, greedy, drawn)
+
+
+def draft_draw(logits: Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
+               ) -> tuple[Tensor, Optional[Tensor]]:
+    """A draft's proposal from its logits [..., vocab] -> (ids [...], probs [..., vocab] or None).
+
+    Greedy: the argmax, no probs (verification treats the draft as one-hot). Else a draw from the
+    draft's own temperature / top-p distribution q, returned with q for rejection sampling."""
+    if params.greedy:
+        return logits.argmax(-1), None
+    q = probs_from_logits(logits, params.temperature, params.top_p)  # [..., vocab]
+    race = torch.empty_like(q).exponential_(1.0, generator=generator)
+    return (q / race).argmax(-1), q

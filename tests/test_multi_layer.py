@@ -12,7 +12,7 @@ import torch
 from conftest import compose_cfg
 from test_graphs import CUDA, POLICIES, setup, spec_generator
 from test_model import _prompts, pair
-from test_speculative import run_all
+from test_speculative import oracle_prefix, run_all
 from engine.drafts.base import Proposal
 from engine.drafts.multi_layer import MultiLayerDraft, StepCaches
 from engine.drafts.registry import load_head, make_draft, plan_draft
@@ -80,17 +80,12 @@ class PartialOracleMTP(MultiLayerDraft):
 
     def propose(self, state, k):
         prop = super().propose(state, k)
-        tokens = prop.tokens.clone()
-        for i, (r, hist) in enumerate(zip(state.row_ids, state.history)):
-            if not state.live[i]:
-                continue
+        live = [i for i in range(len(state.live)) if state.live[i]]
+        for i in live:
             drafts = prop.tokens[i].tolist()
-            assert drafts == _teacher_forced_proposal(self.target, self.head, hist + drafts[:-1], k)
+            assert drafts == _teacher_forced_proposal(self.target, self.head, state.history[i] + drafts[:-1], k)
             self.checked += 1
-            done = len(hist) - self.prompt_lens[r]
-            ref = self.references[r][done: done + int(torch.randint(0, k + 1, (1,), generator=self.g))]
-            tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
-        return Proposal(tokens)
+        return Proposal(oracle_prefix(prop.tokens, state, self.references, self.prompt_lens, self.g, k, live))
 
 
 def _partial_run(target, head, plan, prompts, caches=None):

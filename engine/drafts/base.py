@@ -68,6 +68,15 @@ class Proposal:
     probs: Optional[Tensor] = None  # [b, k, vocab] draft distribution; None: deterministic (one-hot)
 
 
+def cache_and_runners(head, batch_size: int, graphs, phases: list[str]) -> tuple[object, list]:
+    """A head-based draft's KV cache and graph runners: with a graph set, the set's draft cache (its
+    graphs replay over those addresses) and the runners of `phases` (None where not captured);
+    without, a cache of its own and no runners (every forward eager)."""
+    if graphs is not None and graphs.draft_cache is not None:
+        return graphs.draft_cache, [graphs.get(name) for name in phases]
+    return head.new_cache(batch_size), [None] * len(phases)
+
+
 class Draft:
     """Base class: weightless drafts override `propose` only."""
 

@@ -46,13 +46,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
 from engine.drafts.heads import _Head
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode
-from engine.model import (AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, rope_tables,
-                          run_steps)
-from engine.sampling import SamplingParams, probs_from_logits
+from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, run_steps
+from engine.sampling import SamplingParams, draft_draw
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -95,12 +94,11 @@ class DFlashHead(_Head):
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.target_lm_head: list[nn.Linear] = []  # the target's, set by bind(); a list keeps it out of state_dict
         self.init_buffers()
 
     # -- storage ------------------------------------------------------------------------------------
     @property
-    def slots(self) -> int:
+    def cache_slots(self) -> int:
         """Cache slots: a block may start at max_seq_len - 1 and reach B - 1 slots past it."""
         return self.max_seq_len + self.block_size
 
@@ -112,31 +110,10 @@ class DFlashHead(_Head):
     def lm_head(self) -> nn.Linear:
         return self.target_lm_head[0]
 
-    def init_buffers(self, device: Optional[torch.device] = None) -> None:
-        with torch.device("cpu"):
-            cos, sin = rope_tables(self.args, self.slots + 1)
-        device = device or self.fc.weight.device
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
-
-    def new_cache(self, batch_size: int) -> StaticKVCache:
-        p = self.fc.weight
-        return StaticKVCache(self.args, batch_size, self.slots, p.device, p.dtype)
-
-    def bind(self, target) -> "DFlashHead":
-        """Share the target's embedding and lm_head (same storage; kept out of state_dict)."""
-        self.target_lm_head = [target.lm_head]
-        return super().bind(target)
-
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""
         with torch.no_grad():
             self.norm.weight.copy_(target.model.norm.weight)
-
-    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DFlashHead":
-        head = super().copy(device, dtype)  # bound to the same target (embedding and lm_head) when this one is
-        head.target_lm_head = list(self.target_lm_head)
-        return head
 
     # -- programs -----------------------------------------------------------------------------------
     def context(self, feats: Tensor) -> Tensor:
@@ -239,12 +216,8 @@ class DFlashDraft(Draft):
     def __init__(self, head: DFlashHead, batch_size: int, params: SamplingParams,
                  generator: Optional[torch.Generator], graphs=None):
         self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
-        self.block_runner = self.context_runner = None
-        if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
-            self.cache = graphs.draft_cache
-            self.block_runner, self.context_runner = graphs.get("draft_block"), graphs.get("draft_context")
-        else:
-            self.cache = head.new_cache(batch_size)
+        self.cache, (self.block_runner, self.context_runner) = cache_and_runners(
+            head, batch_size, graphs, ["draft_block", "draft_context"])
         self.bonus: Optional[Tensor] = None  # [b] target ids
 
     # -- forwards: through a phase's runner when there is one (it falls back by itself), else eager ---
@@ -266,16 +239,6 @@ class DFlashDraft(Draft):
             return logits
         env["kv_len"] = kv_len
         return run_steps(self.head.block_program(self.cache.rows(tokens.shape[0]), k), env)["logits"]
-
-    def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """logits [b, k, vocab] -> tokens [b, k], probs [b, k, vocab] (sampling only). The block's
-        positions are drawn independently: q_i does not depend on d_1..d_{i-1}, and rejection sampling
-        needs only the distribution each d_i was drawn from."""
-        if self.params.greedy:
-            return logits.argmax(-1), None
-        q = probs_from_logits(logits, self.params.temperature, self.params.top_p)  # [b, k, vocab]
-        race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
-        return (q / race).argmax(-1), q
 
     # -- the Draft interface ------------------------------------------------------------------------
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
@@ -301,7 +264,7 @@ class DFlashDraft(Draft):
         tokens[:, 0] = self.bonus[:b]
         positions = lengths[:, None] + offsets  # [b, B]: L..L+B-1
         logits = self._block_logits(tokens, positions, live[:, None].expand(b, B), max(state.lengths) + B, k)
-        drafts, probs = self._pick(logits)
+        drafts, probs = draft_draw(logits, self.params, self.generator)
         return Proposal(drafts, probs)
 
     def commit(self, state, feats, emitted, accepted) -> None:

@@ -17,10 +17,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import run_steps
-from engine.sampling import SamplingParams, probs_from_logits
+from engine.sampling import SamplingParams, draft_draw
 
 
 class FeatureDraft(Draft):
@@ -28,12 +28,8 @@ class FeatureDraft(Draft):
                  features: FeatureKind, graphs=None):
         self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
         self.features = features
-        self.step_runner = self.extend_runner = None
-        if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's cache
-            self.cache = graphs.draft_cache
-            self.step_runner, self.extend_runner = graphs.get("draft_step"), graphs.get("draft_extend")
-        else:
-            self.cache = head.new_cache(batch_size)
+        self.cache, (self.step_runner, self.extend_runner) = cache_and_runners(
+            head, batch_size, graphs, ["draft_step", "draft_extend"])
         self.hidden: Optional[Tensor] = None  # [b, hidden]
         self.next: Optional[Tensor] = None  # [b] target ids
         self.next_probs: Optional[Tensor] = None  # [b, vocab] or None (greedy)
@@ -59,11 +55,8 @@ class FeatureDraft(Draft):
 
     def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
         """logits [b, draft_vocab] -> target token ids [b], target-vocab probs [b, vocab] (sampling only)."""
-        if self.params.greedy:
-            return self.head.to_target(logits.argmax(-1)), None
-        q = probs_from_logits(logits, self.params.temperature, self.params.top_p)  # [b, draft_vocab]
-        race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
-        return self.head.to_target((q / race).argmax(-1)), self.head.probs_to_target(q)
+        ids, q = draft_draw(logits, self.params, self.generator)
+        return self.head.to_target(ids), None if q is None else self.head.probs_to_target(q)
 
     def _take(self, h: Tensor, logits: Tensor, idx: Tensor, rows: Optional[slice] = None) -> None:
         """Carry each row's hidden state and next proposal from index idx [b] of a forward's outputs;

@@ -60,23 +60,30 @@ class _Head(nn.Module):
         self.max_seq_len = max_seq_len
         self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
         self.target_ref: list[nn.Module] = []  # the target itself (lists keep them out of state_dict)
+        self.target_lm_head: list[nn.Linear] = []  # the target's lm_head (EAGLE, MTP and DFlash use it)
         self.attention_kernel = False  # follows the target's choice in bind()
+
+    @property
+    def cache_slots(self) -> int:
+        """Slots of the head's KV cache (and RoPE rows): the target's by default."""
+        return self.max_seq_len
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         with torch.device("cpu"):
-            cos, sin = rope_tables(self.args, self.max_seq_len + 1)
-        device = device or self.fc.weight.device
+            cos, sin = rope_tables(self.args, self.cache_slots + 1)
+        device = device or next(self.parameters()).device
         self.register_buffer("rope_cos", cos.to(device), persistent=False)
         self.register_buffer("rope_sin", sin.to(device), persistent=False)
 
     def new_cache(self, batch_size: int) -> StaticKVCache:
         p = next(self.parameters())
-        return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, p.dtype)
+        return StaticKVCache(self.args, batch_size, self.cache_slots, p.device, p.dtype)
 
     def bind(self, target) -> "_Head":
-        """Share the target's token embedding (same storage; kept out of state_dict)."""
+        """Share the target's token embedding and lm_head (same storage; kept out of state_dict)."""
         self.target_ref = [target]
         self.embed_ref = [target.model.embed_tokens]
+        self.target_lm_head = [target.lm_head]
         self.attention_kernel = target.attention_kernel
         return self
 
@@ -225,7 +232,6 @@ class EagleHead(_Head):
         layer.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         layer.mlp = MLP(a)
         self.layers = nn.ModuleList([layer])
-        self.target_lm_head: list[nn.Linear] = []  # the target's, shared by bind(); a list keeps it out of state_dict
         self.init_buffers()
 
     @property
@@ -235,10 +241,6 @@ class EagleHead(_Head):
     @property
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state
-
-    def bind(self, target) -> "EagleHead":
-        self.target_lm_head = [target.lm_head]
-        return super().bind(target)
 
     def pre(self, env: dict, embeds: Tensor, cache) -> None:
         x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE

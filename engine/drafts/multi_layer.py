@@ -43,12 +43,12 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
 from engine.drafts.heads import _Head, eagle_config
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode as M
 from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, run_steps
-from engine.sampling import SamplingParams, probs_from_logits
+from engine.sampling import SamplingParams, draft_draw
 
 ARCHITECTURE = "LlamaForCausalLMMultiLayerEagle"
 
@@ -96,15 +96,7 @@ class MultiLayerEagleHead(_Head):
         super().__init__(cfg, max_seq_len)
         self.num_modules = int(cfg["num_nextn_predict_layers"])
         self.layers = nn.ModuleList(MTPModule(self.args) for _ in range(self.num_modules))
-        self.target_lm_head: list[nn.Linear] = []  # the target's, shared by bind()
         self.init_buffers()
-
-    def init_buffers(self, device: Optional[torch.device] = None) -> None:
-        super().init_buffers(device or self.layers[0].eh_proj.weight.device)
-
-    def bind(self, target) -> "MultiLayerEagleHead":
-        self.target_lm_head = [target.lm_head]
-        return super().bind(target)
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -198,14 +190,10 @@ class MultiLayerDraft(Draft):
         if k > head.num_modules:
             raise ValueError(f"k={k} drafts need {k} modules; the head has {head.num_modules}")
         self.head, self.k, self.batch_size, self.params, self.generator = head, k, batch_size, params, generator
-        self.steps: dict[int, Any] = {}
-        self.extends: dict[int, Any] = {}
-        if graphs is not None and graphs.draft_cache is not None:  # graphs replay over the set's pools
-            self.caches = graphs.draft_cache
-            self.steps = {i: graphs.get(f"mtp_step{i}") for i in range(1, k)}
-            self.extends = {i: graphs.get(f"mtp_extend{i}") for i in range(k)}
-        else:
-            self.caches = head.new_cache(batch_size)
+        names = [f"mtp_extend{i}" for i in range(k)] + [f"mtp_step{i}" for i in range(1, k)]
+        self.caches, runners = cache_and_runners(head, batch_size, graphs, names)  # one KV pool per module
+        self.extends: dict[int, Any] = dict(enumerate(runners[:k]))
+        self.steps: dict[int, Any] = dict(enumerate(runners[k:], start=1))
         self.pool: Optional[Tensor] = None  # [k, b, H]: module i's output at its last committed position
         self.next: Optional[Tensor] = None  # [b] d_1 (target ids)
         self.next_probs: Optional[Tensor] = None  # [b, vocab] (sampling)
@@ -223,14 +211,6 @@ class MultiLayerDraft(Draft):
             return out
         caches = self.caches.rows(rows if rows is not None else tokens.shape[0])
         return run_steps(self.head.module_program(i, caches, logits), env)
-
-    def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """logits [b, vocab] -> token ids [b], probs [b, vocab] (sampling only)."""
-        if self.params.greedy:
-            return logits.argmax(-1), None
-        q = probs_from_logits(logits, self.params.temperature, self.params.top_p)
-        race = torch.empty_like(q).exponential_(1.0, generator=self.generator)
-        return (q / race).argmax(-1), q
 
     def _store(self, pool: Tensor, nxt: Tensor, probs: Optional[Tensor], rows: Optional[slice]) -> None:
         """pool [k, n, H], next [n] for the whole batch (rows=None) or into rows of it."""
@@ -264,7 +244,7 @@ class MultiLayerDraft(Draft):
             hidden = out["out_hidden"]  # [n, t, H]
             pool.append(hidden[r, last])
             if i == 0:
-                nxt, probs = self._pick(out["logits"][:, 0])
+                nxt, probs = draft_draw(out["logits"][:, 0], self.params, self.generator)
         self._store(torch.stack(pool), nxt, probs, rows)
 
     def propose(self, state: SpecState, k: int) -> Proposal:
@@ -279,7 +259,7 @@ class MultiLayerDraft(Draft):
             out = self._run(i, torch.stack(tokens, 1), hidden, positions, valid, max(state.lengths),
                             "last", runner=self.steps.get(i))
             window = out["out_hidden"]  # [b, i, H]
-            tok, p = self._pick(out["logits"][:, -1])
+            tok, p = draft_draw(out["logits"][:, -1], self.params, self.generator)
             tokens.append(tok)
             probs.append(p)
         return Proposal(torch.stack(tokens, 1), None if self.params.greedy else torch.stack(probs, 1))
@@ -302,7 +282,7 @@ class MultiLayerDraft(Draft):
             prev = out["out_hidden"]  # [b, k+1, H]
             pool.append(prev[r, accepted])
             if i == 0:
-                self.next, self.next_probs = self._pick(out["logits"][:, 0])
+                self.next, self.next_probs = draft_draw(out["logits"][:, 0], self.params, self.generator)
         self.pool = torch.stack(pool)
 
 

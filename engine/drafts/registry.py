@@ -94,6 +94,14 @@ def _check_fc(ckpt: HeadCheckpoint, expected: int, why: str) -> None:
                           f"{shape[1]} // target hidden layers")
 
 
+def _reject_aux_ids(cfg) -> None:
+    """Drafts that read the target's final hidden state take no aux layer ids."""
+    if cfg.aux_layer_ids is not None:
+        raise ConfigError("draft.aux_layer_ids", list(cfg.aux_layer_ids), f"draft.algorithm={cfg.algorithm} reads "
+                          "the target's final hidden state, not aux layers",
+                          "null (draft.algorithm=eagle3 or dflash read aux layers)")
+
+
 def _check_vocab(cfg_json: dict, target: ModelArgs, path) -> None:
     if cfg_json.get("vocab_size", target.vocab_size) != target.vocab_size:
         raise ConfigError("draft.path", str(path), f"vocab_size {cfg_json['vocab_size']} differs from the "
@@ -127,9 +135,7 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
 
 def _plan_eagle(cfg, target: ModelArgs) -> DraftPlan:
     _check_init(cfg)
-    if cfg.aux_layer_ids is not None:
-        raise ConfigError("draft.aux_layer_ids", list(cfg.aux_layer_ids), "EAGLE reads the target's final "
-                          "hidden state, not aux layers", "null (use draft.algorithm=eagle3 for aux layers)")
+    _reject_aux_ids(cfg)
     if cfg.init == "random":
         return DraftPlan("eagle", FeatureKind.final, None, eagle_config(target))
     ckpt = HeadCheckpoint.read(cfg.path, EagleHead.architecture)
@@ -142,9 +148,7 @@ def _plan_eagle(cfg, target: ModelArgs) -> DraftPlan:
 def _plan_multi_layer_eagle(cfg, target: ModelArgs) -> DraftPlan:
     """k = draft.num_steps modules; a checkpoint must have at least k (num_nextn_predict_layers)."""
     _check_init(cfg)
-    if cfg.aux_layer_ids is not None:
-        raise ConfigError("draft.aux_layer_ids", list(cfg.aux_layer_ids), "multi_layer_eagle reads the target's "
-                          "final hidden state, not aux layers", "null")
+    _reject_aux_ids(cfg)
     if cfg.init == "random":
         return DraftPlan("multi_layer_eagle", FeatureKind.final, None, multi_layer_config(target, cfg.num_steps))
     ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
