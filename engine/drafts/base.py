@@ -68,6 +68,22 @@ class Proposal:
     probs: Optional[Tensor] = None  # [b, k, vocab] draft distribution; None: deterministic (one-hot)
 
 
+def put_rows(state: Optional[Tensor], value: Optional[Tensor], rows: Optional[slice], batch_size: int,
+             dim: int = 0) -> Optional[Tensor]:
+    """Per-row draft state (a carried hidden state, a pending proposal) after a prefill or commit:
+    `value` itself when rows=None (a fresh batch of exactly these rows), else `state` with `value`
+    written into `rows` along the batch dim `dim` of a batch_size-row tensor (zero-filled when the
+    state is missing or not that big yet; the other rows keep theirs)."""
+    if rows is None or value is None:
+        return value
+    if state is None or state.shape[dim] != batch_size:
+        shape = list(value.shape)
+        shape[dim] = batch_size
+        state = value.new_zeros(shape)
+    state[(slice(None),) * dim + (rows,)] = value
+    return state
+
+
 def cache_and_runners(head, batch_size: int, graphs, phases: list[str]) -> tuple[object, list]:
     """A head-based draft's KV cache and graph runners: with a graph set, the set's draft cache (its
     graphs replay over those addresses) and the runners of `phases` (None where not captured);

@@ -46,7 +46,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
 from engine.drafts.heads import _Head
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode
@@ -246,12 +246,7 @@ class DFlashDraft(Draft):
         b, t = prompt_tokens.shape
         positions = torch.arange(t, device=first.device).expand(b, t)
         self._write_context(feats, positions, valid, rows=rows)
-        if rows is None:
-            self.bonus = first.clone()
-            return
-        if self.bonus is None or self.bonus.shape[0] != self.batch_size:
-            self.bonus = first.new_zeros(self.batch_size)
-        self.bonus[rows] = first
+        self.bonus = put_rows(self.bonus, first.clone(), rows, self.batch_size)
 
     def propose(self, state: SpecState, k: int) -> Proposal:
         B = self.head.block_size

@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import run_steps
 from engine.sampling import SamplingParams, draft_draw
@@ -64,16 +64,9 @@ class FeatureDraft(Draft):
         r = torch.arange(h.shape[0], device=h.device)
         hidden = h[r, idx]  # [b, hidden]
         nxt, probs = self._pick(logits[r, idx])
-        if rows is None:
-            self.hidden, self.next, self.next_probs = hidden, nxt, probs
-            return
-        if self.hidden is None or self.hidden.shape[0] != self.batch_size:
-            n = self.batch_size
-            self.hidden, self.next = hidden.new_zeros(n, hidden.shape[-1]), nxt.new_zeros(n)
-            self.next_probs = None if probs is None else probs.new_zeros(n, probs.shape[-1])
-        self.hidden[rows], self.next[rows] = hidden, nxt
-        if probs is not None:
-            self.next_probs[rows] = probs
+        n = self.batch_size
+        self.hidden = put_rows(self.hidden, hidden, rows, n)
+        self.next, self.next_probs = put_rows(self.next, nxt, rows, n), put_rows(self.next_probs, probs, rows, n)
 
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
         b, t = prompt_tokens.shape

@@ -92,8 +92,9 @@ class _Head(nn.Module):
         return self.embed_ref[0]
 
     def graph_meta(self) -> dict:
-        """The target storage a captured draft graph reads (hazard 7: capture after sharing)."""
-        return {"embed_ptr": self.embed.weight.data_ptr()}
+        """The target storage a captured draft graph reads (hazard 7: capture after sharing the
+        target's embedding and lm_head)."""
+        return {"embed_ptr": self.embed.weight.data_ptr(), "lm_head_ptr": self.target_lm_head[0].weight.data_ptr()}
 
     def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "_Head":
         """A head of the same type and config with this one's weights in its own storage, on `device`

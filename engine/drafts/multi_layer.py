@@ -43,7 +43,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners
+from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
 from engine.drafts.heads import _Head, eagle_config
 from engine.graphs.graph_set import DraftPhase, InputSpec
 from engine.graphs.runner import CaptureHiddenMode as M
@@ -62,14 +62,8 @@ class StepCaches:
     def __getitem__(self, i: int) -> StaticKVCache:
         return self.caches[i]
 
-    def __len__(self) -> int:
-        return len(self.caches)
-
     def rows(self, n: int | slice) -> "StepCaches":
         return StepCaches([c.rows(n) for c in self.caches])
-
-    def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.caches)
 
 
 class MTPModule(DecoderLayer):
@@ -105,9 +99,6 @@ class MultiLayerEagleHead(_Head):
     @property
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state
-
-    def graph_meta(self) -> dict:
-        return {**super().graph_meta(), "lm_head_ptr": self.lm_head.weight.data_ptr()}
 
     def new_cache(self, batch_size: int) -> StepCaches:
         return StepCaches([super(MultiLayerEagleHead, self).new_cache(batch_size) for _ in self.layers])
@@ -214,16 +205,9 @@ class MultiLayerDraft(Draft):
 
     def _store(self, pool: Tensor, nxt: Tensor, probs: Optional[Tensor], rows: Optional[slice]) -> None:
         """pool [k, n, H], next [n] for the whole batch (rows=None) or into rows of it."""
-        if rows is None:
-            self.pool, self.next, self.next_probs = pool, nxt, probs
-            return
-        if self.pool is None or self.pool.shape[1] != self.batch_size:
-            n = self.batch_size
-            self.pool, self.next = pool.new_zeros(self.k, n, pool.shape[-1]), nxt.new_zeros(n)
-            self.next_probs = None if probs is None else probs.new_zeros(n, probs.shape[-1])
-        self.pool[:, rows], self.next[rows] = pool, nxt
-        if probs is not None:
-            self.next_probs[rows] = probs
+        n = self.batch_size
+        self.pool = put_rows(self.pool, pool, rows, n, dim=1)
+        self.next, self.next_probs = put_rows(self.next, nxt, rows, n), put_rows(self.next_probs, probs, rows, n)
 
     # -- the Draft interface ------------------------------------------------------------------------
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
