@@ -3,6 +3,7 @@
 #   bash benchmarks/device.sh setup|part2|assemble|tests|decode|data|train|eval|shipped|final
 #                             warm|par|poll|collect (issues 5-7 on 4 GPUs in the background: benchmarks/par.sh)
 #                             serve (the serve load test per level, benchmarks/serve_levels.sh)
+#                             lab (LAB="bash benchmarks/e3_lab.sh ...": issue-5 experiments in the background)
 # Expects the wheelhouse (.whl), model parts (.model/pN) and prompt sets (.data) carried in, and
 # writes logs under $OUT. Phases after `assemble` need PYTHONPATH=/tmp/site:$PWD (set here).
 set -euo pipefail
@@ -31,18 +32,19 @@ warm)  # the GGUF converted once, before parallel jobs read outputs/weights
 par)  # issues 5-7 on 4 GPUs in the background (benchmarks/par.sh); read with poll
   mkdir -p /tmp/bg; setsid bash benchmarks/par.sh > /tmp/bg/par.log 2>&1 < /dev/null &
   echo "launched at $(date +%T)" ;;
-poll)  # progress of the background jobs (WAIT=seconds first; stops early once ALL is done)
+poll)  # progress of the background jobs (WAIT=seconds first; stops early once /tmp/bg/done matches UNTIL)
   set +e +o pipefail
-  for _ in $(seq "${WAIT:-0}"); do grep -q "all done" /tmp/bg/done 2>/dev/null && break; sleep 1; done
+  for _ in $(seq "${WAIT:-0}"); do grep -qE "${UNTIL:-all done}" /tmp/bg/done 2>/dev/null && break; sleep 1; done
   m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms|accept_rate_pos)"
   for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[train_draft\]|Error|error|Traceback|passed|failed" | tail -4
     tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-140; grep -E "$m" "$f" | tr '\n' ' '; echo; done
+  [ -f /tmp/bg/train_step.log ] && grep -E "^(variant|eager|flex|compile) |ecompil|Error" /tmp/bg/train_step.log | head -40
   cat /tmp/bg/done /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 collect)  # every log (one archive) and the new EAGLE3 head, split under the 16 MB a file that comes back
   tar -C /tmp/bg -czf "$OUT/bg_logs.tar.gz" --exclude=runs --exclude='*.db' . 
-  d=outputs/train/train_eagle3_smollm2/head
-  [ -d $d ] && tar -C $d -cf "$OUT/e3_meta.tar" config.json README.md training.json && \
-    split -b 15000000 $d/model.safetensors "$OUT/e3_model.safetensors.part"
+  for n in ${HEADS:-train_eagle3_smollm2}; do d=outputs/train/$n/head  # HEADS: the EAGLE3 runs to bring back
+    [ -d $d ] && tar -C $d -cf "$OUT/${n}_meta.tar" config.json README.md training.json && \
+      split -b 15000000 $d/model.safetensors "$OUT/${n}_model.safetensors.part"; done
   for h in mtp dflash; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] && tar -C $d -cf "$OUT/${h}_meta.tar" \
     config.json README.md training.json; done; ls -la "$OUT" ;;
 serve)  # the serve load test per level, eagle3_bcg and no draft (benchmarks/serve_levels.sh)
@@ -85,5 +87,8 @@ final)  # GEMV kernels: correctness on the GPU, then the decode step and the shi
   done
   python -m pipeline +experiment=eagle3_full eval=mt_bench eval.limit=20 tracking.run_name=gemv_mt 2>&1 \
     | grep -E "^(accept_length|tokens_per_s|baseline_tokens|speedup|match|tpot)" | tee -a "$OUT/final.log" ;;
+lab)  # issue 5 experiments on one GPU in the background (benchmarks/e3_lab.sh PHASE ARGS; LAB="bench" etc.)
+  mkdir -p /tmp/bg; setsid bash -c "$LAB" > /tmp/bg/lab.log 2>&1 < /dev/null &
+  echo "launched at $(date +%T): $LAB" ;;
 *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -9,17 +9,8 @@
 #             1, 8 and 32 concurrent clients
 # Every job has its own MLflow store (/tmp/bg/mlflow<gpu>.db) and Hydra run dir; logs in /tmp/bg.
 set -u
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
-L=/tmp/bg
+. benchmarks/jobs.sh
 TRAIN_S=${TRAIN_S:-480}
-mkdir -p $L
-
-job() {  # job GPU NAME OVERRIDES...
-  local gpu=$1 name=$2; shift 2
-  CUDA_VISIBLE_DEVICES=$gpu python -m pipeline "$@" tracking.run_name=$name \
-    tracking.tracking_uri=sqlite:///$L/mlflow$gpu.db hydra.run.dir=$L/runs/$name > $L/$name.log 2>&1
-  echo "$name exit $? $(date +%T)" >> $L/done
-}
 
 head_evals() {  # head_evals GPU PREFIX BEST_EXPERIMENT EAGER_EXPERIMENT HEAD_DIR
   local gpu=$1 p=$2 best=$3 eager=$4 head="draft.init=checkpoint draft.path=$5"

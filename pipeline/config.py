@@ -199,6 +199,10 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 250
     eval_k: int = 5  # drafts per chain for the held-out accept_length
+    # Extra loss weight of the chains where the greedy loop, replayed on the batch with the head's own
+    # chains, starts a round (0: every chain weighs the same). See engine.train.eagle3.round_weights.
+    round_weight: float = 0.0
+    attention: str = "auto"  # training forward: eager | flex (FlexAttention, CUDA only) | auto (flex where it can)
     # After training: this many held-out prompts through the real draft-and-verify loop (k =
     # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it.
     loop_eval_prompts: int = 64

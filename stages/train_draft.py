@@ -43,6 +43,14 @@ from stages.base import Stage, StageEnv, register_stage
 
 
 DATA_GRAPHS = ("auto", "none", "full", "debug")
+TRAIN_ATTENTION = ("auto", "eager", "flex")
+
+
+def train_attention(cfg, device: torch.device) -> str:
+    a = cfg.train.attention
+    if a == "auto":
+        return "flex" if TRAIN_SPECS[cfg.draft.algorithm].flex_attention and device.type == "cuda" else "eager"
+    return a
 
 
 def data_graph(cfg, env: StageEnv) -> str:
@@ -84,6 +92,13 @@ class TrainDraftStage(Stage):
             raise ConfigError("train.data.num_samples", t.data.num_samples,
                               f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
                               ">= 2, or a smaller train.heldout")
+        if t.attention not in TRAIN_ATTENTION:
+            raise ConfigError("train.attention", t.attention, "attention of the training forward", TRAIN_ATTENTION)
+        if t.attention == "flex" and not (TRAIN_SPECS[d.algorithm].flex_attention and env.device.type == "cuda"):
+            raise ConfigError("train.attention", t.attention, f"FlexAttention trains {d.algorithm} on CUDA only "
+                              f"(this run: {d.algorithm} on {env.device})", "eager or auto")
+        if t.round_weight < 0:
+            raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
         if t.lr <= 0:
             raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
         if t.max_len > cfg.model.max_seq_len:
@@ -102,7 +117,9 @@ class TrainDraftStage(Stage):
         t = cfg.train
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}), hold out {t.heldout:.0%}; "
-                f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}; "
+                f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
+                f"attention {train_attention(cfg, env.device)}"
+                f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}; "
                 f"-> {train_dir(cfg, env)}")
 
     # ----------------------------------------------------------------------------------------------
@@ -124,7 +141,7 @@ class TrainDraftStage(Stage):
         student = self._student(cfg, head, target, train, env, spec.reduced_vocab)
         vocab = (VocabMap(student.d2t, student.t2d) if spec.reduced_vocab
                  else VocabMap.identity(target.args.vocab_size, env.device))
-        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg), out, log, spec)
+        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg, env.device), out, log, spec)
         metrics = trainer.fit(resume=t.resume)
         if t.loop_eval_prompts > 0:
             metrics.update(loop_acceptance(env.draft_plan, student, target, heldout[: t.loop_eval_prompts],
@@ -228,12 +245,13 @@ def loop_acceptance(plan, student, target, prompts, k: int, max_new_tokens: int,
             "heldout_loop_prompts": float(len(prompts))}
 
 
-def settings(cfg) -> TrainSettings:
+def settings(cfg, device: torch.device) -> TrainSettings:
     t = cfg.train
     return TrainSettings(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, ttt_steps=t.ttt_steps, loss_decay=t.loss_decay,
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
-                         save_every=t.save_every, eval_k=t.eval_k, max_time_s=t.max_time_s, seed=cfg.seed)
+                         save_every=t.save_every, eval_k=t.eval_k, round_weight=t.round_weight,
+                         attention=train_attention(cfg, device), max_time_s=t.max_time_s, seed=cfg.seed)
 
 
 def model_card(f: dict) -> str:

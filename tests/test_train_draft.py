@@ -14,7 +14,8 @@ from safetensors import safe_open
 from conftest import compose_cfg, spread_init
 from engine.drafts.heads import Eagle3Head, eagle3_config
 from engine.model import StaticKVCache, run_steps
-from engine.train.eagle3 import Batch, chain_acceptance, ttt_forward, ttt_loss
+from engine.train.eagle3 import (Batch, chain_acceptance, chain_lengths, round_weights, simulated_loop,
+                                 ttt_attention_flex, ttt_forward, ttt_loss)
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -22,17 +23,18 @@ from pipeline.tracking import default_tracking_uri
 from test_model import pair
 
 
-def _head_and_batch(b=2, t=12, seed=0):
+def _head_and_batch(b=2, t=12, seed=0, device="cpu"):
     _, target = pair()
-    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], 320), 64), seed=seed, std=0.1)
-    head.bind(target)
+    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], 320), max(64, t)), seed=seed, std=0.1)
+    head.bind(target.to(device)).to(device)
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(b, t, head.fc.in_features, generator=g)
     tokens = torch.randint(0, 320, (b, t), generator=g)
     positions = torch.arange(t).expand(b, t)
     labels = torch.softmax(torch.randn(b, t, 320, generator=g), -1)
     batch = Batch(tokens, positions, feats, labels, labels.argmax(-1), torch.ones(b, t, dtype=torch.bool))
-    return head, batch
+    return head, Batch(*(x.to(device) for x in (batch.tokens, batch.positions, batch.feats, batch.labels, batch.top,
+                                               batch.mask)))
 
 
 @torch.no_grad()
@@ -72,6 +74,37 @@ def test_ttt_unroll_equals_the_inference_chain(anchor):
             torch.testing.assert_close(unrolled[s][row, anchor + s], chain[s], atol=2e-5, rtol=1e-4)
 
 
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_attention_unroll_equals_the_materialized_one():
+    """FlexAttention's block mask is the same attention as the materialized scores on every row a loss
+    reads (p >= s). CPU runs FlexAttention's reference forward; the GPU test below covers the backward."""
+    head, batch = _head_and_batch(b=2, t=40)
+    with torch.no_grad():
+        ref = ttt_forward(head, batch, 5)
+        flex = ttt_forward(head, batch, 5, attention=ttt_attention_flex)
+    for s, (a, b) in enumerate(zip(ref, flex)):
+        torch.testing.assert_close(b[:, s:], a[:, s:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_training_step_matches_the_materialized_one_on_gpu():
+    head, batch = _head_and_batch(b=3, t=200, device="cuda")
+    head.requires_grad_(True)
+    grads = []
+    for attention in (None, ttt_attention_flex):
+        head.zero_grad(set_to_none=True)
+        kw = {} if attention is None else {"attention": attention}
+        loss, _ = ttt_loss(ttt_forward(head, batch, 5, **kw), batch)
+        loss.backward()
+        grads.append((loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = grads
+    torch.testing.assert_close(l1, l0, atol=1e-4, rtol=1e-4)
+    assert g0.keys() == g1.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
 def test_ttt_loss_and_gradient_reach_every_trained_tensor():
     head, batch = _head_and_batch()
     head.requires_grad_(True)
@@ -100,6 +133,38 @@ def test_chain_acceptance_counts_chains_not_positions():
     assert int(anchors) == 4 and accepted.tolist() == [4, 3, 2]
 
 
+def test_simulated_loop_replays_rounds_from_chain_lengths():
+    # Row 0: trained positions 2..8 (the first answer token x_P is predicted at p = 2 by the prefill), so
+    # rounds anchor from 3 and 6 tokens are left. Lengths 2 at 3, 0 at 6, 5 at 7 (cut by the end).
+    mask = torch.zeros(2, 10, dtype=torch.bool)
+    mask[0, 2:9] = True
+    mask[1, 0:2] = True  # row 1: one token left after the prefill's -> one round of one token
+    length = torch.zeros(2, 10, dtype=torch.long)
+    length[0, 3], length[0, 6], length[0, 7] = 2, 0, 5
+    length[0, 4] = 4  # skipped over by the round at 3: never an anchor
+    tokens, rounds, anchors = simulated_loop(length, mask)
+    assert (tokens, rounds) == (3 + 1 + 2 + 1, 4)
+    assert anchors.nonzero().tolist() == [[0, 3], [0, 6], [0, 7], [1, 1]]
+
+
+def test_round_weights_put_the_loss_on_the_loop_anchors():
+    head, batch = _head_and_batch(b=2, t=12)
+    batch.mask[:, :3] = False
+    with torch.no_grad():
+        logits = ttt_forward(head, batch, 3)
+    w = round_weights(logits, batch, 3, extra=4.0)
+    _, rounds, anchors = simulated_loop(chain_lengths(logits, batch, 3), batch.mask)
+    assert w.shape == batch.mask.shape and set(w.unique().tolist()) <= {1.0, 5.0}
+    assert int((w == 5.0).sum()) == rounds == int(anchors.sum()) > 0
+    # A loss with all the weight on one anchor's chain equals the plain loss over that chain alone.
+    j = int(anchors[0].nonzero()[0])
+    batch.anchor_weight = torch.zeros_like(w)
+    batch.anchor_weight[0, j] = 1.0
+    weighted, _ = ttt_loss(logits, batch, decay=1.0)
+    ce = [-(batch.labels[0, j + s] * torch.log_softmax(logits[s][0, j + s], -1)).sum() for s in range(3)]
+    torch.testing.assert_close(weighted, torch.stack(ce).mean())
+
+
 # ------------------------------------------------------------------------------------------ the stage
 TRAIN = ["+experiment=train_eagle3_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.aux_layer_ids=[1,2,3]",
          "draft.draft_vocab_size=96", "train.data.num_samples=16", "train.data.batch_size=8",
@@ -113,7 +178,10 @@ def _history(client, run_id, key):
 
 
 def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
-    ctx = run(compose_cfg(*TRAIN, "train.steps=40"))
+    # eval_k = draft.num_steps, no sample cut by max_len and the loop generating exactly the answers'
+    # length: the replayed loop of the held-out evaluation is then the real loop on the same prompts
+    ctx = run(compose_cfg(*TRAIN, "train.steps=40", "train.eval_k=5", "train.loop_eval_tokens=24",
+                          "train.max_len=128"))
     head_dir = Path(ctx["draft_checkpoint"])
     assert head_dir == outputs / "train" / "train_eagle3_smollm2" / "head"
     cfg = json.loads((head_dir / "config.json").read_text())
@@ -135,6 +203,7 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     # the real draft-and-verify loop on held-out prompts (k = draft.num_steps = 5): one or more per round
     assert 1.0 <= r.data.metrics["heldout_loop_accept_length_k5"] <= 6.0
     assert r.data.metrics["heldout_loop_prompts"] == 4.0
+    assert r.data.metrics["val_loop_accept_length_k5"] == pytest.approx(r.data.metrics["heldout_loop_accept_length_k5"])
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "draft_head")}
     assert {"draft_head/model.safetensors", "draft_head/config.json", "draft_head/README.md"} <= arts
 
@@ -174,6 +243,9 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     (["train.data.graph=fast"], "train.data.graph"),
     (["train.max_len=4096"], "train.max_len"),
     (["train.steps=0"], "train.steps"),
+    (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
+    (["train.attention=fast"], "train.attention"),
+    (["train.round_weight=-1"], "train.round_weight"),
 ])
 def test_bad_train_config_is_one_clear_error(outputs, override, key):
     with pytest.raises(PlanError) as e:

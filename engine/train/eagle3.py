@@ -21,17 +21,25 @@ the keys a query sees:
     batch.labels   [B, T, Vd]      target distribution at p+1 over the draft vocabulary (fp32)
     batch.top      [B, T]          draft id of the target's greedy token at p+1 (-1: outside the draft vocab)
     batch.mask     [B, T] bool     positions trained on (the answer part of a sample)
+    batch.anchor_weight [B, T]     optional loss weight of the chain anchored at j (round_weights)
     step logits    [B, T, Vd]      one tensor per TTT step
 
+Attention: `ttt_attention` materializes the [T, T + s] scores (any device, the reference);
+`ttt_attention_flex` is the same attention as one FlexAttention kernel (CUDA training).
+
 Loss: cross-entropy against the target distribution (forward KL up to a constant), step s weighted
-by `decay ** s`, as EAGLE-3 does. `chain_acceptance` turns the per-step greedy matches into what the
-eval stage reports (accept_rate_pos_i, accept_length at k drafts), measured on held-out samples.
+by `decay ** s`, as EAGLE-3 does. `chain_lengths` turns the per-step greedy matches into the drafts
+a chain anchored at each j gets accepted; `chain_acceptance` averages them over anchors (the per-position
+estimate: accept_rate_pos_i, accept_length at k drafts) and `simulated_loop` replays the greedy loop on
+them (rounds start where the previous one stopped: what the eval stage reports), on held-out samples.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +56,8 @@ class Batch:
     labels: Tensor  # [B, T, Vd] float32
     top: Tensor  # [B, T] int64
     mask: Tensor  # [B, T] bool
+    anchor_weight: Optional[Tensor] = None  # [B, T] float: loss weight of the chain anchored at j
+
 
     @property
     def num_tokens(self) -> int:
@@ -83,12 +93,44 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], group: in
     # Rows p < s have an empty prefix; with s >= 1 they still see diagonal keys, so no row is all -inf.
     probs = scores.softmax(-1).to(q.dtype)
     out = probs[..., :t] @ v0  # [B, H, T, D]
-    for i, v in enumerate(diag_v):
-        out = out + probs[..., t + i, None] * v
+    if diag_v:  # slices, not probs[..., t + i]: an index computed from T would pin T under torch.compile
+        out = out + torch.einsum("bhts,bhtsd->bhtd", probs[..., t:], torch.stack(diag_v, 3))
     return out
 
 
-def ttt_forward(head, batch: Batch, steps: int) -> list[Tensor]:
+@functools.lru_cache(maxsize=None)
+def _flex_kernel(device_type: str):
+    from torch.nn.attention.flex_attention import flex_attention
+
+    # CUDA: the fused Triton kernel (forward and backward). Elsewhere the reference implementation,
+    # forward only (FlexAttention has no CPU backward): what the CPU tests compare against.
+    return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+@functools.lru_cache(maxsize=1024)
+def _ttt_block_mask(t: int, s: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):  # step-0 keys at <= p - s, step i's key at p - s + i
+        step, pos = kv_idx // t, kv_idx % t
+        return torch.where(step == 0, pos <= q_idx - s, pos == q_idx - s + step)
+
+    return create_block_mask(visible, None, None, t, (s + 1) * t, device=device)
+
+
+def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], group: int) -> Tensor:
+    """`ttt_attention` as one FlexAttention call: no [T, T] score matrix in memory, a fused backward.
+
+    The keys of steps 0..s are concatenated along the sequence, [B, KV, (s+1) T, D], under a block mask
+    (one per (T, s), cached). Rows p < s, which no loss reads, see only their own diagonal keys where
+    `ttt_attention` also sees zero-filled ones; every other row is the same attention."""
+    s, t = len(keys) - 1, q.shape[2]
+    mask = _ttt_block_mask(t, s, q.device)
+    return _flex_kernel(q.device.type)(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
+                                       enable_gqa=group > 1)
+
+
+def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention) -> list[Tensor]:
     """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable)."""
     m, att = head.midlayer, head.midlayer.self_attn
     b, t = batch.tokens.shape
@@ -103,7 +145,7 @@ def ttt_forward(head, batch: Batch, steps: int) -> list[Tensor]:
         q = apply_rope(att.q_proj(x).view(b, t, heads, d).transpose(1, 2), cos, sin)  # [B, H, T, D]
         keys.append(apply_rope(att.k_proj(x).view(b, t, kv, d).transpose(1, 2), cos, sin))  # [B, KV, T, D]
         values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
-        o = ttt_attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
+        o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
         h = g + att.o_proj(o)
         h = h + m.mlp(m.post_attention_layernorm(h))  # [B, T, H]
         logits.append(head.lm_head(head.norm(h)))
@@ -118,13 +160,15 @@ def step_valid(mask: Tensor, s: int) -> Tensor:
 
 def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted cross-entropy against the target distribution; also per-step loss and greedy accuracy
-    (0-d tensors: reading them is a device sync, left to the caller)."""
+    (0-d tensors: reading them is a device sync, left to the caller). With `batch.anchor_weight`, step s
+    at p is weighted by the weight of its chain's anchor p - s (see `round_weights`)."""
     total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
     for s, lg in enumerate(logits):
         valid = step_valid(batch.mask, s)
         n = valid.sum().clamp(min=1)
+        w = valid if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)  # [B, T]
         ce = -(batch.labels * F.log_softmax(lg.float(), -1)).sum(-1)  # [B, T]
-        loss_s = (ce * valid).sum() / n
+        loss_s = (ce * w).sum() / w.sum().clamp(min=1e-6)
         total = total + decay ** s * loss_s
         norm += decay ** s
         with torch.no_grad():
@@ -134,23 +178,67 @@ def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8) -> tuple[Te
 
 
 @torch.no_grad()
+def chain_lengths(logits: list[Tensor], batch: Batch, k: int) -> Tensor:
+    """Drafts a greedy chain of k anchored at j gets accepted (teacher-forced tokens) -> [B, T] int64.
+
+    Step s of the chain at anchor j is logits[s] at p = j + s; it counts while every step before it
+    was right and its label is a trained answer token."""
+    b, t = batch.mask.shape
+    ok = torch.ones(b, t, dtype=torch.bool, device=batch.mask.device)
+    length = torch.zeros(b, t, dtype=torch.long, device=batch.mask.device)
+    for s in range(min(k, len(logits))):
+        right = (logits[s].argmax(-1) == batch.top) & batch.mask  # [B, T] at position p = j + s
+        ok = ok & torch.cat([right[:, s:], right.new_zeros(b, s)], 1)  # [B, T] indexed by anchor j
+        length += ok
+    return length
+
+
+@torch.no_grad()
 def chain_acceptance(logits: list[Tensor], batch: Batch, k: int) -> tuple[Tensor, Tensor]:
     """Greedy chain drafting of k tokens from every anchor whose k positions are all trained on.
 
     -> (accepted [k]: chains whose drafts 1..i+1 were all right, i.e. the count behind
         accept_rate_pos_i; anchors: the number of chains). accept_length = 1 + sum(accepted) / anchors.
     """
-    b, t = batch.mask.shape
+    t = batch.mask.shape[1]
     k = min(k, len(logits))
-    ok = torch.ones(b, t, dtype=torch.bool, device=batch.mask.device)  # chain still accepted at anchor j
-    usable = torch.ones_like(ok)
-    accepted = []
-    for s in range(k):
-        right = (logits[s].argmax(-1) == batch.top) & batch.mask  # [B, T] at position p = j + s
-        right_at_anchor = torch.roll(right, -s, 1)  # [B, T] indexed by anchor j
-        in_range = torch.arange(t, device=ok.device)[None] < t - s
-        usable &= torch.roll(batch.mask, -s, 1) & in_range
-        ok = ok & right_at_anchor
-        accepted.append(ok)
-    anchors = usable.sum()
-    return torch.stack([(a & usable).sum() for a in accepted]), anchors
+    usable = batch.mask.clone()
+    for s in range(1, k):
+        usable[:, : t - s] &= batch.mask[:, s:]
+    usable[:, t - k + 1:] = False  # [B, T] anchors with all k positions in the row and trained on
+    length = chain_lengths(logits, batch, k)
+    return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
+
+
+def simulated_loop(length: Tensor, mask: Tensor) -> tuple[int, int, Tensor]:
+    """The greedy draft-and-verify loop replayed on teacher-forced chain lengths.
+
+    At inference a round anchored at j commits its accepted drafts plus the target's bonus token and the
+    next round is anchored at j + accepted + 1; the first round follows the prompt (anchor p0 + 1, with
+    p0 the first trained position: the first answer token comes from the prefill). Since the samples are
+    the target's greedy answers, this is the loop's own sequence of rounds, without running it.
+
+    length [B, T] (chain_lengths), mask [B, T] -> (tokens committed, rounds, anchors [B, T] bool, CPU)
+    """
+    length, mask = length.cpu(), mask.cpu()
+    anchors = torch.zeros(mask.shape, dtype=torch.bool)
+    tokens = rounds = 0
+    for row, (lengths, trained) in enumerate(zip(length.tolist(), mask)):
+        idx = trained.nonzero().flatten().tolist()
+        if len(idx) < 2:
+            continue
+        j, end = idx[0] + 1, idx[-1] + 1  # rounds anchor at j..end-1; end - j tokens are left to generate
+        while j < end:
+            anchors[row, j] = True
+            tokens += min(lengths[j] + 1, end - j)
+            rounds += 1
+            j += lengths[j] + 1
+    return tokens, rounds, anchors
+
+
+def round_weights(logits: list[Tensor], batch: Batch, k: int, extra: float) -> Tensor:
+    """Anchor weights [B, T] for the loss: 1 everywhere, 1 + extra where the loop, replayed with the
+    head's current greedy chains (`simulated_loop`), starts a round. The loop's accept length is tokens
+    over rounds and rounds pile up where the draft fails, so this weighs the chains that cost rounds."""
+    _, _, anchors = simulated_loop(chain_lengths(logits, batch, k), batch.mask)
+    return 1.0 + extra * anchors.to(batch.mask.device, torch.float32)

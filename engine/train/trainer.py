@@ -15,6 +15,7 @@ parameters train: the token embedding is the target's and stays frozen.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import shutil
 import time
@@ -29,7 +30,8 @@ from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
-from engine.train.eagle3 import chain_acceptance, ttt_forward, ttt_loss
+from engine.train.eagle3 import (chain_acceptance, chain_lengths, round_weights, simulated_loop, ttt_attention_flex,
+                                 ttt_forward, ttt_loss)
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
@@ -51,6 +53,7 @@ class TrainSpec:
 
     features: FeatureKind
     forward: Callable
+    flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
     loss: Callable = ttt_loss
     acceptance: Callable = chain_acceptance
     reduced_vocab: bool = False
@@ -58,7 +61,7 @@ class TrainSpec:
 
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
-    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, reduced_vocab=True),
+    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, reduced_vocab=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
@@ -78,6 +81,8 @@ class TrainSettings:
     eval_every: int
     save_every: int
     eval_k: int  # drafts per chain for the held-out accept_length
+    round_weight: float  # extra loss weight of the chains the replayed loop anchors rounds at (0: off)
+    attention: str  # the training forward's attention: eager (materialized scores) | flex (FlexAttention)
     max_time_s: Optional[float]
     seed: int
 
@@ -114,6 +119,9 @@ class Trainer:
         self.step, self.epoch, self.index = 0, 0, 0
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
+        # the training step's forward (evaluation keeps the materialized attention: no backward there)
+        self.train_forward = (functools.partial(spec.forward, attention=ttt_attention_flex)
+                              if settings.attention == "flex" else spec.forward)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -166,6 +174,7 @@ class Trainer:
         self.head.eval()
         k = self.s.eval_k
         accepted, anchors, loss, tokens = torch.zeros(k), 0, 0.0, 0
+        loop_tokens = loop_rounds = 0
         acc = [0.0] * self.s.ttt_steps
         for group in batches(self.heldout, self.s.max_tokens, self.s.max_len, None):
             batch = self._batch(group)
@@ -179,9 +188,12 @@ class Trainer:
             a, m = self.spec.acceptance(logits, batch, k)
             accepted[: len(a)] += a.cpu().float()
             anchors += int(m)
+            n_tok, n_rounds, _ = simulated_loop(chain_lengths(logits, batch, k), batch.mask)
+            loop_tokens, loop_rounds = loop_tokens + n_tok, loop_rounds + n_rounds
         self.head.train()
         out = {"val_loss": loss / max(tokens, 1),
-               f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1)}
+               f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1),
+               f"val_loop_accept_length_k{k}": loop_tokens / max(loop_rounds, 1)}
         out.update({f"val_acc_{s}": acc[s] / max(tokens, 1) for s in range(self.s.ttt_steps)})
         out.update({f"val_accept_rate_pos_{i}": float(accepted[i]) / max(anchors, 1) for i in range(k)})
         return out
@@ -209,7 +221,9 @@ class Trainer:
             for group in self.opt.param_groups:
                 group["lr"] = lr
             with self._autocast():
-                logits = self.spec.forward(self.head, batch, s.ttt_steps)
+                logits = self.train_forward(self.head, batch, s.ttt_steps)
+            if s.round_weight > 0:
+                batch.anchor_weight = round_weights(logits, batch, s.eval_k, s.round_weight)
             loss, stats = self.spec.loss(logits, batch, s.loss_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()

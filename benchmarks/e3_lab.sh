@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# EAGLE3 training experiments (issue 5), in the background, read with `device.sh poll`:
+#   bash benchmarks/e3_lab.sh bench             the training step phase by phase (benchmarks/train_step.py):
+#                                               eager / FlexAttention / torch.compile, then a kernel profile
+#   bash benchmarks/e3_lab.sh data              the self-distilled samples only (NUM samples, generation batch DB)
+#   bash benchmarks/e3_lab.sh train NAME ...    train_eagle3_smollm2 on those samples (overrides after NAME),
+#                                               then the head's evals (below)
+#   bash benchmarks/e3_lab.sh pair "A..." "B..." on two GPUs: the data once, then two trainings side by side
+#                                               (overrides A on GPU 0 as e3a, B on GPU 1 as e3b), each with its
+#                                               evals, then the GPU tests on GPU 1
+# Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
+# MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
+# Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
+set -u
+. benchmarks/jobs.sh
+NUM=${NUM:-65536}
+DB=${DB:-1024}
+DATA="train.data.num_samples=$NUM train.data.batch_size=$DB"
+
+train_and_eval() {  # train_and_eval GPU NAME OVERRIDES...
+  local gpu=$1 name=$2; shift 2
+  job $gpu $name +experiment=train_eagle3_smollm2 $DATA train.name=$name "$@"
+  local head="draft.init=checkpoint draft.path=outputs/train/$name/head"
+  job $gpu ${name}_mt +experiment=eagle3_full eval=mt_bench $head
+  for ds in gsm8k humaneval alpaca; do job $gpu ${name}_$ds +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $head; done
+  job $gpu ${name}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head
+}
+
+gpu_tests() {  # gpu_tests GPU
+  CUDA_VISIBLE_DEVICES=$1 python -m pytest -q -p no:cacheprovider -m "not slow" tests/test_train_draft.py \
+    tests/test_kernels.py tests/test_graphs.py tests/test_gpu.py tests/test_multi_layer.py tests/test_dflash.py \
+    > $L/tests.log 2>&1
+  echo "tests exit $? $(date +%T)" >> $L/done
+}
+
+case "$1" in
+bench)
+  TORCH_LOGS=recompiles python benchmarks/train_step.py --profile --shapes 32x512,64x256,40x400,48x333 > $L/train_step.log 2>&1
+  echo "bench exit $? $(date +%T)" >> $L/done ;;
+data)
+  job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0 ;;
+train)
+  name=$2; shift 2
+  train_and_eval 0 $name "$@" ;;
+pair)
+  a=$2 b=$3
+  job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
+  # shellcheck disable=SC2086
+  (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
+  echo "all done $(date +%T)" >> $L/done ;;
+*) echo "unknown phase $1"; exit 2 ;;
+esac

@@ -1,0 +1,130 @@
+"""Where a draft-training step's time goes: `python benchmarks/train_step.py [overrides...]`.
+
+Builds the plan of `+experiment=train_eagle3_smollm2` (plus overrides), runs its load and aux-capture
+stages, then times one training step phase by phase (target features, head forward, loss, backward,
+optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
+for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
+compiled kernel, what `train.attention=auto` picks on CUDA), compile (torch.compile of the eager forward
+and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
+top kernels of the eager step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import time
+
+import torch
+from hydra import compose, initialize_config_dir
+
+from engine.train.data import VocabMap
+from engine.train.eagle3 import ttt_attention_flex
+from engine.train.selfdistill import Sample
+from engine.train.trainer import TRAIN_SPECS, Trainer
+from engine.train.vocab import build_draft_vocab
+from pipeline.config import register_configs, to_run_config
+from pipeline.paths import REPO
+from pipeline.plan import build_plan
+from stages.train_draft import settings
+
+
+def samples(n: int, length: int, vocab: int, seed: int) -> list[Sample]:
+    rng = random.Random(seed)
+    return [Sample("", [rng.randrange(vocab) for _ in range(40)], [rng.randrange(vocab) for _ in range(length - 40)])
+            for _ in range(n)]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="32x512,64x256", help="rows x length per batch")
+    ap.add_argument("--iters", type=int, default=12)
+    ap.add_argument("--variants", default="eager,flex,compile")
+    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = to_run_config(compose(config_name="config", overrides=["+experiment=train_eagle3_smollm2",
+                                                                      "tracking=off", *args.overrides]))
+    plan = build_plan(cfg)
+    ctx: dict = {}
+    for stage in plan.stages[:-1]:
+        ctx.update(stage.run(cfg, {k: ctx[k] for k in stage.requires}, plan.env))
+    target, head = ctx["target"].model, ctx["draft_head"]
+    spec = TRAIN_SPECS[cfg.draft.algorithm]
+    dev = target.lm_head.weight.device
+    shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
+    data = {s: samples(s[0], s[1], target.args.vocab_size, i) for i, s in enumerate(shapes)}
+    student = head.copy(dev, torch.float32).requires_grad_(True)
+    if spec.reduced_vocab:
+        d2t, t2d = build_draft_vocab((x.ids for v in data.values() for x in v), target.args.vocab_size,
+                                     head.draft_vocab_size, sorted(set(target.args.eos_token_ids)))
+        student.d2t.copy_(d2t)
+        student.t2d.copy_(t2d)
+        vocab = VocabMap(student.d2t, student.t2d)
+    else:
+        vocab = VocabMap.identity(target.args.vocab_size, dev)
+    s = settings(cfg, dev)
+    everything = [x for v in data.values() for x in v]  # sizes the target's KV rows for every shape
+    trainer = Trainer(student, target, everything, everything, vocab, s, plan.env.outputs_dir / "bench",
+                      lambda *a, **k: None, spec)
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
+
+    def forward_loss(h, batch):
+        return spec.loss(spec.forward(h, batch, s.ttt_steps), batch, s.loss_decay)
+
+    def forward_loss_flex(h, batch):
+        return spec.loss(spec.forward(h, batch, s.ttt_steps, attention=ttt_attention_flex), batch, s.loss_decay)
+
+    variants = {"eager": forward_loss, "flex": forward_loss_flex}
+    if "compile" in args.variants:
+        variants["compile"] = torch.compile(forward_loss, dynamic=True)
+    print(f"{'variant':8} {'shape':>7} {'first s':>8} {'target':>8} {'fwd+loss':>9} {'bwd':>8} {'opt':>8} "
+          f"{'step ms':>8} {'k tok/s':>8} {'peak GB':>8}")
+    for name, fn in variants.items():
+        if name not in args.variants.split(","):
+            continue
+        for shape in shapes:
+            torch.cuda.reset_peak_memory_stats() if dev.type == "cuda" else None
+            times = {"target": 0.0, "fwd": 0.0, "bwd": 0.0, "opt": 0.0}
+            t_first = time.perf_counter()
+            for it in range(args.iters + 2):
+                if it == 1:
+                    sync()
+                    first = time.perf_counter() - t_first
+                marks = [time.perf_counter()]
+                batch = trainer._batch(data[shape])
+                sync(); marks.append(time.perf_counter())
+                with trainer._autocast():
+                    loss, _ = fn(student, batch)
+                sync(); marks.append(time.perf_counter())
+                trainer.opt.zero_grad(set_to_none=True)
+                loss.backward()
+                sync(); marks.append(time.perf_counter())
+                torch.nn.utils.clip_grad_norm_(trainer.params, s.grad_clip)
+                trainer.opt.step()
+                sync(); marks.append(time.perf_counter())
+                if it >= 2:
+                    for key, a, b in zip(times, marks, marks[1:]):
+                        times[key] += (b - a) * 1e3 / args.iters
+            step = sum(times.values())
+            peak = torch.cuda.max_memory_allocated() / 1e9 if dev.type == "cuda" else 0.0
+            print(f"{name:8} {shape[0]:>3}x{shape[1]:<3} {first:8.1f} {times['target']:8.1f} {times['fwd']:9.1f} "
+                  f"{times['bwd']:8.1f} {times['opt']:8.1f} {step:8.1f} {shape[0] * shape[1] / step:8.1f} {peak:8.1f}",
+                  flush=True)
+    if args.profile and dev.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        batch = trainer._batch(data[shapes[0]])
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                with trainer._autocast():
+                    loss, _ = forward_loss(student, batch)
+                loss.backward()
+            sync()
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
