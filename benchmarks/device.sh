@@ -38,7 +38,7 @@ poll)  # progress of the background jobs (WAIT=seconds first; stops early once /
   m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms|accept_rate_pos)"
   for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[train_draft\]|Error|error|Traceback|passed|failed" | tail -4
     tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-140; grep -E "$m" "$f" | tr '\n' ' '; echo; done
-  [ -f /tmp/bg/train_step.log ] && grep -E "^(variant|eager|flex|compile) |ecompil|Error" /tmp/bg/train_step.log | head -40
+  [ -f /tmp/bg/train_step.log ] && grep -E "^(variant|eager|flex|compile|target features) |ecompil|Error" /tmp/bg/train_step.log | head -40
   cat /tmp/bg/done /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 collect)  # every log (one archive) and the new EAGLE3 head, split under the 16 MB a file that comes back
   tar -C /tmp/bg -czf "$OUT/bg_logs.tar.gz" --exclude=runs --exclude='*.db' . 

@@ -5,7 +5,8 @@
 #   bash benchmarks/e3_lab.sh data              the self-distilled samples only (NUM samples, generation batch DB)
 #   bash benchmarks/e3_lab.sh train NAME ...    train_eagle3_smollm2 on those samples (overrides after NAME),
 #                                               then the head's evals (below)
-#   bash benchmarks/e3_lab.sh pair "A..." "B..." on two GPUs: the data once, then two trainings side by side
+#   bash benchmarks/e3_lab.sh pair "A..." "B..." on two GPUs: the data once (and the step benchmark on GPU 1
+#                                               meanwhile), then two trainings side by side
 #                                               (overrides A on GPU 0 as e3a, B on GPU 1 as e3b), each with its
 #                                               evals, then the GPU tests on GPU 1
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
@@ -44,7 +45,10 @@ train)
   train_and_eval 0 $name "$@" ;;
 pair)
   a=$2 b=$3
+  (CUDA_VISIBLE_DEVICES=1 python benchmarks/train_step.py --variants eager,flex --shapes 32x512,64x256 \
+     > $L/train_step.log 2>&1; echo "bench exit $? $(date +%T)" >> $L/done) &
   job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
+  wait  # the step benchmark on GPU 1 ends before its training starts
   # shellcheck disable=SC2086
   (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
   echo "all done $(date +%T)" >> $L/done ;;

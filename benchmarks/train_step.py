@@ -1,8 +1,8 @@
 """Where a draft-training step's time goes: `python benchmarks/train_step.py [overrides...]`.
 
 Builds the plan of `+experiment=train_eagle3_smollm2` (plus overrides), runs its load and aux-capture
-stages, then times one training step phase by phase (target features, head forward, loss, backward,
-optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
+stages, then times the target's pass (causal SDPA against the engine's decode attention) and one
+training step phase by phase (target features, head forward, loss, backward, optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
 for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
 compiled kernel, what `train.attention=auto` picks on CUDA), compile (torch.compile of the eager forward
 and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
@@ -18,7 +18,7 @@ import time
 import torch
 from hydra import compose, initialize_config_dir
 
-from engine.train.data import VocabMap
+from engine.train.data import VocabMap, target_batch
 from engine.train.eagle3 import ttt_attention_flex
 from engine.train.selfdistill import Sample
 from engine.train.trainer import TRAIN_SPECS, Trainer
@@ -80,6 +80,18 @@ def main() -> None:
     variants = {"eager": forward_loss, "flex": forward_loss_flex}
     if "compile" in args.variants:
         variants["compile"] = torch.compile(forward_loss, dynamic=True)
+    for shape in shapes:  # the target's pass: one causal SDPA (what training uses) against its decode attention
+        ms = {}
+        for causal in (True, False):
+            for it in range(args.iters + 1):
+                if it == 1:
+                    sync()
+                    t0 = time.perf_counter()
+                target_batch(target, trainer.cache, data[shape], vocab, s.max_len, dev, spec.features, causal=causal)
+            sync()
+            ms[causal] = (time.perf_counter() - t0) * 1e3 / args.iters
+        print(f"target features {shape[0]}x{shape[1]}: causal SDPA {ms[True]:.1f} ms, the engine's attention "
+              f"{ms[False]:.1f} ms", flush=True)
     print(f"{'variant':8} {'shape':>7} {'first s':>8} {'target':>8} {'fwd+loss':>9} {'bwd':>8} {'opt':>8} "
           f"{'step ms':>8} {'k tok/s':>8} {'peak GB':>8}")
     for name, fn in variants.items():

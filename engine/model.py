@@ -278,12 +278,18 @@ class Attention(nn.Module):
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
-    def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs) -> Tensor:
+    def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs,
+               causal: bool = False) -> Tensor:
         """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the
-        mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos)."""
+        mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos).
+        `causal`: the queries are positions 0..t-1 just written to fresh rows, so SDPA's causal kernel
+        over slots 0..t-1 (flash on CUDA) is the same attention for every valid query."""
         b, _, t, _ = q.shape
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        if mask is None:
+        if causal:
+            out = F.scaled_dot_product_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True,
+                                                 enable_gqa=self.n_kv != self.n_heads)
+        elif mask is None:
             out = decode_attention(q, k_cache, v_cache, a.qpos)
         else:
             kv_len = mask.shape[-1]
@@ -481,9 +487,10 @@ class LlamaModel(nn.Module):
 
         def attend(i):
             def fn(env):
+                causal = env.get("causal", False)
                 if i == 0:
-                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"])
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
+                    env["mask"] = None if kernel or causal else env["attn"].mask(env["kv_len"])
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"], causal)
             return fn
 
         def post(i):
@@ -533,10 +540,13 @@ class LlamaModel(nn.Module):
         kv_len: Optional[int] = None,  # attend over cache[:kv_len]; must exceed every live position
         input_embeds: Optional[Tensor] = None,  # [batch, seq, hidden], replaces embedding of tokens
         logits_index: Optional[Tensor] = None,  # [batch]: compute logits at this seq index only
+        causal: bool = False,  # positions are 0..seq-1 of fresh, right-padded rows (see Attention.attend)
     ) -> ForwardOutput:
-        """Eager: the program's steps run in order."""
+        """Eager: the program's steps run in order. With `causal`, padding queries read slots this call
+        did not write (their outputs are meaningless; no valid position reads them)."""
         env = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": input_embeds,
-               "logits_index": logits_index, "kv_len": cache.max_seq_len if kv_len is None else kv_len}
+               "logits_index": logits_index, "kv_len": cache.max_seq_len if kv_len is None else kv_len,
+               "causal": causal}
         run_steps(self.program(cache, embeds_input=input_embeds is not None,
                                logits_at_index=logits_index is not None), env)
         return ForwardOutput.from_env(env)

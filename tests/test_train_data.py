@@ -46,3 +46,32 @@ def test_draft_vocab_keeps_the_most_frequent_tokens():
     assert t2d.nonzero().flatten().tolist() == used.tolist()
     d2t, t2d = build_draft_vocab([[2]], vocab_size=6, draft_vocab_size=3)  # rare data: padded with low ids
     assert (torch.arange(3) + d2t).tolist() == [0, 1, 2] and int(t2d.sum()) == 3
+
+
+def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
+    """The training batch's target pass as one causal SDPA over fresh rows gives the features, labels
+    and greedy tokens of the engine's own attention on every trained position, with rows of different
+    lengths in one right-padded batch and stale slots left in the cache by an earlier, longer batch."""
+    from engine.drafts.base import FeatureKind
+    from engine.model import StaticKVCache
+    from engine.train.data import VocabMap, target_batch
+    from engine.train.selfdistill import Sample
+
+    target = tiny_target(outputs).model
+    target.set_aux_layers([1, 2, 3])
+    g = torch.Generator().manual_seed(0)
+    ids = lambda n: torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    long = [Sample("", ids(10), ids(30)) for _ in range(3)]
+    samples = [Sample("", ids(6), ids(n)) for n in (4, 17, 9)]
+    vocab = VocabMap(torch.zeros(48, dtype=torch.long) + 3, torch.zeros(target.args.vocab_size, dtype=torch.bool))
+    for features in (FeatureKind.aux, FeatureKind.final):
+        cache = StaticKVCache(target.args, 3, 64, torch.device("cpu"), torch.float32)
+        target_batch(target, cache, long, vocab, 64, "cpu", features)  # leaves slots 0..39 written
+        ref = target_batch(target, cache, samples, vocab, 64, "cpu", features, causal=False)
+        target_batch(target, cache, long, vocab, 64, "cpu", features)
+        out = target_batch(target, cache, samples, vocab, 64, "cpu", features, causal=True)
+        m = ref.mask
+        assert m.any() and torch.equal(out.mask, m) and not m.all()  # padding in the batch
+        torch.testing.assert_close(out.feats[m], ref.feats[m])
+        torch.testing.assert_close(out.labels[m], ref.labels[m])
+        assert torch.equal(out.top[m], ref.top[m]) and torch.equal(out.tokens, ref.tokens)

@@ -99,9 +99,10 @@ class VocabMap:
 
 @torch.no_grad()
 def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device,
-                 features: FeatureKind = FeatureKind.aux) -> Batch:
+                 features: FeatureKind = FeatureKind.aux, causal: bool = True) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
-    (aux capture configured) or the final normed hidden states (`features`)."""
+    (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
+    attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -112,7 +113,7 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     ids, answer = ids.to(device), answer.to(device)
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < torch.tensor(lens, device=device)[:, None]
-    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width)
+    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal)
     feats = out.aux_hidden_states if features == FeatureKind.aux else out.hidden_states
     if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
