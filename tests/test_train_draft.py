@@ -204,6 +204,8 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert 1.0 <= r.data.metrics["heldout_loop_accept_length_k5"] <= 6.0
     assert r.data.metrics["heldout_loop_prompts"] == 4.0
     assert r.data.metrics["val_loop_accept_length_k5"] == pytest.approx(r.data.metrics["heldout_loop_accept_length_k5"])
+    # a 96-token draft vocabulary of a 320-token target covers part of the held-out answers' tokens
+    assert 0.2 < r.data.metrics["val_draft_vocab_coverage"] < 1.0
     arts = {a.path for a in client.list_artifacts(r.info.run_id, "draft_head")}
     assert {"draft_head/model.safetensors", "draft_head/config.json", "draft_head/README.md"} <= arts
 

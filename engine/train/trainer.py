@@ -174,7 +174,7 @@ class Trainer:
         self.head.eval()
         k = self.s.eval_k
         accepted, anchors, loss, tokens = torch.zeros(k), 0, 0.0, 0
-        loop_tokens = loop_rounds = 0
+        loop_tokens = loop_rounds = covered = 0
         acc = [0.0] * self.s.ttt_steps
         for group in batches(self.heldout, self.s.max_tokens, self.s.max_len, None):
             batch = self._batch(group)
@@ -183,6 +183,7 @@ class Trainer:
             l, stats = self.spec.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
             n = batch.num_tokens
             loss, tokens = loss + l.item() * n, tokens + n
+            covered += int(((batch.top >= 0) & batch.mask).sum())  # the target's token is a draft token
             for s in range(self.s.ttt_steps):
                 acc[s] += stats[f"acc_{s}"].item() * n if f"acc_{s}" in stats else 0.0
             a, m = self.spec.acceptance(logits, batch, k)
@@ -193,7 +194,8 @@ class Trainer:
         self.head.train()
         out = {"val_loss": loss / max(tokens, 1),
                f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1),
-               f"val_loop_accept_length_k{k}": loop_tokens / max(loop_rounds, 1)}
+               f"val_loop_accept_length_k{k}": loop_tokens / max(loop_rounds, 1),
+               "val_draft_vocab_coverage": covered / max(tokens, 1)}
         out.update({f"val_acc_{s}": acc[s] / max(tokens, 1) for s in range(self.s.ttt_steps)})
         out.update({f"val_accept_rate_pos_{i}": float(accepted[i]) / max(anchors, 1) for i in range(k)})
         return out
