@@ -280,9 +280,13 @@ accept_rate_pos_i: {rates}.{loop_line(m, f)}
 
 
 def loop_line(m: dict, f: dict) -> str:
-    keys = [k for k in m if k.startswith("heldout_loop_accept_length_k")]
-    if not keys:
-        return ""
-    k = keys[0].rsplit("k", 1)[1]
-    return (f"\nThrough the real draft-and-verify loop (k={k}, greedy) on {int(m['heldout_loop_prompts'])} held-out "
-            f"prompts: accept_length {m[keys[0]]:.2f}.")
+    k = f["train"]["eval_k"]
+    out = ""
+    if f"val_loop_accept_length_k{k}" in m:
+        out += (f"\nThe greedy loop replayed on every held-out answer (rounds start where the previous one "
+                f"stopped): accept_length {m[f'val_loop_accept_length_k{k}']:.2f}.")
+    keys = [key for key in m if key.startswith("heldout_loop_accept_length_k")]
+    if keys:
+        out += (f"\nThrough the real draft-and-verify loop (k={keys[0].rsplit('k', 1)[1]}, greedy) on "
+                f"{int(m['heldout_loop_prompts'])} held-out prompts: accept_length {m[keys[0]]:.2f}.")
+    return out
