@@ -138,6 +138,21 @@ async def run_level(base_url: str, model: str, clients: int, duration_s: float, 
     return res
 
 
+def wait_ready(base_url: str, timeout_s: float) -> None:
+    """Poll GET /health until the server answers 200 (a server still loading or capturing graphs
+    refuses connections); SystemExit naming the URL after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if httpx.get(base_url.rstrip("/") + "/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        if time.monotonic() > deadline:
+            raise SystemExit(f"--wait-s: {base_url}/health did not answer 200 within {timeout_s:g} s")
+        time.sleep(0.5)
+
+
 def served_model(base_url: str) -> str:
     r = httpx.get(base_url.rstrip("/") + "/v1/models", timeout=30)
     r.raise_for_status()
@@ -175,7 +190,11 @@ def main(argv: Optional[list[str]] = None) -> int:
                     "(the server's ignore_eos extension, as vLLM's)")
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--label", default="", help="a label printed above the table (e.g. the server's config)")
+    ap.add_argument("--wait-s", type=float, default=0.0, help="first wait up to this long for GET /health "
+                    "to answer 200 (a server just started)")
     a = ap.parse_args(argv)
+    if a.wait_s > 0:
+        wait_ready(a.url, a.wait_s)
     model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)
     results = []
     for n in a.clients:

@@ -24,15 +24,7 @@ serve_bench() {  # serve_bench NAME OVERRIDES...: server on GPU 3, bounded load 
   CUDA_VISIBLE_DEVICES=3 python -m pipeline "$@" serve.max_batch_size=32 serve.port=8100 tracking.run_name=$name \
     tracking.tracking_uri=sqlite:///$L/mlflow3.db hydra.run.dir=$L/runs/$name > $L/$name.server.log 2>&1 &
   local pid=$!
-  python - <<'EOF'
-import time, urllib.request
-for _ in range(300):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8100/health", timeout=2); break
-    except Exception:
-        time.sleep(1)
-EOF
-  python benchmarks/load_test.py --url http://127.0.0.1:8100 --clients 1 8 32 --duration 20 --max-tokens 128 \
+  python benchmarks/load_test.py --url http://127.0.0.1:8100 --wait-s 300 --clients 1 8 32 --duration 20 --max-tokens 128 \
     --prompts ../shared/data/mt_bench/question.jsonl > $L/$name.load.log 2>&1
   kill -INT $pid; wait $pid
   echo "$name exit $? $(date +%T)" >> $L/done

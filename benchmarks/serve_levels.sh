@@ -11,15 +11,7 @@ for n in ${LEVELS:-1 8 32}; do
   python -m pipeline +experiment=serve_eagle3_bcg "$@" serve.max_batch_size=$n serve.port=8100 \
     tracking.run_name=${name}_$n > /tmp/serve_${name}_$n.log 2>&1 &
   pid=$!
-  python - <<'PY'
-import time, urllib.request
-for _ in range(300):
-    try:
-        urllib.request.urlopen("http://127.0.0.1:8100/health", timeout=2); break
-    except Exception:
-        time.sleep(1)
-PY
-  python benchmarks/load_test.py --url http://127.0.0.1:8100 --clients $n --duration ${DURATION:-15} \
+  python benchmarks/load_test.py --url http://127.0.0.1:8100 --wait-s 300 --clients $n --duration ${DURATION:-15} \
     --max-tokens 128 --chat --ignore-eos --stream --prompts ../shared/data/mt_bench/question.jsonl \
     --label "$name N=$n" 2>&1 | tee -a "$OUT/serve_levels.log"
   kill -INT $pid; wait $pid

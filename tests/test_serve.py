@@ -345,6 +345,18 @@ def test_bounded_load_has_no_failed_request(servers):
     assert res.tokens == 16 * res.requests  # ignore_eos: exactly max_tokens each
 
 
+def test_load_test_waits_for_a_ready_server_and_names_a_dead_one(servers):
+    import socket
+
+    lt, s = _load_test_module(), servers("eagle3_debug")
+    lt.wait_ready(s.root, 10.0)  # a running server: returns at once
+    with socket.socket() as sock:  # a port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    with pytest.raises(SystemExit, match=re.escape(f"{dead}/health did not answer 200 within 1 s")):
+        lt.wait_ready(dead, 1.0)
+
+
 # ------------------------------------------------------------------------------------------ plan, Ctrl-C
 def test_plan_ends_in_serve_and_checks_its_keys(outputs):
     cfg = to_run_config(compose_cfg("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug",

@@ -128,7 +128,7 @@ def test_chain_acceptance_counts_chains_not_positions():
             lg[0, p, 0 if p in right[s] else 1] = 1.0
         logits.append(lg)
     batch = Batch(top, top, None, None, top, torch.ones(1, t, dtype=torch.bool))
-    accepted, anchors = chain_acceptance(logits, batch, k)
+    accepted, anchors = chain_acceptance(chain_lengths(logits, batch, k), batch.mask, k)
     # anchors j with j + 2 < 6: 0..3. Step 0 right at j: 0,1,2,3; step 1 at j+1: j=0,2,3; step 2 at j+2: j=0,3
     assert int(anchors) == 4 and accepted.tolist() == [4, 3, 2]
 

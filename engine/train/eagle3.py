@@ -58,7 +58,6 @@ class Batch:
     mask: Tensor  # [B, T] bool
     anchor_weight: Optional[Tensor] = None  # [B, T] float: loss weight of the chain anchored at j
 
-
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
@@ -194,19 +193,18 @@ def chain_lengths(logits: list[Tensor], batch: Batch, k: int) -> Tensor:
 
 
 @torch.no_grad()
-def chain_acceptance(logits: list[Tensor], batch: Batch, k: int) -> tuple[Tensor, Tensor]:
+def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
     """Greedy chain drafting of k tokens from every anchor whose k positions are all trained on.
 
+    length [B, T] (chain_lengths over k steps), mask [B, T]
     -> (accepted [k]: chains whose drafts 1..i+1 were all right, i.e. the count behind
         accept_rate_pos_i; anchors: the number of chains). accept_length = 1 + sum(accepted) / anchors.
     """
-    t = batch.mask.shape[1]
-    k = min(k, len(logits))
-    usable = batch.mask.clone()
+    t = mask.shape[1]
+    usable = mask.clone()
     for s in range(1, k):
-        usable[:, : t - s] &= batch.mask[:, s:]
+        usable[:, : t - s] &= mask[:, s:]
     usable[:, t - k + 1:] = False  # [B, T] anchors with all k positions in the row and trained on
-    length = chain_lengths(logits, batch, k)
     return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
 
 

@@ -44,7 +44,8 @@ class TrainSpec:
     forward     (head, batch, steps) -> per-step logits [B, T, V], aligned so that logits[s][:, p]
                 predicts label index p (the target's distribution of x_{p+2}) for the chain anchored
                 at j = p - s: step s of a proposal made when the target holds positions 0..j
-    loss        (logits, batch, decay) -> (loss, stats); acceptance (logits, batch, k) -> (accepted, anchors)
+    loss        (logits, batch, decay) -> (loss, stats); acceptance is read from the logits' greedy chains
+                (chain_lengths), the same for every draft
     reduced_vocab  the head predicts over a draft vocabulary built from the data (d2t/t2d, EAGLE3);
                 else over the target's (labels over the full vocabulary)
     check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
@@ -55,7 +56,6 @@ class TrainSpec:
     forward: Callable
     flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
     loss: Callable = ttt_loss
-    acceptance: Callable = chain_acceptance
     reduced_vocab: bool = False
     check: Optional[Callable] = None
 
@@ -186,10 +186,11 @@ class Trainer:
             covered += int(((batch.top >= 0) & batch.mask).sum())  # the target's token is a draft token
             for s in range(self.s.ttt_steps):
                 acc[s] += stats[f"acc_{s}"].item() * n if f"acc_{s}" in stats else 0.0
-            a, m = self.spec.acceptance(logits, batch, k)
+            length = chain_lengths(logits, batch, k)  # [B, T], once for both estimates
+            a, m = chain_acceptance(length, batch.mask, min(k, len(logits)))
             accepted[: len(a)] += a.cpu().float()
             anchors += int(m)
-            n_tok, n_rounds, _ = simulated_loop(chain_lengths(logits, batch, k), batch.mask)
+            n_tok, n_rounds, _ = simulated_loop(length, batch.mask)
             loop_tokens, loop_rounds = loop_tokens + n_tok, loop_rounds + n_rounds
         self.head.train()
         out = {"val_loss": loss / max(tokens, 1),
