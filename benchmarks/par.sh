@@ -11,6 +11,8 @@
 set -u
 . benchmarks/jobs.sh
 TRAIN_S=${TRAIN_S:-480}
+# the data of the MTP and DFLASH recipes (EAGLE3's own recipe now uses 4x as many samples)
+E3="+experiment=train_eagle3_smollm2 train.data.num_samples=16384 train.data.batch_size=256 train.heldout=0.05 train.eval_every=500"
 
 head_evals() {  # head_evals GPU PREFIX BEST_EXPERIMENT EAGER_EXPERIMENT HEAD_DIR
   local gpu=$1 p=$2 best=$3 eager=$4 head="draft.init=checkpoint draft.path=$5"
@@ -39,8 +41,8 @@ serve_bench() {  # serve_bench NAME OVERRIDES...: server on GPU 3, bounded load 
   serve_bench srv_none +experiment=serve_eagle3_bcg draft=none
 ) &
 
-job 0 data +experiment=train_eagle3_smollm2 train.name=datagen train.steps=1 train.loop_eval_prompts=0
-(job 0 train_eagle3 +experiment=train_eagle3_smollm2 train.max_time_s=$TRAIN_S
+job 0 data $E3 train.name=datagen train.steps=1 train.loop_eval_prompts=0
+(job 0 train_eagle3 $E3 train.max_time_s=$TRAIN_S
  head_evals 0 e3 eagle3_full eagle3 outputs/train/train_eagle3_smollm2/head) &
 (job 1 train_mtp +experiment=train_mtp_smollm2 train.max_time_s=$TRAIN_S
  head_evals 1 mtp mtp_bcg mtp outputs/train/train_mtp_smollm2/head) &

@@ -204,9 +204,11 @@ class TrainConfig:
     round_weight: float = 0.0
     attention: str = "auto"  # training forward: eager | flex (FlexAttention, CUDA only) | auto (flex where it can)
     # After training: this many held-out prompts through the real draft-and-verify loop (k =
-    # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it.
+    # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it. loop_eval_tokens is also
+    # the horizon of the loop replayed on every held-out answer at each evaluation
+    # (val_loop_accept_length_k*): the eval stage's max_new_tokens, as the figure depends on it.
     loop_eval_prompts: int = 64
-    loop_eval_tokens: int = 128
+    loop_eval_tokens: int = 256
     max_time_s: Optional[float] = None  # stop (evaluate, save) after this much training time
     resume: bool = True  # continue from <train dir>/checkpoint when it exists
     init_from_target: bool = True  # random init: lm_head rows and final norm copied from the target

@@ -250,7 +250,8 @@ def settings(cfg, device: torch.device) -> TrainSettings:
     return TrainSettings(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
                          grad_clip=t.grad_clip, ttt_steps=t.ttt_steps, loss_decay=t.loss_decay,
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
-                         save_every=t.save_every, eval_k=t.eval_k, round_weight=t.round_weight,
+                         save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
+                         round_weight=t.round_weight,
                          attention=train_attention(cfg, device), max_time_s=t.max_time_s, seed=cfg.seed)
 
 
@@ -280,13 +281,13 @@ accept_rate_pos_i: {rates}.{loop_line(m, f)}
 
 
 def loop_line(m: dict, f: dict) -> str:
-    k = f["train"]["eval_k"]
+    k, n = f["train"]["eval_k"], f["train"].get("loop_eval_tokens")
     out = ""
     if f"val_loop_accept_length_k{k}" in m:
         out += (f"\nThe greedy loop replayed on every held-out answer (rounds start where the previous one "
-                f"stopped): accept_length {m[f'val_loop_accept_length_k{k}']:.2f}.")
+                f"stopped; up to {n} new tokens): accept_length {m[f'val_loop_accept_length_k{k}']:.2f}.")
     keys = [key for key in m if key.startswith("heldout_loop_accept_length_k")]
     if keys:
-        out += (f"\nThrough the real draft-and-verify loop (k={keys[0].rsplit('k', 1)[1]}, greedy) on "
-                f"{int(m['heldout_loop_prompts'])} held-out prompts: accept_length {m[keys[0]]:.2f}.")
+        out += (f"\nThrough the real draft-and-verify loop (k={keys[0].rsplit('k', 1)[1]}, greedy, up to {n} new "
+                f"tokens) on {int(m['heldout_loop_prompts'])} held-out prompts: accept_length {m[keys[0]]:.2f}.")
     return out

@@ -208,15 +208,20 @@ def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tens
     return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
 
 
-def simulated_loop(length: Tensor, mask: Tensor) -> tuple[int, int, Tensor]:
+def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> tuple[int, int, Tensor]:
     """The greedy draft-and-verify loop replayed on teacher-forced chain lengths.
 
     At inference a round anchored at j commits its accepted drafts plus the target's bonus token and the
     next round is anchored at j + accepted + 1; the first round follows the prompt (anchor p0 + 1, with
     p0 the first trained position: the first answer token comes from the prefill). Since the samples are
     the target's greedy answers, this is the loop's own sequence of rounds, without running it.
+    `horizon` is the loop's max_new_tokens (the prefill's token included): no round starts past it, and
+    the round that crosses it counts its whole acceptance, as the eval stage counts a verify. Late tokens
+    of long greedy answers (repetition) are the easiest to draft, so the figure depends on the horizon;
+    the eval stage generates 256.
 
-    length [B, T] (chain_lengths), mask [B, T] -> (tokens committed, rounds, anchors [B, T] bool, CPU)
+    length [B, T] (chain_lengths), mask [B, T] -> (tokens: accepted + 1 summed over rounds, rounds,
+    anchors [B, T] bool, CPU)
     """
     length, mask = length.cpu(), mask.cpu()
     anchors = torch.zeros(mask.shape, dtype=torch.bool)
@@ -225,10 +230,11 @@ def simulated_loop(length: Tensor, mask: Tensor) -> tuple[int, int, Tensor]:
         idx = trained.nonzero().flatten().tolist()
         if len(idx) < 2:
             continue
-        j, end = idx[0] + 1, idx[-1] + 1  # rounds anchor at j..end-1; end - j tokens are left to generate
+        j, stop = idx[0] + 1, idx[-1] + 1  # rounds anchor at j..stop-1; stop - j answer tokens are left
+        end = stop if horizon is None else min(stop, idx[0] + horizon)
         while j < end:
             anchors[row, j] = True
-            tokens += min(lengths[j] + 1, end - j)
+            tokens += min(lengths[j] + 1, stop - j)
             rounds += 1
             j += lengths[j] + 1
     return tokens, rounds, anchors

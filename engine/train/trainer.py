@@ -81,6 +81,7 @@ class TrainSettings:
     eval_every: int
     save_every: int
     eval_k: int  # drafts per chain for the held-out accept_length
+    loop_horizon: Optional[int]  # new tokens per answer of the replayed held-out loop (its max_new_tokens)
     round_weight: float  # extra loss weight of the chains the replayed loop anchors rounds at (0: off)
     attention: str  # the training forward's attention: eager (materialized scores) | flex (FlexAttention)
     max_time_s: Optional[float]
@@ -190,7 +191,7 @@ class Trainer:
             a, m = chain_acceptance(length, batch.mask, min(k, len(logits)))
             accepted[: len(a)] += a.cpu().float()
             anchors += int(m)
-            n_tok, n_rounds, _ = simulated_loop(length, batch.mask)
+            n_tok, n_rounds, _ = simulated_loop(length, batch.mask, self.s.loop_horizon)
             loop_tokens, loop_rounds = loop_tokens + n_tok, loop_rounds + n_rounds
         self.head.train()
         out = {"val_loss": loss / max(tokens, 1),
