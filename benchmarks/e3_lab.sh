@@ -9,6 +9,10 @@
 #                                               meanwhile), then two trainings side by side
 #                                               (overrides A on GPU 0 as e3a, B on GPU 1 as e3b), each with its
 #                                               evals, then the GPU tests on GPU 1
+#   bash benchmarks/e3_lab.sh duo "A..." "B..."  on two GPUs: the whole experiment twice side by side, each
+#                                               one job (its own data, then training: the 15-minute
+#                                               budget is this job's wall time), A on GPU 0 as e3a, B on
+#                                               GPU 1 as e3b, each with its evals, then the GPU tests on GPU 1
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
 # MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
 # Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
@@ -18,7 +22,7 @@ NUM=${NUM:-65536}
 DB=${DB:-1024}
 DATA="train.data.num_samples=$NUM train.data.batch_size=$DB"
 
-train_and_eval() {  # train_and_eval GPU NAME OVERRIDES...
+train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overrides; duo clears them)
   local gpu=$1 name=$2; shift 2
   job $gpu $name +experiment=train_eagle3_smollm2 $DATA train.name=$name "$@"
   local head="draft.init=checkpoint draft.path=outputs/train/$name/head"
@@ -49,6 +53,11 @@ pair)
      > $L/train_step.log 2>&1; echo "bench exit $? $(date +%T)" >> $L/done) &
   job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
   wait  # the step benchmark on GPU 1 ends before its training starts
+  # shellcheck disable=SC2086
+  (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
+  echo "all done $(date +%T)" >> $L/done ;;
+duo)
+  a=$2 b=$3 DATA=""  # the recipe's own data settings unless A or B override them
   # shellcheck disable=SC2086
   (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
   echo "all done $(date +%T)" >> $L/done ;;

@@ -15,6 +15,7 @@ forward costs less than reading stored features back), in `target_batch`:
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 from typing import Optional
@@ -30,7 +31,7 @@ from engine.train.selfdistill import Sample
 def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float) -> None:
     """samples.jsonl, meta.json (the cache key) and stats.json (how long synthesis took)."""
     path.mkdir(parents=True, exist_ok=True)
-    tmp = path / "samples.jsonl.tmp"
+    tmp = path / f"samples.jsonl.{os.getpid()}.tmp"  # per process: two jobs may synthesise the same key
     with open(tmp, "w") as f:
         for s in samples:
             f.write(json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids}) + "\n")
