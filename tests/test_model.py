@@ -110,6 +110,30 @@ def test_stop_tokens_end_each_sequence_separately():
         assert r.finish_reason == ("stop" if stop in f.tokens else "length")
 
 
+@pytest.mark.parametrize("sync_every", [3, 64])
+def test_decode_on_device_equals_the_round_loop(sync_every):
+    # Self-distillation's path (bookkeeping on the device, a host look every sync_every steps): the same
+    # tokens, stops and finish reasons as the round loop, greedy with per-row stops and seeded top-p.
+    _, ours = pair()
+    prompts = _prompts(4, seed=8)
+    free = Generator(ours, 4).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
+    stop = frozenset({free[0].tokens[6], free[2].tokens[11]})
+    for params, seed in [(SamplingParams(max_new_tokens=20), None),
+                         (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20), 0)]:
+        def run(**kw):
+            g = torch.Generator().manual_seed(seed) if seed is not None else None
+            return Generator(ours, 4).generate(prompts, params, stop_ids=stop, generator=g, **kw)
+        ref, got = run(), run(sync_every=sync_every)
+        assert [r.tokens for r in got] == [r.tokens for r in ref]
+        assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]
+        if seed is None:
+            assert {r.finish_reason for r in ref} == {"stop", "length"}  # greedy rows end both ways
+        else:
+            assert len({tuple(r.tokens) for r in ref + got}) == 4  # sampled, and the same four again
+        assert [len(r.accepts) for r in got] == [len(r.tokens) - 1 for r in got]
+        assert all(r.decode_s >= 0 and r.ttft_s >= 0 for r in got)
+
+
 def test_sampling_is_seeded_and_respects_top_p():
     _, ours = pair()
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True)

@@ -7,7 +7,9 @@
     3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
        target distributions are recomputed from these ids during training, so the data stays small.
 
-Everything runs batched through `engine.generate.Generator`, on whatever device the target is on.
+Everything runs batched through `engine.generate.Generator`, on whatever device the target is on, with
+the decode bookkeeping on the device (`sync_every`: the host looks every SYNC_EVERY steps, not every
+step; the same tokens as the eval loop).
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ from tqdm.auto import tqdm
 from engine.generate import Generator
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
+
+SYNC_EVERY = 16  # decode steps between host looks; up to 15 steps run past the batch's last token
 
 
 @dataclass(frozen=True)
@@ -50,12 +54,13 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
         if len(samples) >= n:
             break
         users = [tok.decode([t for t in r.tokens if t not in end_ids]).strip()
-                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng)]
+                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng, sync_every=SYNC_EVERY)]
         users = [u for u in users if len(u) >= min_prompt_chars][: n - len(samples)]
         if not users:
             continue
         prompts = [tok.encode_chat(u) for u in users]
-        for u, p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng)):
+        for u, p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
+                                                        sync_every=SYNC_EVERY)):
             samples.append(Sample(u, p, r.tokens))
         bar.update(len(users))
     bar.close()
