@@ -177,6 +177,7 @@ class TrainDataConfig:
     prompt_temperature: float = 1.0
     min_prompt_chars: int = 16
     graph: str = "auto"  # graph policy of the generation: auto (full on CUDA, else none) | none | full | debug
+    sync_every: int = 16  # decode steps between host looks (1: the eval's round loop); the same samples
     seed: int = 0
 
 

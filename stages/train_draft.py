@@ -84,7 +84,7 @@ class TrainDraftStage(Stage):
         for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
                     "eval_k"):
             _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
-        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens"):
+        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every"):
             _positive(f"train.data.{key}", getattr(t.data, key))
         if not 0.0 < t.heldout < 1.0:
             raise ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1")
@@ -165,7 +165,8 @@ class TrainDraftStage(Stage):
 
     def _data(self, cfg, loaded, root: Path, graph: str):
         d = cfg.train.data
-        meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None}}
+        # how the decoding ran (graphs, host looks) does not change the samples: not in the key
+        meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None, "sync_every": None}}
         path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
         samples = load_samples(path, meta)
         if samples is not None:
@@ -177,7 +178,8 @@ class TrainDraftStage(Stage):
             graphs = GraphSet(loaded.model, None, d.batch_size, 0, graph, "none", default_sizes(d.batch_size),
                               [], False).capture()
         samples = synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
-                             d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs)
+                             d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
+                             sync_every=d.sync_every)
         del graphs
         synth_s = time.perf_counter() - t0
         save_samples(path, samples, meta, synth_s)

@@ -251,6 +251,7 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     (["train.heldout=1.5"], "train.heldout"),
     (["train.data.graph=full"], "train.data.graph"),
     (["train.data.graph=fast"], "train.data.graph"),
+    (["train.data.sync_every=0"], "train.data.sync_every"),
     (["train.max_len=4096"], "train.max_len"),
     (["train.steps=0"], "train.steps"),
     (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only

@@ -8,8 +8,9 @@
        target distributions are recomputed from these ids during training, so the data stays small.
 
 Everything runs batched through `engine.generate.Generator`, on whatever device the target is on, with
-the decode bookkeeping on the device (`sync_every`: the host looks every SYNC_EVERY steps, not every
-step; the same tokens as the eval loop).
+the decode bookkeeping on the device (`sync_every`: the host looks every few steps, not every step; the
+same tokens as the eval loop). Each generation batch draws from its own seeded generator, so the
+samples depend on the seed and the sizes only, not on how the decoding ran (graphs, sync_every).
 """
 
 from __future__ import annotations
@@ -22,8 +23,6 @@ from tqdm.auto import tqdm
 from engine.generate import Generator
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
-
-SYNC_EVERY = 16  # decode steps between host looks; up to 15 steps run past the batch's last token
 
 
 @dataclass(frozen=True)
@@ -39,28 +38,30 @@ class Sample:
 
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
                max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
-               seed: int = 0, min_prompt_chars: int = 8, graphs=None) -> list[Sample]:
+               seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries).
-    `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager)."""
+    `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
+    `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end)."""
     tok, model = target.tokenizer, target.model
     prefix, end_ids = tok.user_turn()
     gen = Generator(model, batch_size, graphs=graphs)
-    rng = torch.Generator(device=model.lm_head.weight.device).manual_seed(seed)
+    rng = torch.Generator(device=model.lm_head.weight.device)  # seeded per batch below
     ask = SamplingParams(temperature=prompt_temperature, top_p=0.95, max_new_tokens=max_prompt_tokens)
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
     samples: list[Sample] = []
     bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True)
-    for _ in range(4 * (n // batch_size + 1)):  # bounded: short messages are dropped
+    for attempt in range(4 * (n // batch_size + 1)):  # bounded: short messages are dropped
         if len(samples) >= n:
             break
+        rng.manual_seed((seed << 32) + attempt)
         users = [tok.decode([t for t in r.tokens if t not in end_ids]).strip()
-                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng, sync_every=SYNC_EVERY)]
+                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng, sync_every=sync_every)]
         users = [u for u in users if len(u) >= min_prompt_chars][: n - len(samples)]
         if not users:
             continue
         prompts = [tok.encode_chat(u) for u in users]
         for u, p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
-                                                        sync_every=SYNC_EVERY)):
+                                                        sync_every=sync_every)):
             samples.append(Sample(u, p, r.tokens))
         bar.update(len(users))
     bar.close()
