@@ -31,6 +31,16 @@ train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overr
   job $gpu ${name}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head
 }
 
+datagen() {  # the samples once on GPU 0 (one training step), cached for the trainings that follow
+  job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
+}
+
+side_by_side() {  # side_by_side "A..." "B...": A on GPU 0 as e3a, B on GPU 1 as e3b (then the GPU tests)
+  # shellcheck disable=SC2086
+  (train_and_eval 0 e3a $1) & (train_and_eval 1 e3b $2; gpu_tests 1) & wait
+  echo "all done $(date +%T)" >> $L/done
+}
+
 gpu_tests() {  # gpu_tests GPU
   CUDA_VISIBLE_DEVICES=$1 python -m pytest -q -p no:cacheprovider -m "not slow" tests/test_train_draft.py \
     tests/test_kernels.py tests/test_graphs.py tests/test_gpu.py tests/test_multi_layer.py tests/test_dflash.py \
@@ -43,7 +53,7 @@ bench)
   TORCH_LOGS=recompiles python benchmarks/train_step.py --profile --shapes 32x512,64x256,40x400,48x333 > $L/train_step.log 2>&1
   echo "bench exit $? $(date +%T)" >> $L/done ;;
 data)
-  job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0 ;;
+  datagen ;;
 train)
   name=$2; shift 2
   train_and_eval 0 $name "$@" ;;
@@ -51,15 +61,11 @@ pair)
   a=$2 b=$3
   (CUDA_VISIBLE_DEVICES=1 python benchmarks/train_step.py --variants eager,flex --shapes 32x512,64x256 \
      > $L/train_step.log 2>&1; echo "bench exit $? $(date +%T)" >> $L/done) &
-  job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
+  datagen
   wait  # the step benchmark on GPU 1 ends before its training starts
-  # shellcheck disable=SC2086
-  (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
-  echo "all done $(date +%T)" >> $L/done ;;
+  side_by_side "$a" "$b" ;;
 duo)
-  a=$2 b=$3 DATA=""  # the recipe's own data settings unless A or B override them
-  # shellcheck disable=SC2086
-  (train_and_eval 0 e3a $a) & (train_and_eval 1 e3b $b; gpu_tests 1) & wait
-  echo "all done $(date +%T)" >> $L/done ;;
+  DATA=""  # the recipe's own data settings unless A or B override them
+  side_by_side "$2" "$3" ;;
 *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -294,9 +294,9 @@ class Generator(SpecDecoder):
         """Plain decoding with the bookkeeping on the device, for large batches (self-distillation).
 
         The round loop copies every step's tokens to the host and walks the rows in Python (about 2 ms a
-        step at 1024 rows on a CI core, with the device idle meanwhile). Here the step's token, the stop test and the
-        lengths stay on the device; the host looks every `sync_every` steps, only to see whether every
-        row is done, and the tokens come back once. Each step is the round loop's forward and sampling
+        step at 1024 rows on a CI core, with the device idle meanwhile). Here the step's token, the stop
+        test and the lengths stay on the device; the host looks every `sync_every` steps, only to see
+        whether every row is done, and the tokens come back once. Each step is the round loop's forward and sampling
         call, so the tokens are the same; a row's finish time is known to within `sync_every` steps.
 
         last [b]: the prefill's token. Buffers: out [b, max_new + 1] (column max_new takes the writes
@@ -314,12 +314,12 @@ class Generator(SpecDecoder):
         live_host = live.tolist()
         first_t = time.perf_counter()
         done_t = [first_t] * b
-        step = 0  # steps run; every row is done after max_new - 1
+        step, longest = 0, max(lens)  # steps run (every row is done after max_new - 1); the kv bound
         while any(live_host) and step < max_new - 1:
             t_step = time.perf_counter()
             for _ in range(min(sync_every, max_new - 1 - step)):
                 fwd = self._forward(self.round_runner, {"tokens": last[:, None], "positions": lengths[:, None],
-                                                        "valid": live[:, None]}, max(lens) + step + 1, cache)
+                                                        "valid": live[:, None]}, longest + step + 1, cache)
                 _, bonus = verify(fwd.logits, no_draft, None, sampling)  # [b]
                 out[rows, torch.where(live, count, max_new)] = bonus
                 count, lengths = count + live, lengths + live
