@@ -9,10 +9,11 @@
 #                                               meanwhile), then two trainings side by side
 #                                               (overrides A on GPU 0 as e3a, B on GPU 1 as e3b), each with its
 #                                               evals, then the GPU tests on GPU 1
-#   bash benchmarks/e3_lab.sh duo "A..." "B..."  on two GPUs: the whole experiment twice side by side, each
-#                                               one job (its own data, then training: the 15-minute
-#                                               budget is this job's wall time), A on GPU 0 as e3a, B on
-#                                               GPU 1 as e3b, each with its evals, then the GPU tests on GPU 1
+#   bash benchmarks/e3_lab.sh duo "A..." "B..." ["C..." ...]  one GPU per override set: the whole experiment
+#                                               side by side, each one job (its own data, then training: the
+#                                               issue's 15-minute budget is this job's wall time), A on GPU 0
+#                                               as e3a, B on GPU 1 as e3b, C on GPU 2 as e3c, ..., each with
+#                                               its evals, then the GPU tests on GPU 1
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
 # MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
 # Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
@@ -35,9 +36,14 @@ datagen() {  # the samples once on GPU 0 (one training step), cached for the tra
   job 0 data +experiment=train_eagle3_smollm2 $DATA train.name=datagen train.steps=1 train.loop_eval_prompts=0
 }
 
-side_by_side() {  # side_by_side "A..." "B...": A on GPU 0 as e3a, B on GPU 1 as e3b (then the GPU tests)
-  # shellcheck disable=SC2086
-  (train_and_eval 0 e3a $1) & (train_and_eval 1 e3b $2; gpu_tests 1) & wait
+side_by_side() {  # side_by_side "A..." "B..." ...: set i on GPU i as e3a, e3b, ... (the GPU tests after e3b)
+  local gpu=0 letters=abcdefgh
+  for o in "$@"; do
+    # shellcheck disable=SC2086
+    (train_and_eval $gpu e3${letters:$gpu:1} $o; if [ $gpu = 1 ]; then gpu_tests 1; fi) &
+    gpu=$((gpu + 1))
+  done
+  wait
   echo "all done $(date +%T)" >> $L/done
 }
 
@@ -65,7 +71,7 @@ pair)
   wait  # the step benchmark on GPU 1 ends before its training starts
   side_by_side "$a" "$b" ;;
 duo)
-  DATA=""  # the recipe's own data settings unless A or B override them
-  side_by_side "$2" "$3" ;;
+  DATA=""  # the recipe's own data settings unless an override set changes them
+  shift; side_by_side "$@" ;;
 *) echo "unknown phase $1"; exit 2 ;;
 esac

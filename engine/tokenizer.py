@@ -24,9 +24,10 @@ class Tokenizer(Protocol):
         assistant's turn; `encode_chat(user, system)` is the one-turn case of it."""
         ...
 
-    def user_turn(self) -> tuple[list[int], frozenset[int]]:
+    def user_turn(self, system: Optional[str] = None) -> tuple[list[int], frozenset[int]]:
         """(ids of the chat template up to where a user message starts, ids that end a user turn):
-        what a target is prompted with to write a user message itself (Magpie)."""
+        what a target is prompted with to write a user message itself (Magpie). `system`: the system
+        message before it (None: the template's default), which steers what the user asks about."""
         ...
 
 
@@ -63,9 +64,9 @@ class HFTokenizer:
         text = self.tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         return self.tok.encode(text, add_special_tokens=False)
 
-    def user_turn(self) -> tuple[list[int], frozenset[int]]:
+    def user_turn(self, system: Optional[str] = None) -> tuple[list[int], frozenset[int]]:
         sentinel = "\x00"
-        text = self.tok.apply_chat_template(_messages(sentinel, None), add_generation_prompt=True, tokenize=False)
+        text = self.tok.apply_chat_template(_messages(sentinel, system), add_generation_prompt=True, tokenize=False)
         prefix, suffix = text.split(sentinel, 1)
         end = self.tok.encode(suffix, add_special_tokens=False)[:1]  # e.g. <|im_end|>
         return self.tok.encode(prefix, add_special_tokens=False), frozenset(end) | self.eos_token_ids
@@ -90,5 +91,5 @@ class ByteTokenizer:
     def encode_messages(self, messages: list[dict]) -> list[int]:
         return self.encode("".join(f"<{m['role']}>{m['content']}\n" for m in messages) + "<assistant>")
 
-    def user_turn(self) -> tuple[list[int], frozenset[int]]:
-        return self.encode("<user>"), frozenset({ord("\n"), self.EOS})
+    def user_turn(self, system: Optional[str] = None) -> tuple[list[int], frozenset[int]]:
+        return self.encode(f"<system>{system}\n<user>" if system else "<user>"), frozenset({ord("\n"), self.EOS})

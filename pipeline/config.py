@@ -175,6 +175,9 @@ class TrainDataConfig:
     max_prompt_tokens: int = 64  # the synthesised user message
     max_answer_tokens: int = 384  # the target's answer
     prompt_temperature: float = 1.0
+    # System messages the user messages are written under, row by row ("": the template's default);
+    # [] = the default only. They steer the topics (Magpie); answers are always under the default.
+    system_prompts: list[str] = field(default_factory=list)
     min_prompt_chars: int = 16
     graph: str = "auto"  # graph policy of the generation: auto (full on CUDA, else none) | none | full | debug
     sync_every: int = 16  # decode steps between host looks (1: the eval's round loop); the same samples

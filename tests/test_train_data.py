@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from conftest import compose_cfg
+from conftest import compose_cfg, spread_init
 from engine.loading import load_model
 from engine.train.selfdistill import synthesize
 from engine.train.vocab import build_draft_vocab
@@ -43,6 +43,30 @@ def test_synthesize_prompts_and_answers_from_the_target(outputs):
     ref = Generator(target.model, 1).generate([samples[0].prompt_ids], SamplingParams(max_new_tokens=12),
                                               tok.eos_token_ids)[0].tokens
     assert ref == samples[0].answer_ids
+
+
+def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
+    """Row i of a batch writes its user message under system_prompts[i % n]; the answer is asked for
+    under the template's default, as the eval asks."""
+    from engine.generate import Generator
+    from engine.sampling import SamplingParams
+
+    target = tiny_target(outputs)
+    spread_init(target.model, seed=2)  # outputs that depend on the context
+    tok, systems = target.tokenizer, ["You teach math.", ""]
+    steered, plain = tok.user_turn(systems[0]), tok.user_turn()
+    assert steered[0] != plain[0] and steered[1] == plain[1]  # a different prefix, the same end of turn
+    # greedy messages: what a row writes depends on its prefix alone
+    kw = dict(n=4, batch_size=4, max_prompt_tokens=24, max_answer_tokens=6, seed=3, min_prompt_chars=0,
+              prompt_temperature=0.0)
+    samples = synthesize(target, system_prompts=systems, **kw)
+    # the messages are what the target writes after each row's own prefix
+    prefixes = [steered[0], plain[0], steered[0], plain[0]]
+    users = [tok.decode([t for t in r.tokens if t not in plain[1]]).strip()
+             for r in Generator(target.model, 4).generate(prefixes, SamplingParams(max_new_tokens=24), plain[1])]
+    assert [s.user for s in samples] == users
+    assert all(s.prompt_ids == tok.encode_chat(s.user) for s in samples)  # answered under the default
+    assert [s.user for s in synthesize(target, **kw)] != users  # without them: other messages
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():

@@ -1,7 +1,9 @@
 """Self-distilled training data: the target writes the prompts and the answers (Magpie-style).
 
     1. prompt the target with its chat template cut where a user message begins, and sample until the
-       user turn ends: a user message in the target's own distribution, no evaluation set involved;
+       user turn ends: a user message in the target's own distribution, no evaluation set involved.
+       `system_prompts` steer what is asked, as Magpie does per task: row i of every batch is prompted
+       under system_prompts[i % n] ("" or none: the template's default system message);
     2. apply the chat template to that message and let the target answer (greedy by default, as the
        draft will be asked to predict the target's greedy continuation);
     3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
@@ -16,6 +18,7 @@ samples depend on the seed and the sizes only, not on how the decoding ran (grap
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -38,12 +41,17 @@ class Sample:
 
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
                max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
-               seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16) -> list[Sample]:
+               seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16,
+               system_prompts: Sequence[str] = ()) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries).
     `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
-    `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end)."""
+    `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
+    `system_prompts`: the system messages the user messages are written under, row by row (the answers
+    are always asked for under the template's default, as the eval asks)."""
     tok, model = target.tokenizer, target.model
-    prefix, end_ids = tok.user_turn()
+    turns = [tok.user_turn(sp or None) for sp in (system_prompts or [""])]
+    prefixes = [turns[i % len(turns)][0] for i in range(batch_size)]
+    end_ids = turns[0][1]
     gen = Generator(model, batch_size, graphs=graphs)
     rng = torch.Generator(device=model.lm_head.weight.device)  # seeded per batch below
     ask = SamplingParams(temperature=prompt_temperature, top_p=0.95, max_new_tokens=max_prompt_tokens)
@@ -55,7 +63,7 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
             break
         rng.manual_seed((seed << 32) + attempt)
         users = [tok.decode([t for t in r.tokens if t not in end_ids]).strip()
-                 for r in gen.generate([prefix] * batch_size, ask, end_ids, rng, sync_every=sync_every)]
+                 for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every)]
         users = [u for u in users if len(u) >= min_prompt_chars][: n - len(samples)]
         if not users:
             continue
