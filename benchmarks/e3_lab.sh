@@ -19,9 +19,9 @@
 # Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
 set -u
 . benchmarks/jobs.sh
-NUM=${NUM:-65536}
-DB=${DB:-1024}
-DATA="train.data.num_samples=$NUM train.data.batch_size=$DB"
+DATA=""  # the recipe's own data settings, unless NUM (samples) or DB (generation batch) are given
+[ -n "${NUM:-}" ] && DATA="$DATA train.data.num_samples=$NUM"
+[ -n "${DB:-}" ] && DATA="$DATA train.data.batch_size=$DB"
 
 train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overrides; duo clears them)
   local gpu=$1 name=$2; shift 2
@@ -71,7 +71,7 @@ pair)
   wait  # the step benchmark on GPU 1 ends before its training starts
   side_by_side "$a" "$b" ;;
 duo)
-  DATA=""  # the recipe's own data settings unless an override set changes them
+  DATA=""  # the recipe's own data settings unless an override set changes them (not NUM / DB)
   shift; side_by_side "$@" ;;
 *) echo "unknown phase $1"; exit 2 ;;
 esac

@@ -68,3 +68,17 @@ def test_unknown_group_option_is_rejected():
     with pytest.raises(ConfigCompositionException) as e:
         compose_cfg("model=gpt5")
     assert "gpt5" in str(e.value) and "smollm2" in str(e.value)  # lists the available options
+
+
+def test_magpie_group_sets_the_system_messages_of_self_distillation():
+    assert to_run_config(compose_cfg()).train.data.system_prompts == []  # plain: the template's default
+    recipe = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2")).train.data.system_prompts
+    assert len(recipe) == 10 and recipe.count("") == 2 and any("math" in p for p in recipe)  # topics
+    wide = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_wide")).train.data
+    assert len(wide.system_prompts) == 20 and len(set(wide.system_prompts)) == 19
+    assert wide.num_samples == 98304  # the rest of the recipe stays
+    plain = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=plain")).train.data
+    assert plain.system_prompts == []
+    with pytest.raises(ConfigCompositionException) as e:
+        compose_cfg("magpie=chat")
+    assert "topics_wide" in str(e.value)  # lists the available options

@@ -1,0 +1,85 @@
+"""How far an EAGLE3 head's acceptance moves from its own data to an eval set:
+`python benchmarks/accept_shift.py HEAD_DIR [--dataset mt_bench] [--limit 80] [--tokens 256] [overrides...]`.
+
+The target answers the eval set's prompts greedily (batched, `--tokens` new tokens at most), and writes
+`--limit` Magpie samples of its own (`engine.train.selfdistill.synthesize`, the training data's kind,
+under the recipe's system messages or, with `--plain`, the template's default); the head is then scored
+on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy,
+draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
+eval stage's accept_length matches). One row per set, then one per category of the eval set. No eval
+prompt is ever trained on: the eval answers are only scored.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+from pathlib import Path
+
+from hydra import compose, initialize_config_dir
+
+from engine.generate import Generator
+from engine.prompts import load_prompts
+from engine.sampling import SamplingParams
+from engine.train.data import VocabMap
+from engine.train.selfdistill import Sample, synthesize
+from engine.train.trainer import Trainer
+from pipeline.config import register_configs, to_run_config
+from pipeline.paths import REPO
+from pipeline.plan import build_plan
+from stages.train_draft import settings
+
+COLUMNS = ("val_loop_accept_length_k5", "val_accept_length_k5", "val_acc_0", "val_draft_vocab_coverage", "val_loss")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("head", help="an EAGLE3 head directory (config.json, model.safetensors)")
+    ap.add_argument("--dataset", default="mt_bench")
+    ap.add_argument("--limit", type=int, default=80, help="eval prompts (spread over the set) and Magpie samples")
+    ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer; the replay's horizon")
+    ap.add_argument("--plain", action="store_true", help="Magpie under the template's default system message only")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args()
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        base = ["+experiment=eagle3", "tracking=off", "draft.init=checkpoint", f"draft.path={Path(args.head).resolve()}"]
+        cfg = to_run_config(compose(config_name="config", overrides=[*base, *args.overrides]))
+        recipe = to_run_config(compose(config_name="config", overrides=["+experiment=train_eagle3_smollm2"]))
+    plan = build_plan(cfg)
+    ctx: dict = {}
+    for stage in plan.stages:
+        if stage.name in ("load", "configure_aux_capture"):
+            ctx.update(stage.run(cfg, {k: ctx[k] for k in stage.requires}, plan.env))
+    loaded, head = ctx["target"], ctx["draft_head"]
+    target, tok = loaded.model, loaded.tokenizer
+
+    prompts = load_prompts(args.dataset)
+    prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]
+    ids = [tok.encode_chat(p.text) for p in prompts]
+    answers = Generator(target, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens), tok.eos_token_ids,
+                                                   sync_every=16)
+    evalset = [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
+    d = recipe.train.data
+    magpie = synthesize(loaded, args.limit, min(args.limit, d.batch_size), d.max_prompt_tokens, args.tokens,
+                        d.prompt_temperature, seed=12345, min_prompt_chars=d.min_prompt_chars, sync_every=16,
+                        system_prompts=[] if args.plain else list(d.system_prompts))
+    sets = {args.dataset: evalset, "magpie" + (" (plain)" if args.plain else ""): magpie}
+    by_category = collections.defaultdict(list)
+    for p, s in zip(prompts, evalset):
+        by_category[p.category or "-"].append(s)
+    sets.update({f"  {c}": s for c, s in by_category.items()})
+
+    recipe.train.loop_eval_tokens = args.tokens  # the replay's horizon
+    vocab = VocabMap(head.d2t, head.t2d)
+    print(f"{'set':16} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
+    for name, samples in sets.items():
+        trainer = Trainer(head, target, samples, samples, vocab, settings(recipe, plan.env.device),
+                          plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
+        m = trainer.evaluate()
+        print(f"{name:16} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
+              + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS), flush=True)
+
+
+if __name__ == "__main__":
+    main()
