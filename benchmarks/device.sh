@@ -27,7 +27,9 @@ tests)
   python -m pytest -q -p no:cacheprovider -m "${MARK:-not slow}" tests/test_kernels.py tests/test_graphs.py \
     tests/test_gpu.py tests/test_multi_layer.py $(ls tests/test_dflash.py tests/test_serve.py 2>/dev/null) 2>&1 \
     | tee "$OUT/tests.log" | grep -E "passed|failed|Error|FAILED" ;;
-warm)  # the GGUF converted once, before parallel jobs read outputs/weights
+warm)  # the GGUF converted once, before parallel jobs read outputs/weights; the bytecode written once too
+  # (four jobs starting at once: one died at import, ModuleNotFoundError for a module that was there)
+  python -m compileall -q engine stages pipeline conf > /dev/null
   python -m pipeline +experiment=baseline eval.limit=1 eval.max_new_tokens=4 tracking=off 2>&1 | grep -E "^\[load\]" ;;
 par)  # issues 5-7 on 4 GPUs in the background (benchmarks/par.sh); read with poll
   mkdir -p /tmp/bg; setsid bash benchmarks/par.sh > /tmp/bg/par.log 2>&1 < /dev/null &

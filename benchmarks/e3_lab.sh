@@ -9,6 +9,7 @@
 #                                               meanwhile), then two trainings side by side
 #                                               (overrides A on GPU 0 as e3a, B on GPU 1 as e3b), each with its
 #                                               evals, then the GPU tests on GPU 1
+#   bash benchmarks/e3_lab.sh evals NAME [GPU]  the evals below again for outputs/train/NAME/head (NAME_again_*.log)
 #   bash benchmarks/e3_lab.sh duo "A..." "B..." ["C..." ...]  one GPU per override set: the whole experiment
 #                                               side by side, each one job (its own data, then training: the
 #                                               issue's 15-minute budget is this job's wall time), A on GPU 0
@@ -26,10 +27,14 @@ DATA=""  # the recipe's own data settings, unless NUM (samples) or DB (generatio
 train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overrides; duo clears them)
   local gpu=$1 name=$2; shift 2
   job $gpu $name +experiment=train_eagle3_smollm2 $DATA train.name=$name "$@"
-  local head="draft.init=checkpoint draft.path=outputs/train/$name/head"
-  job $gpu ${name}_mt +experiment=eagle3_full eval=mt_bench $head
-  for ds in gsm8k humaneval alpaca; do job $gpu ${name}_$ds +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $head; done
-  job $gpu ${name}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head
+  head_evals $gpu $name $name
+}
+
+head_evals() {  # head_evals GPU NAME PREFIX: the evals of outputs/train/NAME/head, logs PREFIX_*.log
+  local gpu=$1 p=$3 head="draft.init=checkpoint draft.path=outputs/train/$2/head"
+  job $gpu ${p}_mt +experiment=eagle3_full eval=mt_bench $head
+  for ds in gsm8k humaneval alpaca; do job $gpu ${p}_$ds +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $head; done
+  job $gpu ${p}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head
 }
 
 datagen() {  # the samples once on GPU 0 (one training step), cached for the trainings that follow
@@ -63,6 +68,9 @@ data)
 train)
   name=$2; shift 2
   train_and_eval 0 $name "$@" ;;
+evals)  # evals NAME [GPU]: a trained head's evals again, alone (logs NAME_again_*), e.g. once the others are done
+  head_evals "${3:-0}" "$2" "$2_again"
+  echo "evals done $(date +%T)" >> $L/done ;;
 pair)
   a=$2 b=$3
   (CUDA_VISIBLE_DEVICES=1 python benchmarks/train_step.py --variants eager,flex --shapes 32x512,64x256 \
