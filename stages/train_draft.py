@@ -117,7 +117,7 @@ class TrainDraftStage(Stage):
         t = cfg.train
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
-                f"{steering(dataclasses.asdict(t.data))}), hold out {t.heldout:.0%}; "
+                f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
                 f"attention {train_attention(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}; "
@@ -269,7 +269,7 @@ def model_card(f: dict) -> str:
 
 - Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
-  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'])}), answered by the target greedily
+  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution over the
   draft vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
@@ -283,8 +283,9 @@ accept_rate_pos_i: {rates}.{loop_line(m, f)}
 """
 
 
-def steering(d: dict) -> str:
-    n = len([p for p in d.get("system_prompts") or [] if p])
+def steering(system_prompts) -> str:
+    """The card's and the plan's words for `train.data.system_prompts` ("" when there are none)."""
+    n = len([p for p in system_prompts or [] if p])
     return f", under {n} topic system messages and the default in turn" if n else ""
 
 
