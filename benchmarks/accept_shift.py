@@ -71,11 +71,13 @@ def main() -> None:
     sets.update({f"  {c}": s for c, s in by_category.items()})
 
     recipe.train.loop_eval_tokens = args.tokens  # the replay's horizon
-    vocab = VocabMap(head.d2t, head.t2d)
+    # one trainer (its KV rows sized for every set), evaluating one set at a time as its held-out split
+    everything = evalset + magpie
+    trainer = Trainer(head, target, everything, everything, VocabMap(head.d2t, head.t2d),
+                      settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
     print(f"{'set':16} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
     for name, samples in sets.items():
-        trainer = Trainer(head, target, samples, samples, vocab, settings(recipe, plan.env.device),
-                          plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
+        trainer.heldout = samples
         m = trainer.evaluate()
         print(f"{name:16} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
               + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS), flush=True)

@@ -46,10 +46,15 @@ DATA_GRAPHS = ("auto", "none", "full", "debug")
 TRAIN_ATTENTION = ("auto", "eager", "flex")
 
 
+def flex_trains(algorithm: str, device: torch.device) -> bool:
+    """FlexAttention can run this draft's training forward here (its fused backward is CUDA only)."""
+    return TRAIN_SPECS[algorithm].flex_attention and device.type == "cuda"
+
+
 def train_attention(cfg, device: torch.device) -> str:
     a = cfg.train.attention
     if a == "auto":
-        return "flex" if TRAIN_SPECS[cfg.draft.algorithm].flex_attention and device.type == "cuda" else "eager"
+        return "flex" if flex_trains(cfg.draft.algorithm, device) else "eager"
     return a
 
 
@@ -94,7 +99,7 @@ class TrainDraftStage(Stage):
                               ">= 2, or a smaller train.heldout")
         if t.attention not in TRAIN_ATTENTION:
             raise ConfigError("train.attention", t.attention, "attention of the training forward", TRAIN_ATTENTION)
-        if t.attention == "flex" and not (TRAIN_SPECS[d.algorithm].flex_attention and env.device.type == "cuda"):
+        if t.attention == "flex" and not flex_trains(d.algorithm, env.device):
             raise ConfigError("train.attention", t.attention, f"FlexAttention trains {d.algorithm} on CUDA only "
                               f"(this run: {d.algorithm} on {env.device})", "eager or auto")
         if t.round_weight < 0:
@@ -285,8 +290,10 @@ accept_rate_pos_i: {rates}.{loop_line(m, f)}
 
 def steering(system_prompts) -> str:
     """The card's and the plan's words for `train.data.system_prompts` ("" when there are none)."""
-    n = len([p for p in system_prompts or [] if p])
-    return f", under {n} topic system messages and the default in turn" if n else ""
+    prompts = system_prompts or []
+    n = len([p for p in prompts if p])
+    default = " and the default" if "" in prompts else ""
+    return f", under {n} topic system messages{default} in turn" if n else ""
 
 
 def loop_line(m: dict, f: dict) -> str:
