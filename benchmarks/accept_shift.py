@@ -73,7 +73,7 @@ def main() -> None:
     recipe.train.loop_eval_tokens = args.tokens  # the replay's horizon
     # one trainer (its KV rows sized for every set), evaluating one set at a time as its held-out split
     everything = evalset + magpie
-    trainer = Trainer(head, target, everything, everything, VocabMap(head.d2t, head.t2d),
+    trainer = Trainer(head, target, everything, everything, VocabMap.of(head),
                       settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
     print(f"{'set':16} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
     for name, samples in sets.items():

@@ -57,14 +57,12 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     data = {s: samples(s[0], s[1], target.args.vocab_size, i) for i, s in enumerate(shapes)}
     student = head.copy(dev, torch.float32).requires_grad_(True)
-    if spec.reduced_vocab:
+    if not student.shares_lm_head:
         d2t, t2d = build_draft_vocab((x.ids for v in data.values() for x in v), target.args.vocab_size,
                                      head.draft_vocab_size, sorted(set(target.args.eos_token_ids)))
         student.d2t.copy_(d2t)
         student.t2d.copy_(t2d)
-        vocab = VocabMap(student.d2t, student.t2d)
-    else:
-        vocab = VocabMap.identity(target.args.vocab_size, dev)
+    vocab = VocabMap.of(student)
     s = settings(cfg, dev)
     everything = [x for v in data.values() for x in v]  # sizes the target's KV rows for every shape
     trainer = Trainer(student, target, everything, everything, vocab, s, plan.env.outputs_dir / "bench",

@@ -92,6 +92,9 @@ class DraftConfig:
     aux_layer_ids: Optional[list[int]] = None
     aux_layer_convention: str = "input_of"  # input_of (sglang, EAGLE) | output_of (TensorRT-LLM, SpecForge)
     draft_vocab_size: Optional[int] = None  # random init: reduced draft vocabulary (null: the target's)
+    # eagle3 random init: own (an lm_head of the head's own over draft_vocab_size tokens) | target (the
+    # target's lm_head, shared and frozen: the whole vocabulary, nothing stored; draft_vocab_size null)
+    lm_head: str = "own"
     init_seed: int = 0
     # dflash: tokens per block (the bonus token + block_size - 1 mask tokens; num_steps <= block_size - 1),
     # the mask token (an id of the target vocabulary) and the drafter's decoder layers. null: the

@@ -11,7 +11,7 @@
 1. Data (engine/train/selfdistill.py): the target writes user messages (Magpie) and answers them,
    batched on the run's device, under CUDA graphs when `train.data.graph=full`. Never an eval set.
 2. Draft vocabulary: the `draft.draft_vocab_size` most frequent target tokens of the training split
-   (d2t/t2d), EOS always in.
+   (d2t/t2d), EOS always in; none with `draft.lm_head=target` (the target's lm_head, every token).
 3. Training (engine/train/trainer.py): a float32 copy of the loaded head; with `draft.init=random` and
    `train.init_from_target`, its lm_head rows and final norm start as the target's (the head then starts
    from the target's own output layer, restricted to the draft vocabulary).
@@ -144,10 +144,8 @@ class TrainDraftStage(Stage):
               f"{len(train)} train / {len(heldout)} held out", flush=True)
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
-        student = self._student(cfg, head, target, train, env, spec.reduced_vocab)
-        vocab = (VocabMap(student.d2t, student.t2d) if spec.reduced_vocab
-                 else VocabMap.identity(target.args.vocab_size, env.device))
-        trainer = Trainer(student, target, train, heldout, vocab, settings(cfg, env.device), out, log, spec)
+        student = self._student(cfg, head, target, train, env)
+        trainer = Trainer(student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec)
         metrics = trainer.fit(resume=t.resume)
         if t.loop_eval_prompts > 0:
             metrics.update(loop_acceptance(env.draft_plan, student, target, heldout[: t.loop_eval_prompts],
@@ -191,21 +189,17 @@ class TrainDraftStage(Stage):
         save_samples(path, samples, meta, synth_s)
         return samples, synth_s, False
 
-    def _student(self, cfg, head, target, train, env: StageEnv, reduced_vocab: bool):
-        """A float32 trainable copy of the loaded head, with its draft vocabulary (EAGLE3)."""
+    def _student(self, cfg, head, target, train, env: StageEnv):
+        """A float32 trainable copy of the loaded head: from scratch, its draft vocabulary (EAGLE3 with an
+        lm_head of its own) from the training split, then its output layer from the target's."""
         student = head.copy(env.device, torch.float32)
-        if cfg.draft.init == "random" and reduced_vocab:
+        if cfg.draft.init == "random" and not student.shares_lm_head:
             eos = sorted(set(target.args.eos_token_ids))
             d2t, t2d = build_draft_vocab((s.ids for s in train), target.args.vocab_size, head.draft_vocab_size, eos)
             student.d2t.copy_(d2t)
             student.t2d.copy_(t2d)
-            if cfg.train.init_from_target:
-                used = (torch.arange(head.draft_vocab_size) + d2t).to(target.lm_head.weight.device)
-                with torch.no_grad():
-                    student.lm_head.weight.copy_(target.lm_head.weight[used])
-                    student.norm.weight.copy_(target.model.norm.weight)
-        elif cfg.draft.init == "random" and cfg.train.init_from_target and hasattr(student, "init_from_target"):
-            student.init_from_target(target)  # heads over the target's vocabulary (DFlash: its final norm)
+        if cfg.draft.init == "random" and cfg.train.init_from_target and hasattr(student, "init_from_target"):
+            student.init_from_target(target)
         return student.requires_grad_(True)
 
     def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:
@@ -223,6 +217,7 @@ class TrainDraftStage(Stage):
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
             "algorithm": cfg.draft.algorithm, "architecture": export.architecture,
             "draft_vocab_size": getattr(export, "draft_vocab_size", env.target_args.vocab_size),
+            "lm_head": "target" if export.shares_lm_head else "own",
             "aux_layer_ids_output_of": list(env.draft_plan.aux.output_of) if env.draft_plan.aux else None,
             "metrics": {k: round(float(v), 4) for k, v in metrics.items()},
         }
@@ -277,7 +272,7 @@ def model_card(f: dict) -> str:
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution over the
-  draft vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
+  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
 
 ## Acceptance measured

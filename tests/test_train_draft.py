@@ -23,9 +23,10 @@ from pipeline.tracking import default_tracking_uri
 from test_model import pair
 
 
-def _head_and_batch(b=2, t=12, seed=0, device="cpu"):
+def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
     _, target = pair()
-    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], 320), max(64, t)), seed=seed, std=0.1)
+    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], None, lm_head), max(64, t)), seed=seed,
+                       std=0.1)
     head.bind(target.to(device)).to(device)
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(b, t, head.fc.in_features, generator=g)
@@ -59,12 +60,13 @@ def _inference_chain(head, batch: Batch, row: int, anchor: int, steps: int) -> l
     return out
 
 
+@pytest.mark.parametrize("lm_head", ["own", "target"])
 @pytest.mark.parametrize("anchor", [0, 3, 6])
-def test_ttt_unroll_equals_the_inference_chain(anchor):
+def test_ttt_unroll_equals_the_inference_chain(anchor, lm_head):
     """Step s of the unrolled forward at position anchor + s is exactly what the draft computes at
     inference for a chain anchored there: same hidden inputs and the same keys (the step-0 prefix plus one
     diagonal key per earlier step). A wrong attention pattern fails here."""
-    head, batch = _head_and_batch()
+    head, batch = _head_and_batch(lm_head=lm_head)
     steps = 4
     with torch.no_grad():
         unrolled = ttt_forward(head, batch, steps)
@@ -246,6 +248,33 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert d2t.shape == (96,)
 
 
+def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs):
+    """draft.lm_head=target: the head predicts through the target's lm_head (frozen, shared), so the
+    export stores no lm_head, d2t or t2d and its config.json no draft_vocab_size (sglang then loads the
+    lm_head from the target); every answer token is in its vocabulary; it trains and loads back."""
+    ctx = run(compose_cfg(*TRAIN, "draft.draft_vocab_size=null", "draft.lm_head=target", "train.steps=30",
+                          "train.loop_eval_prompts=0", "train.name=shared"))
+    head_dir = Path(ctx["draft_checkpoint"])
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "draft_vocab_size" not in cfg
+    with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert "fc.weight" in keys and not keys & {"lm_head.weight", "d2t", "t2d"}
+    assert "target's lm_head" in (head_dir / "README.md").read_text()
+    client = MlflowClient(default_tracking_uri(outputs))
+    (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
+    val = _history(client, r.info.run_id, "val_loss")
+    assert val[-1][0] == 30 and val[-1][1] < val[0][1]  # the held-out loss falls
+    assert r.data.metrics["val_draft_vocab_coverage"] == 1.0
+
+    trained = run(compose_cfg("+experiment=eagle3", "model=tiny", "model.random.init_std=0.15",
+                              "draft.aux_layer_ids=[1,2,3]", "eval.limit=2", "eval.max_new_tokens=16",
+                              "draft.num_steps=3", "tracking=off", "draft.init=checkpoint", f"draft.path={head_dir}"))
+    head, target = trained["draft_head"], trained["target"].model
+    assert head.shares_lm_head and head.lm_head is target.lm_head
+    assert trained["eval_results"]["metrics"]["match_baseline"] == 1.0
+
+
 @pytest.mark.parametrize("override, key", [
     (["draft=ngram"], "draft.algorithm"),
     (["train.heldout=1.5"], "train.heldout"),
@@ -257,6 +286,8 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
     (["train.attention=fast"], "train.attention"),
     (["train.round_weight=-1"], "train.round_weight"),
+    (["draft.lm_head=tied"], "draft.lm_head"),
+    (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
 ])
 def test_bad_train_config_is_one_clear_error(outputs, override, key):
     with pytest.raises(PlanError) as e:

@@ -106,9 +106,6 @@ class DFlashHead(_Head):
     def feature_width(self) -> int:
         return self.fc.in_features  # n_aux x target hidden
 
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self.target_lm_head[0]
 
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""

@@ -16,6 +16,10 @@ EAGLE3 (public format, `architectures: ["LlamaForCausalLMEagle3"]`):
              norm.weight, lm_head.weight, d2t [draft_vocab] int64, t2d [vocab] bool
     config:  draft_vocab_size, target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids (output_of)
 
+    Without `draft_vocab_size` in config.json the head predicts over the target's whole vocabulary
+    through the target's lm_head (shared storage, frozen): no lm_head, d2t or t2d is stored. This is
+    sglang's `load_lm_head_from_target` convention; every target token can be drafted.
+
 EAGLE (feature-level, `architectures: ["LlamaForCausalLMEagle"]`): the feature is the target's final
 normed hidden state; h = layer(fc(cat(embed(tok), f))) with no input norm, logits = target lm_head(h).
 """
@@ -60,8 +64,19 @@ class _Head(nn.Module):
         self.max_seq_len = max_seq_len
         self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
         self.target_ref: list[nn.Module] = []  # the target itself (lists keep them out of state_dict)
-        self.target_lm_head: list[nn.Linear] = []  # the target's lm_head (EAGLE, MTP and DFlash use it)
+        self.target_lm_head: list[nn.Linear] = []  # the target's lm_head (set by bind())
         self.attention_kernel = False  # follows the target's choice in bind()
+
+    @property
+    def lm_head(self) -> nn.Linear:
+        """The head's own lm_head (an EAGLE3 draft vocabulary) if it has one, else the target's."""
+        own = self._modules.get("lm_head")
+        return own if own is not None else self.target_lm_head[0]
+
+    @property
+    def shares_lm_head(self) -> bool:
+        """Predicts over the target's vocabulary through the target's lm_head (nothing of it stored)."""
+        return self._modules.get("lm_head") is None
 
     @property
     def cache_slots(self) -> int:
@@ -94,7 +109,7 @@ class _Head(nn.Module):
     def graph_meta(self) -> dict:
         """The target storage a captured draft graph reads (hazard 7: capture after sharing the
         target's embedding and lm_head)."""
-        return {"embed_ptr": self.embed.weight.data_ptr(), "lm_head_ptr": self.target_lm_head[0].weight.data_ptr()}
+        return {"embed_ptr": self.embed.weight.data_ptr(), "lm_head_ptr": self.lm_head.weight.data_ptr()}
 
     def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "_Head":
         """A head of the same type and config with this one's weights in its own storage, on `device`
@@ -175,9 +190,10 @@ class Eagle3Head(_Head):
         self.fc = nn.Linear(self.n_aux * cfg["target_hidden_size"], a.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(a)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
-        self.lm_head = nn.Linear(a.hidden_size, self.draft_vocab_size, bias=False)
-        self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
-        self.register_buffer("t2d", torch.arange(a.vocab_size) < self.draft_vocab_size)
+        if cfg.get("draft_vocab_size") is not None:  # else the target's lm_head (shares_lm_head)
+            self.lm_head = nn.Linear(a.hidden_size, self.draft_vocab_size, bias=False)
+            self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
+            self.register_buffer("t2d", torch.arange(a.vocab_size) < self.draft_vocab_size)
         self.init_buffers()
 
     @property
@@ -202,20 +218,39 @@ class Eagle3Head(_Head):
         h = h + m.mlp(m.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
 
+    def init_from_target(self, target) -> None:
+        """Training from scratch: the final norm, and the own lm_head's rows (of the draft vocabulary set
+        in d2t), start as the target's: the head starts from the target's output layer."""
+        with torch.no_grad():
+            self.norm.weight.copy_(target.model.norm.weight)
+            if not self.shares_lm_head:
+                used = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t  # [draft_vocab]
+                self.lm_head.weight.copy_(target.lm_head.weight[used.to(target.lm_head.weight.device)])
+
     def to_target(self, draft_ids: Tensor) -> Tensor:
-        return draft_ids + self.d2t[draft_ids]
+        return draft_ids if self.shares_lm_head else draft_ids + self.d2t[draft_ids]
 
     def card_summary(self, f: dict) -> str:
         """The model card's description (stages/train_draft.py writes the card)."""
-        return (f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: `fc`, `midlayer.*`, `norm`,\n"
-                f"`lm_head`, `d2t`, `t2d`), reading the target's hidden states after layers\n"
-                f"{f['aux_layer_ids_output_of']} (`output_of` convention), with a {f['draft_vocab_size']}-token draft "
-                "vocabulary.\nThe token embedding is the target's and is not stored here.")
+        if self.shares_lm_head:
+            tensors, vocab = ("`fc`, `midlayer.*`, `norm`", "predicting over the target's whole vocabulary through the "
+                              "target's lm_head.\nThe token embedding and the lm_head are the target's and are not "
+                              "stored here (config.json has no `draft_vocab_size`: sglang's "
+                              "`load_lm_head_from_target`).")
+        else:
+            tensors, vocab = ("`fc`, `midlayer.*`, `norm`,\n`lm_head`, `d2t`, `t2d`",
+                              f"with a {f['draft_vocab_size']}-token draft vocabulary.\nThe token embedding is the "
+                              "target's and is not stored here.")
+        return (f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: {tensors}), reading the "
+                f"target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
+                f"{vocab}")
 
     def card_objective(self, f: dict) -> str:
         return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
 
     def probs_to_target(self, q: Tensor) -> Tensor:  # [b, draft_vocab] -> [b, vocab]
+        if self.shares_lm_head:
+            return q
         out = q.new_zeros(*q.shape[:-1], self.args.vocab_size)
         ids = torch.arange(self.draft_vocab_size, device=q.device)
         return out.index_copy_(-1, self.to_target(ids), q)
@@ -251,7 +286,7 @@ class EagleHead(_Head):
         layer = self.layers[0]
         h = env["g"] + layer.self_attn.o_proj(env["o"])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
-        env["out_hidden"], env["logits"] = h, self.target_lm_head[0](h)
+        env["out_hidden"], env["logits"] = h, self.lm_head(h)
 
 
 # ------------------------------------------------------------------------------------- configs
@@ -267,11 +302,15 @@ def eagle_config(target: ModelArgs) -> dict:
     }
 
 
-def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None) -> dict:
-    """A public-format EAGLE3 config.json for a head matching `target` (random init, training)."""
+def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None,
+                  lm_head: str = "own") -> dict:
+    """A public-format EAGLE3 config.json for a head matching `target` (random init, training).
+    lm_head="own": its own lm_head over `draft_vocab_size` tokens (None: the target's vocabulary);
+    "target": the target's lm_head, so no draft_vocab_size key (Eagle3Head.shares_lm_head)."""
+    vocab = {} if lm_head == "target" else {"draft_vocab_size": draft_vocab_size or target.vocab_size}
     return {
         **eagle_config(target), "architectures": [Eagle3Head.architecture], "tie_word_embeddings": False,
-        "draft_vocab_size": draft_vocab_size or target.vocab_size, "target_hidden_size": target.hidden_size,
+        **vocab, "target_hidden_size": target.hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
     }
 

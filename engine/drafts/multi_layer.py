@@ -92,9 +92,6 @@ class MultiLayerEagleHead(_Head):
         self.layers = nn.ModuleList(MTPModule(self.args) for _ in range(self.num_modules))
         self.init_buffers()
 
-    @property
-    def lm_head(self) -> nn.Linear:
-        return self.target_lm_head[0]
 
     @property
     def feature_width(self) -> int:

@@ -27,6 +27,7 @@ from engine.errors import ConfigError
 from engine.model import LlamaModel, ModelArgs, init_normal_
 
 INITS = ("checkpoint", "random")
+LM_HEADS = ("own", "target")  # draft.lm_head of a random-init EAGLE3 head
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class DraftPlan:
                          f"{self.head_config['num_hidden_layers']} layers")
         if self.head_config is not None and "draft_vocab_size" in self.head_config:
             parts.append(f"draft vocab {self.head_config['draft_vocab_size']}")
+        elif self.algorithm == "eagle3":
+            parts.append("the target's lm_head (whole vocabulary)")
         if self.aux is not None:
             parts.append(f"aux layers {self.aux.describe()}")
         return ", ".join(parts)
@@ -129,7 +132,12 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
         dv = cfg.draft_vocab_size
         if dv is not None and not 0 < dv <= target.vocab_size:
             raise ConfigError("draft.draft_vocab_size", dv, "out of range", f"1..{target.vocab_size}, or null")
-        head_cfg = eagle3_config(target, list(aux.output_of), dv)
+        if cfg.lm_head not in LM_HEADS:
+            raise ConfigError("draft.lm_head", cfg.lm_head, "where the head's logits come from", LM_HEADS)
+        if cfg.lm_head == "target" and dv is not None:
+            raise ConfigError("draft.draft_vocab_size", dv, "draft.lm_head=target predicts over the target's whole "
+                              "vocabulary", "null (or draft.lm_head=own)")
+        head_cfg = eagle3_config(target, list(aux.output_of), dv, cfg.lm_head)
     return DraftPlan("eagle3", FeatureKind.aux, aux, head_cfg, ckpt)
 
 

@@ -97,6 +97,13 @@ class VocabMap:
         return cls(torch.zeros(vocab_size, dtype=torch.long, device=device),
                    torch.ones(vocab_size, dtype=torch.bool, device=device))
 
+    @classmethod
+    def of(cls, head) -> "VocabMap":
+        """A head's map: its d2t/t2d (an lm_head of its own), else the identity (the target's lm_head)."""
+        if head.shares_lm_head:
+            return cls.identity(head.args.vocab_size, next(head.parameters()).device)
+        return cls(head.d2t, head.t2d)
+
 
 @torch.no_grad()
 def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device,

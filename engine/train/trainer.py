@@ -46,8 +46,6 @@ class TrainSpec:
                 at j = p - s: step s of a proposal made when the target holds positions 0..j
     loss        (logits, batch, decay) -> (loss, stats); acceptance is read from the logits' greedy chains
                 (chain_lengths), the same for every draft
-    reduced_vocab  the head predicts over a draft vocabulary built from the data (d2t/t2d, EAGLE3);
-                else over the target's (labels over the full vocabulary)
     check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
                 only this algorithm constrains (e.g. DFlash: train.ttt_steps within the block)
     """
@@ -56,12 +54,11 @@ class TrainSpec:
     forward: Callable
     flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
     loss: Callable = ttt_loss
-    reduced_vocab: bool = False
     check: Optional[Callable] = None
 
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
-    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, reduced_vocab=True),
+    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
