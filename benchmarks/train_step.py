@@ -22,7 +22,7 @@ from engine.train.data import VocabMap, target_batch
 from engine.train.eagle3 import ttt_attention_flex
 from engine.train.selfdistill import Sample
 from engine.train.trainer import TRAIN_SPECS, Trainer
-from engine.train.vocab import build_draft_vocab
+from engine.train.vocab import fit_draft_vocab
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import REPO
 from pipeline.plan import build_plan
@@ -57,11 +57,7 @@ def main() -> None:
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     data = {s: samples(s[0], s[1], target.args.vocab_size, i) for i, s in enumerate(shapes)}
     student = head.copy(dev, torch.float32).requires_grad_(True)
-    if not student.shares_lm_head:
-        d2t, t2d = build_draft_vocab((x.ids for v in data.values() for x in v), target.args.vocab_size,
-                                     head.draft_vocab_size, sorted(set(target.args.eos_token_ids)))
-        student.d2t.copy_(d2t)
-        student.t2d.copy_(t2d)
+    fit_draft_vocab(student, (x.ids for v in data.values() for x in v), sorted(set(target.args.eos_token_ids)))
     vocab = VocabMap.of(student)
     s = settings(cfg, dev)
     everything = [x for v in data.values() for x in v]  # sizes the target's KV rows for every shape

@@ -296,8 +296,9 @@ class Generator(SpecDecoder):
         The round loop copies every step's tokens to the host and walks the rows in Python (about 2 ms a
         step at 1024 rows on a CI core, with the device idle meanwhile). Here the step's token, the stop
         test and the lengths stay on the device; the host looks every `sync_every` steps, only to see
-        whether every row is done, and the tokens come back once. Each step is the round loop's forward and sampling
-        call, so the tokens are the same; a row's finish time is known to within `sync_every` steps.
+        whether every row is done, and the tokens come back once. Each step is the round loop's forward
+        and sampling call, so the tokens are the same; a row's finish time is known to within
+        `sync_every` steps.
 
         last [b]: the prefill's token. Buffers: out [b, max_new + 1] (column max_new takes the writes
         of finished rows), count / lengths [b] (tokens emitted / tokens in the cache), live [b] bool.

@@ -37,7 +37,7 @@ from engine.graphs.runner import default_sizes
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
 from engine.train.selfdistill import synthesize
 from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
-from engine.train.vocab import build_draft_vocab
+from engine.train.vocab import fit_draft_vocab
 from pipeline.paths import REPO
 from stages.base import Stage, StageEnv, register_stage
 
@@ -145,7 +145,8 @@ class TrainDraftStage(Stage):
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
         student = self._student(cfg, head, target, train, env)
-        trainer = Trainer(student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec)
+        trainer = Trainer(student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log,
+                          spec)
         metrics = trainer.fit(resume=t.resume)
         if t.loop_eval_prompts > 0:
             metrics.update(loop_acceptance(env.draft_plan, student, target, heldout[: t.loop_eval_prompts],
@@ -193,13 +194,10 @@ class TrainDraftStage(Stage):
         """A float32 trainable copy of the loaded head: from scratch, its draft vocabulary (EAGLE3 with an
         lm_head of its own) from the training split, then its output layer from the target's."""
         student = head.copy(env.device, torch.float32)
-        if cfg.draft.init == "random" and not student.shares_lm_head:
-            eos = sorted(set(target.args.eos_token_ids))
-            d2t, t2d = build_draft_vocab((s.ids for s in train), target.args.vocab_size, head.draft_vocab_size, eos)
-            student.d2t.copy_(d2t)
-            student.t2d.copy_(t2d)
-        if cfg.draft.init == "random" and cfg.train.init_from_target and hasattr(student, "init_from_target"):
-            student.init_from_target(target)
+        if cfg.draft.init == "random":
+            fit_draft_vocab(student, (s.ids for s in train), sorted(set(target.args.eos_token_ids)))
+            if cfg.train.init_from_target and hasattr(student, "init_from_target"):
+                student.init_from_target(target)
         return student.requires_grad_(True)
 
     def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:

@@ -106,7 +106,6 @@ class DFlashHead(_Head):
     def feature_width(self) -> int:
         return self.fc.in_features  # n_aux x target hidden
 
-
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""
         with torch.no_grad():

@@ -224,7 +224,7 @@ class Eagle3Head(_Head):
         with torch.no_grad():
             self.norm.weight.copy_(target.model.norm.weight)
             if not self.shares_lm_head:
-                used = torch.arange(self.draft_vocab_size, device=self.d2t.device) + self.d2t  # [draft_vocab]
+                used = self.to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))  # [draft_vocab]
                 self.lm_head.weight.copy_(target.lm_head.weight[used.to(target.lm_head.weight.device)])
 
     def to_target(self, draft_ids: Tensor) -> Tensor:

@@ -92,7 +92,6 @@ class MultiLayerEagleHead(_Head):
         self.layers = nn.ModuleList(MTPModule(self.args) for _ in range(self.num_modules))
         self.init_buffers()
 
-
     @property
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state

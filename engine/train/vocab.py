@@ -28,3 +28,13 @@ def build_draft_vocab(sequences: Iterable[list[int]], vocab_size: int, draft_voc
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
     t2d[used] = True
     return d2t, t2d
+
+
+def fit_draft_vocab(head, sequences: Iterable[list[int]], always: Iterable[int] = ()) -> None:
+    """Set a head's d2t/t2d from the most frequent tokens of `sequences` (`build_draft_vocab` at the
+    head's draft_vocab_size); heads over the target's vocabulary (shares_lm_head) have none to set."""
+    if head.shares_lm_head:
+        return
+    d2t, t2d = build_draft_vocab(sequences, head.args.vocab_size, head.draft_vocab_size, always)
+    head.d2t.copy_(d2t)
+    head.t2d.copy_(t2d)
