@@ -36,6 +36,7 @@ from engine.errors import ConfigError
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel
+from engine.phase_clock import PhaseClock
 from engine.sampling import RowSampling, SamplingParams, as_rows, sample
 from engine.verify import verify
 
@@ -57,7 +58,8 @@ class SequenceResult:
 
 @dataclass
 class RoundStats:
-    """Accumulated over a generator's batches: rounds (draft + verify) and where their time went."""
+    """Accumulated over a generator's batches: rounds (draft + verify) and where their time went
+    (stream time, engine/phase_clock.py)."""
 
     rounds: int = 0
     draft_s: float = 0.0  # draft propose + draft extend
@@ -120,7 +122,7 @@ class SpecDecoder:
         self.model, self.batch_size = model, batch_size
         self.draft, self.k = draft, (num_steps if draft is not None else 0)
         self.device = model.lm_head.weight.device
-        self.stats = RoundStats()
+        self.rounds, self.clock = 0, PhaseClock(self.device)
         self.round_runner = self.prefill_runner = None
         if graphs is not None:  # the graphs replay over the set's cache: use it
             if graphs.batch_size < batch_size:
@@ -132,6 +134,16 @@ class SpecDecoder:
             self.cache = model.new_cache(batch_size)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
+
+    @property
+    def stats(self) -> RoundStats:
+        """Rounds so far and their draft / verify time (waits for the last round's draft extend)."""
+        seconds = self.clock.totals()
+        return RoundStats(self.rounds, seconds.get("draft", 0.0), seconds.get("verify", 0.0))
+
+    def reset_stats(self) -> None:
+        self.rounds = 0
+        self.clock.reset()
 
     def _forward(self, runner, live: dict, kv_len: int, cache) -> ForwardOutput:
         """Through the phase's graph runner when there is one (it falls back by itself), else eager."""
@@ -176,16 +188,15 @@ class SpecDecoder:
               cache, generator: Optional[torch.Generator] = None) -> RoundResult:
         """One round over every row of `state`: propose k, verify k + 1, draft extend, advance the live
         rows' history and lengths. last [b]: each row's last emitted token (not yet in the cache)."""
-        b, k, draft, dev, stats = len(state.lengths), self.k, self.draft, self.device, self.stats
+        b, k, draft, dev, clock = len(state.lengths), self.k, self.draft, self.device, self.clock
         sampling = as_rows(sampling, generator)
-        t_round = time.perf_counter()
+        t_round = clock.mark()
         if draft is not None:
             proposal = draft.propose(state, k)
             draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
-            sync(dev)
         else:
             draft_tokens, q = last.new_empty(b, 0), None
-        t_verify = time.perf_counter()
+        t_verify = clock.mark()
         lengths, live = state.on_device()  # [b], [b]
         tokens = torch.cat([last[:, None], draft_tokens], 1) if k else last[:, None]  # [b, k+1]
         steps = torch.arange(k + 1, device=dev)
@@ -198,17 +209,18 @@ class SpecDecoder:
             emitted[torch.arange(b, device=dev), accepted] = bonus
         else:
             emitted = bonus[:, None]
+        t_done = clock.mark()
         host = torch.cat([accepted[:, None], emitted], 1).tolist()  # the round's one sync
         now = time.perf_counter()
-        stats.rounds += 1
-        stats.verify_s += now - t_verify
-        stats.draft_s += t_verify - t_round
+        self.rounds += 1
+        clock.span("draft", t_round, t_verify)
+        clock.span("verify", t_verify, t_done)
+        clock.settle()  # this round's spans and the previous round's draft extend: all before the sync
 
-        if draft is not None and k > 0:
-            t_commit = time.perf_counter()
+        if draft is not None and k > 0:  # the draft extend runs while the host advances the rows
+            t_commit = clock.mark()
             draft.commit(state, _features(out, self.kind), emitted, accepted)  # before the state advances
-            sync(dev)
-            stats.draft_s += time.perf_counter() - t_commit
+            clock.span("draft", t_commit, clock.mark())
         acc, new = [0] * b, [[] for _ in range(b)]
         for i, row in enumerate(host):
             if state.live[i]:
@@ -317,7 +329,7 @@ class Generator(SpecDecoder):
         done_t = [first_t] * b
         step, longest = 0, max(lens)  # steps run (every row is done after max_new - 1); the kv bound
         while any(live_host) and step < max_new - 1:
-            t_step = time.perf_counter()
+            t_step = self.clock.mark()
             for _ in range(min(sync_every, max_new - 1 - step)):
                 fwd = self._forward(self.round_runner, {"tokens": last[:, None], "positions": lengths[:, None],
                                                         "valid": live[:, None]}, longest + step + 1, cache)
@@ -327,14 +339,16 @@ class Generator(SpecDecoder):
                 last = torch.where(live, bonus, last)
                 live = live & ~torch.isin(bonus, stop_ids) & (count < max_new)
                 step += 1
+            t_end = self.clock.mark()
             now_live = live.tolist()
             now = time.perf_counter()
-            self.stats.verify_s += now - t_step
+            self.clock.span("verify", t_step, t_end)
+            self.clock.settle()
             for i, (was, is_) in enumerate(zip(live_host, now_live)):
                 if was and not is_:
                     done_t[i] = now
             live_host = now_live
-        self.stats.rounds += step
+        self.rounds += step
         tokens = [row[:n] for row, n in zip(out.tolist(), count.tolist())]
         return [SequenceResult(tokens=t, prompt_len=n, ttft_s=first_t - t0, decode_s=done - first_t,
                                finish_reason="stop" if t[-1] in stop else "length", accepts=[0] * (len(t) - 1))

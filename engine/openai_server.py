@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 import time
 import uuid
 from dataclasses import dataclass
@@ -384,6 +385,18 @@ class OpenAIApp:
 
 
 # ------------------------------------------------------------------------------------------ the server
+class _Server(uvicorn.Server):
+    """uvicorn's server, remembering a Ctrl-C. uvicorn re-raises the SIGINT it handled once drained,
+    but under Python's asyncio.run that only becomes a KeyboardInterrupt when the serving task is
+    still running to be cancelled: a race the caller cannot see. The signal handler itself is not."""
+
+    sigint = False
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.sigint = self.sigint or sig == signal.SIGINT
+        super().handle_exit(sig, frame)
+
+
 class OpenAIServer:
     """uvicorn around `OpenAIApp`, with the scheduler's lifetime tied to it.
 
@@ -395,8 +408,8 @@ class OpenAIServer:
         self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
         config = uvicorn.Config(api.app, host=host, port=port, log_config=None, log_level=log_level,
                                 timeout_graceful_shutdown=drain_timeout_s, lifespan="off", access_log=False)
-        self.server = uvicorn.Server(config)
-        self.interrupted = False
+        self.server = _Server(config)
+        self.interrupted = False  # stopped by Ctrl-C
 
     @property
     def port(self) -> int:
@@ -406,6 +419,7 @@ class OpenAIServer:
         self.scheduler.start()
         try:
             self.server.run()  # returns after the graceful shutdown
+            self.interrupted = self.server.sigint
         except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once drained
             self.interrupted = True
         except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)

@@ -10,7 +10,8 @@ Metrics (names from the design):
     tokens_per_s, ttft_ms, tpot_ms, generated_tokens, peak_mem_mb
     accept_length            mean tokens emitted per verify round, bonus included
     accept_rate_pos_<i>      fraction of verify rounds whose draft token i was accepted
-    draft_ms, verify_ms      mean time per draft phase (propose + extend) and per verify forward
+    draft_ms, verify_ms      mean time per draft phase (propose + extend) and per verify forward: stream
+                             time between CUDA events, read at the round's own sync (engine/phase_clock.py)
     baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 
@@ -139,9 +140,10 @@ def throughput_metrics(records: list[EvalRecord], wall: float) -> dict[str, floa
 
 def draft_metrics(records: list[EvalRecord], gen: Generator, k: int) -> dict[str, float]:
     accepts = [a for r in records for a in r.result.accepts]
+    stats = gen.stats
     out = {"accept_length": _mean(a + 1 for a in accepts), "verify_rounds": len(accepts),
-           "draft_ms": 1e3 * gen.stats.draft_s / max(gen.stats.rounds, 1),
-           "verify_ms": 1e3 * gen.stats.verify_s / max(gen.stats.rounds, 1)}
+           "draft_ms": 1e3 * stats.draft_s / max(stats.rounds, 1),
+           "verify_ms": 1e3 * stats.verify_s / max(stats.rounds, 1)}
     out.update({f"accept_rate_pos_{i}": _mean(a > i for a in accepts) for i in range(k)})
     return out
 
@@ -217,7 +219,7 @@ class EvalStage(Stage):
         gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
         if plan is None or plan.algorithm != "oracle":
             self._warmup(gen, data, target, rng, e)
-        gen.stats.__init__()
+        gen.reset_stats()
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         counts0 = graphs.metrics() if graphs is not None else {}

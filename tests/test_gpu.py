@@ -64,3 +64,20 @@ def test_cuda_speculative_greedy_is_lossless(algorithm):
     if gen.draft is not None and hasattr(gen.draft, "head"):
         assert gen.draft.head.fc.weight.is_cuda
     assert [r.tokens for r in run_all(gen, prompts, params, 4)] == base
+
+
+def test_phase_clock_times_the_stream_without_waiting_for_it():
+    """Marks are CUDA events: queuing a span never syncs (the stream is still busy after it), and the
+    span read after a sync covers the work between its marks."""
+    from engine.phase_clock import PhaseClock
+
+    clock = PhaseClock(torch.device("cuda"))
+    torch.cuda.synchronize()
+    a = clock.mark()
+    torch.cuda._sleep(200_000_000)  # about 0.1 s of GPU clock cycles
+    b = clock.mark()
+    clock.span("sleep", a, b)
+    assert not torch.cuda.current_stream().query()  # nothing waited for the sleep
+    assert clock.totals()["sleep"] > 0.02
+    clock.span("again", clock.mark(), clock.mark())  # the settled events are recorded again
+    assert len(clock._free) == 0 and clock.totals()["again"] >= 0.0

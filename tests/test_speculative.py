@@ -233,3 +233,35 @@ def test_begin_on_row_slices_equals_whole_batch(target, algorithm):
         parts.begin(None, feats(o), i, v, None, f, rows=sl)
     state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
     assert torch.equal(whole.propose(state, 3).tokens, parts.propose(state, 3).tokens)
+
+
+def test_round_stats_count_every_round_and_reset(target):
+    """The phase clock (engine/phase_clock.py) times every round's draft and verify, the last round's
+    draft extend included once the stats are read; reset_stats starts over."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    gen = build(target, "eagle3", 2, params)
+    results = gen.generate(_prompts(2), params)
+    stats = gen.stats
+    assert stats.rounds == len(results[0].accepts) > 0  # both rows live to max_new_tokens
+    assert stats.draft_s > 0 and stats.verify_s > 0
+    assert gen.clock.totals() == {"draft": stats.draft_s, "verify": stats.verify_s}  # nothing left queued
+    gen.reset_stats()
+    assert gen.stats.rounds == 0 and gen.stats.draft_s == gen.stats.verify_s == 0.0
+    plain = Generator(target, 2)
+    plain.generate(_prompts(2), params, sync_every=4)  # the on-device decode loop times its steps too
+    assert plain.stats.rounds == params.max_new_tokens - 1 and plain.stats.verify_s > 0
+    assert plain.stats.draft_s == 0.0
+
+
+def test_phase_clock_reads_a_span_only_when_settled():
+    from engine.phase_clock import PhaseClock
+
+    clock = PhaseClock(torch.device("cpu"))
+    a = clock.mark()
+    b = clock.mark()
+    clock.span("x", a, b)
+    assert clock.seconds == {}  # queued, not read
+    clock.settle()
+    assert clock.seconds["x"] == b - a
+    clock.span("x", b, clock.mark())
+    assert clock.totals()["x"] >= b - a and not clock._queued
