@@ -11,9 +11,10 @@
 set -u
 . benchmarks/jobs.sh
 TRAIN_S=${TRAIN_S:-480}
-# the data and LR of the MTP and DFLASH recipes (EAGLE3's own recipe now has 6x the prompts, steered by topic)
+# EAGLE3 as it trained beside MTP and DFLASH: their data, lr 6e-4, 6 TTT steps (EAGLE3's own recipe now has
+# 6x the prompts steered by topic, lr 2e-3 and 5 TTT steps)
 E3="+experiment=train_eagle3_smollm2 train.data.num_samples=16384 train.data.batch_size=256 train.data.max_answer_tokens=384 \
-magpie=plain train.lr=6e-4 train.heldout=0.05 train.eval_every=500"
+magpie=plain train.lr=6e-4 train.ttt_steps=6 train.heldout=0.05 train.eval_every=500"
 
 head_evals() {  # head_evals GPU PREFIX BEST_EXPERIMENT EAGER_EXPERIMENT HEAD_DIR
   local gpu=$1 p=$2 best=$3 eager=$4 head="draft.init=checkpoint draft.path=$5"

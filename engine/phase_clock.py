@@ -29,7 +29,6 @@ Mark = Union[float, torch.cuda.Event]
 class PhaseClock:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.device = device
         self.seconds: dict[str, float] = defaultdict(float)  # key -> settled seconds
         self._queued: list[tuple[str, Mark, Mark]] = []
         self._free: list[torch.cuda.Event] = []  # events whose spans were read: recorded again
