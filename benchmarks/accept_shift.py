@@ -16,16 +16,13 @@ import argparse
 import collections
 from pathlib import Path
 
-from hydra import compose, initialize_config_dir
-
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
 from engine.train.data import VocabMap
 from engine.train.selfdistill import Sample, synthesize
 from engine.train.trainer import Trainer
-from pipeline.config import register_configs, to_run_config
-from pipeline.paths import REPO
+from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
 from stages.train_draft import settings
 
@@ -41,11 +38,9 @@ def main() -> None:
     ap.add_argument("--plain", action="store_true", help="Magpie under the template's default system message only")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        base = ["+experiment=eagle3", "tracking=off", "draft.init=checkpoint", f"draft.path={Path(args.head).resolve()}"]
-        cfg = to_run_config(compose(config_name="config", overrides=[*base, *args.overrides]))
-        recipe = to_run_config(compose(config_name="config", overrides=["+experiment=train_eagle3_smollm2"]))
+    cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
+                             f"draft.path={Path(args.head).resolve()}", *args.overrides)
+    recipe = compose_run_config("+experiment=train_eagle3_smollm2")
     plan = build_plan(cfg)
     ctx: dict = {}
     for stage in plan.stages:

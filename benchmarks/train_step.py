@@ -16,15 +16,13 @@ import random
 import time
 
 import torch
-from hydra import compose, initialize_config_dir
 
 from engine.train.data import VocabMap, target_batch
 from engine.train.eagle3 import ttt_attention_flex
 from engine.train.selfdistill import Sample
 from engine.train.trainer import TRAIN_SPECS, Trainer
 from engine.train.vocab import fit_draft_vocab
-from pipeline.config import register_configs, to_run_config
-from pipeline.paths import REPO
+from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
 from stages.train_draft import settings
 
@@ -43,10 +41,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
-    register_configs()
-    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = to_run_config(compose(config_name="config", overrides=["+experiment=train_eagle3_smollm2",
-                                                                      "tracking=off", *args.overrides]))
+    cfg = compose_run_config("+experiment=train_eagle3_smollm2", "tracking=off", *args.overrides)
     plan = build_plan(cfg)
     ctx: dict = {}
     for stage in plan.stages[:-1]:

@@ -176,6 +176,7 @@ class TrainDataConfig:
     num_samples: int = 4096
     batch_size: int = 128  # generation batch
     max_prompt_tokens: int = 64  # the synthesised user message
+    drop_cut_prompts: bool = False  # draw again the user messages cut at max_prompt_tokens (else answered)
     max_answer_tokens: int = 384  # the target's answer
     prompt_temperature: float = 1.0
     # System messages the user messages are written under, row by row ("": the template's default);
@@ -281,6 +282,15 @@ def to_run_config(cfg: DictConfig | RunConfig) -> RunConfig:
         merged = OmegaConf.merge(OmegaConf.structured(RunConfig), cfg)
         obj = OmegaConf.to_object(merged)
     return obj
+
+
+def compose_run_config(*overrides: str) -> RunConfig:
+    """conf/ composed with `overrides` outside a Hydra app (the scripts in benchmarks/), as a RunConfig."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        return to_run_config(compose(config_name="config", overrides=list(overrides)))
 
 
 def flatten(cfg: RunConfig | DictConfig | dict, prefix: str = "") -> dict[str, Any]:

@@ -35,7 +35,7 @@ from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
-from engine.train.selfdistill import synthesize
+from engine.train.selfdistill import cut_share, synthesize
 from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
 from engine.train.vocab import fit_draft_vocab
 from pipeline.paths import REPO
@@ -138,10 +138,13 @@ class TrainDraftStage(Stage):
         samples, data_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env))
         train, heldout = split(samples, t.heldout, cfg.seed)
         answer_tokens = sum(len(s.answer_ids) for s in samples)
-        log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_answer_tokens": answer_tokens,
+        cut = cut_share(samples)
+        log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_prompts_cut": cut,
+             "data_answer_tokens": answer_tokens,
              "data_train_samples": len(train), "data_heldout_samples": len(heldout)})
-        print(f"[train_draft] {len(samples)} samples ({answer_tokens} answer tokens) in {data_s:.1f}s; "
-              f"{len(train)} train / {len(heldout)} held out", flush=True)
+        print(f"[train_draft] {len(samples)} samples ({answer_tokens} answer tokens, {cut:.0%} of the user messages "
+              f"cut at {t.data.max_prompt_tokens} tokens) in {data_s:.1f}s; {len(train)} train / {len(heldout)} "
+              f"held out", flush=True)
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
         student = self._student(cfg, head, target, train, env)
@@ -155,7 +158,7 @@ class TrainDraftStage(Stage):
             log({k: v for k, v in metrics.items() if k.startswith("heldout_")}, trainer.step)
 
         export = out / "head"
-        self._export(student, export, cfg, metrics, len(samples), answer_tokens, data_s, env)
+        self._export(student, export, cfg, metrics, samples, data_s, env)
         if t.export_dir:
             dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
             shutil.rmtree(dest, ignore_errors=True)
@@ -184,7 +187,8 @@ class TrainDraftStage(Stage):
                               [], False).capture()
         samples = synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
                              d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
-                             sync_every=d.sync_every, system_prompts=list(d.system_prompts))
+                             sync_every=d.sync_every, system_prompts=list(d.system_prompts),
+                             drop_cut=d.drop_cut_prompts)
         del graphs
         synth_s = time.perf_counter() - t0
         save_samples(path, samples, meta, synth_s)
@@ -200,7 +204,7 @@ class TrainDraftStage(Stage):
                 student.init_from_target(target)
         return student.requires_grad_(True)
 
-    def _export(self, student, path: Path, cfg, metrics, n_samples, answer_tokens, data_s, env) -> None:
+    def _export(self, student, path: Path, cfg, metrics, samples, data_s, env) -> None:
         from pipeline.plan import DTYPES
         from pipeline.tracking import device_name
 
@@ -210,7 +214,8 @@ class TrainDraftStage(Stage):
         export.save(path)
         facts = {
             "target": cfg.model.name, "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
-            "samples": n_samples, "answer_tokens": answer_tokens, "data_s": round(data_s, 1),
+            "samples": len(samples), "answer_tokens": sum(len(s.answer_ids) for s in samples),
+            "prompts_cut": round(cut_share(samples), 4), "data_s": round(data_s, 1),
             "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
             "algorithm": cfg.draft.algorithm, "architecture": export.architecture,
@@ -267,7 +272,7 @@ def model_card(f: dict) -> str:
 
 - Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
-  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}), answered by the target greedily
+  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution over the
   {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
@@ -279,6 +284,14 @@ On the held-out {f['heldout']:.0%} of the self-distilled samples, greedy chain d
 answer position: accept_length {m.get(f'val_accept_length_k{k}', float('nan')):.2f} (bonus token included);
 accept_rate_pos_i: {rates}.{loop_line(m, f)}
 """
+
+
+def cut_words(f: dict) -> str:
+    """The card's words for the user messages cut at `max_prompt_tokens` (dropped, or how many were kept)."""
+    limit = f["data"]["max_prompt_tokens"]
+    if f["data"].get("drop_cut_prompts"):
+        return f"those cut at {limit} tokens drawn again"
+    return f"{f['prompts_cut']:.0%} of them cut at {limit} tokens"
 
 
 def steering(system_prompts) -> str:

@@ -8,7 +8,7 @@ from omegaconf.errors import ConfigKeyError, ValidationError
 
 from conftest import compose_cfg
 from engine.errors import ConfigError
-from pipeline.config import Device, DType, EvalConfig, RunConfig, flatten, to_run_config
+from pipeline.config import Device, DType, EvalConfig, RunConfig, compose_run_config, flatten, to_run_config
 
 
 def test_defaults_compose_into_dataclasses():
@@ -27,6 +27,17 @@ def test_experiment_and_overrides():
     assert cfg.model.source == "random" and cfg.model.random.hidden_size == 64
     assert (cfg.eval.limit, cfg.eval.batch_size, cfg.eval.peers) == (2, 4, ["hf_generate"])
     assert cfg.device is Device.cpu and cfg.dtype is DType.bfloat16
+
+
+def test_compose_run_config_outside_a_hydra_app(tmp_path, monkeypatch):
+    """The benchmark scripts' way in: conf/ found from any working directory, the app's config, its checks."""
+    monkeypatch.chdir(tmp_path)
+    overrides = ("+experiment=train_eagle3_smollm2", "train.data.drop_cut_prompts=true")
+    cfg = compose_run_config(*overrides)
+    assert cfg == to_run_config(compose_cfg(*overrides))
+    assert cfg.train.data.drop_cut_prompts and cfg.experiment_name == "train_eagle3_smollm2"
+    with pytest.raises(ConfigError, match="lrr"):
+        compose_run_config("+train.lrr=1")
 
 
 def test_hf_model_group_names_model_after_its_directory(tmp_path):

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from conftest import compose_cfg, spread_init
 from engine.loading import load_model
-from engine.train.selfdistill import synthesize
+from engine.train.selfdistill import cut_share, synthesize
 from engine.train.vocab import build_draft_vocab
 from pipeline.config import to_run_config
 
@@ -67,6 +68,43 @@ def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
     assert [s.user for s in samples] == users
     assert all(s.prompt_ids == tok.encode_chat(s.user) for s in samples)  # answered under the default
     assert [s.user for s in synthesize(target, **kw)] != users  # without them: other messages
+
+
+def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outputs):
+    """A message that reaches max_prompt_tokens before its turn ends is answered as it is and flagged
+    `cut`, or with drop_cut drawn again; the flag survives the samples' cache on disk."""
+    from engine.generate import Generator
+    from engine.sampling import SamplingParams
+    from engine.train.data import load_samples, save_samples
+
+    target = tiny_target(outputs)
+    spread_init(target.model, seed=2)
+    tok = target.tokenizer
+    systems = ["", "You teach math.", "You write code.", "You are a poet.", "You solve puzzles.", "You are a chemist."]
+    prefixes = [tok.user_turn(sp or None)[0] for sp in systems]
+    end = tok.user_turn()[1]
+    with torch.no_grad():  # an end of turn likely enough that some greedy messages end inside the limit
+        w = target.model.lm_head.weight
+        w[min(end)] = w.mean(0) * 30
+    # greedy messages: what a row writes depends on its prefix alone
+    ref = Generator(target.model, len(prefixes)).generate(prefixes, SamplingParams(max_new_tokens=5), end)
+    ended = [any(t in end for t in r.tokens) for r in ref]
+    assert 0 < sum(ended) < len(ended)  # both kinds in one batch
+    kw = dict(batch_size=len(systems), max_prompt_tokens=5, max_answer_tokens=4, seed=0, min_prompt_chars=0,
+              prompt_temperature=0.0, system_prompts=systems)
+    samples = synthesize(target, n=len(systems), **kw)
+    assert [s.cut for s in samples] == [not e for e in ended]
+    assert cut_share(samples) == pytest.approx(1 - sum(ended) / len(ended))
+    kept = synthesize(target, n=sum(ended), drop_cut=True, **kw)
+    assert [s.user for s in kept] == [s.user for s, e in zip(samples, ended) if e] and cut_share(kept) == 0
+    # under a system message whose greedy message is always cut, no sample: the tries are bounded, and said so
+    cut_only = [sp for sp, e in zip(systems, ended) if not e][:1]
+    with pytest.warns(UserWarning, match="0 of 8 samples .* or cut at max_prompt_tokens=5"):
+        assert synthesize(target, n=8, drop_cut=True, **{**kw, "system_prompts": cut_only}) == []
+
+    meta = {"data": "key"}
+    save_samples(outputs / "cache", samples, meta, 1.0)
+    assert load_samples(outputs / "cache", meta) == samples
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():

@@ -200,7 +200,8 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
         assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # train.save_dtype
         d2t = f.get_tensor("d2t")
-    assert "accept_length" in (head_dir / "README.md").read_text()
+    card = (head_dir / "README.md").read_text()
+    assert "accept_length" in card and "of them cut at" in card  # the share of user messages cut
 
     client = MlflowClient(default_tracking_uri(outputs))
     exp = client.get_experiment_by_name("train_eagle3_smollm2")
@@ -229,6 +230,8 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert [s for s, _ in _history(client, second, "train_loss")] == [50]  # no step before 40 re-ran
     assert runs[0].data.metrics["data_reused"] == 1.0  # the cached samples
     assert runs[0].data.metrics["data_s"] == runs[1].data.metrics["data_s"]  # their synthesis time, recorded
+    # and their user messages cut at max_prompt_tokens (a random tiny target seldom ends its turn)
+    assert runs[0].data.metrics["data_prompts_cut"] == runs[1].data.metrics["data_prompts_cut"] > 0
 
     # The exported head loads as a checkpoint and drafts: on the training prompts it is accepted more
     # often than a random head of the same shape, and the output stays the target's.

@@ -1,6 +1,6 @@
 """Training data for draft heads: samples on disk, length-bucketed batches, target features per batch.
 
-    samples.jsonl   one self-distilled sample per line: {"user", "prompt_ids", "answer_ids"}
+    samples.jsonl   one self-distilled sample per line: {"user", "prompt_ids", "answer_ids", "cut"}
     meta.json       what produced them (target checkpoint, generation settings): a cache key
     stats.json      how long the synthesis took (reported again when the samples are reused)
 
@@ -34,7 +34,8 @@ def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float) 
     tmp = path / f"samples.jsonl.{os.getpid()}.tmp"  # per process: two jobs may synthesise the same key
     with open(tmp, "w") as f:
         for s in samples:
-            f.write(json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids}) + "\n")
+            f.write(json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids,
+                                "cut": s.cut}) + "\n")
     tmp.rename(path / "samples.jsonl")  # complete or absent: never half-written
     (path / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     (path / "stats.json").write_text(json.dumps({"synth_s": synth_s}))
@@ -53,7 +54,7 @@ def load_samples(path: Path, meta: dict) -> Optional[list[Sample]]:
     if json.loads((path / "meta.json").read_text()) != json.loads(json.dumps(meta, sort_keys=True)):
         return None
     with open(path / "samples.jsonl") as f:
-        return [Sample(r["user"], r["prompt_ids"], r["answer_ids"]) for r in map(json.loads, f)]
+        return [Sample(r["user"], r["prompt_ids"], r["answer_ids"], r.get("cut", False)) for r in map(json.loads, f)]
 
 
 def split(samples: list[Sample], heldout: float, seed: int) -> tuple[list[Sample], list[Sample]]:

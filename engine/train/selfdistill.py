@@ -17,6 +17,7 @@ samples depend on the seed and the sizes only, not on how the decoding ran (grap
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,17 +34,24 @@ class Sample:
     user: str  # the synthesised user message
     prompt_ids: list[int]  # chat template applied to it
     answer_ids: list[int]  # the target's answer (the stop token included when it ended the answer)
+    cut: bool = False  # the user message reached max_prompt_tokens before its turn ended
 
     @property
     def ids(self) -> list[int]:
         return self.prompt_ids + self.answer_ids
 
 
+def cut_share(samples: Sequence[Sample]) -> float:
+    """The share of samples whose user message was cut at `max_prompt_tokens`."""
+    return sum(s.cut for s in samples) / max(len(samples), 1)
+
+
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
                max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
                seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16,
-               system_prompts: Sequence[str] = ()) -> list[Sample]:
-    """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries).
+               system_prompts: Sequence[str] = (), drop_cut: bool = False) -> list[Sample]:
+    """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
+    are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
     `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
     `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
     `system_prompts`: the system messages the user messages are written under, row by row (the answers
@@ -58,19 +66,28 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
     samples: list[Sample] = []
     bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True)
-    for attempt in range(4 * (n // batch_size + 1)):  # bounded: short messages are dropped
+    tries = 4 * (n // batch_size + 1)  # generation batches at most: short (and cut) messages are dropped
+    for attempt in range(tries):
         if len(samples) >= n:
             break
         rng.manual_seed((seed << 32) + attempt)
-        users = [tok.decode([t for t in r.tokens if t not in end_ids]).strip()
-                 for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every)]
-        users = [u for u in users if len(u) >= min_prompt_chars][: n - len(samples)]
+        users = []  # (message, cut)
+        for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every):
+            cut = not any(t in end_ids for t in r.tokens)
+            text = tok.decode([t for t in r.tokens if t not in end_ids]).strip()
+            if len(text) >= min_prompt_chars and not (cut and drop_cut):
+                users.append((text, cut))
+        users = users[: n - len(samples)]
         if not users:
             continue
-        prompts = [tok.encode_chat(u) for u in users]
-        for u, p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
-                                                        sync_every=sync_every)):
-            samples.append(Sample(u, p, r.tokens))
+        prompts = [tok.encode_chat(u) for u, _ in users]
+        for (u, cut), p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
+                                                               sync_every=sync_every)):
+            samples.append(Sample(u, p, r.tokens, cut))
         bar.update(len(users))
     bar.close()
+    if len(samples) < n:
+        warnings.warn(f"self-distill: {len(samples)} of {n} samples after {tries} generation "
+                      f"batches; the rest of the user messages were shorter than min_prompt_chars={min_prompt_chars}"
+                      f"{' or cut at max_prompt_tokens=' + str(max_prompt_tokens) if drop_cut else ''}", stacklevel=2)
     return samples
