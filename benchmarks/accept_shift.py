@@ -42,10 +42,7 @@ def main() -> None:
                              f"draft.path={Path(args.head).resolve()}", *args.overrides)
     recipe = compose_run_config("+experiment=train_eagle3_smollm2")
     plan = build_plan(cfg)
-    ctx: dict = {}
-    for stage in plan.stages:
-        if stage.name in ("load", "configure_aux_capture"):
-            ctx.update(stage.run(cfg, {k: ctx[k] for k in stage.requires}, plan.env))
+    ctx = plan.set_up("load", "configure_aux_capture")
     loaded, head = ctx["target"], ctx["draft_head"]
     target, tok = loaded.model, loaded.tokenizer
 

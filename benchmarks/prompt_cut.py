@@ -25,9 +25,7 @@ def main() -> None:
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = compose_run_config("+experiment=train_eagle3_smollm2", "tracking=off", *args.overrides)
-    plan = build_plan(cfg)
-    (load,) = [s for s in plan.stages if s.name == "load"]
-    loaded = load.run(cfg, {}, plan.env)["target"]
+    loaded = build_plan(cfg).set_up("load")["target"]
     d = cfg.train.data
     print(f"{'temperature':>11} {'limit':>5} {'cut':>5} {'median tokens':>13}")
     for temperature in map(float, args.temperatures.split(",")):

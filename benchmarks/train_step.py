@@ -43,9 +43,7 @@ def main() -> None:
     args = ap.parse_args()
     cfg = compose_run_config("+experiment=train_eagle3_smollm2", "tracking=off", *args.overrides)
     plan = build_plan(cfg)
-    ctx: dict = {}
-    for stage in plan.stages[:-1]:
-        ctx.update(stage.run(cfg, {k: ctx[k] for k in stage.requires}, plan.env))
+    ctx = plan.set_up("load", "configure_aux_capture")
     target, head = ctx["target"].model, ctx["draft_head"]
     spec = TRAIN_SPECS[cfg.draft.algorithm]
     dev = target.lm_head.weight.device

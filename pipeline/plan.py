@@ -70,6 +70,15 @@ class Plan:
     def names(self) -> list[str]:
         return [s.name for s in self.stages]
 
+    def set_up(self, *names: str) -> dict:
+        """Run only the stages named, in the plan's order (a script's load and aux capture before work
+        of its own) -> their outputs."""
+        ctx: dict = {}
+        for stage in self.stages:
+            if stage.name in names:
+                ctx.update(stage.run(self.cfg, {k: ctx[k] for k in stage.requires}, self.env))
+        return ctx
+
     def memory_estimate(self) -> dict[str, float]:
         a, elem = self.env.target_args, torch.empty((), dtype=self.env.dtype).element_size()
         batch = run_batch(self.cfg)[1]

@@ -27,6 +27,7 @@ import json
 import shutil
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -61,6 +62,13 @@ def train_attention(cfg, device: torch.device) -> str:
 def data_graph(cfg, env: StageEnv) -> str:
     g = cfg.train.data.graph
     return ("full" if env.device.type == "cuda" else "none") if g == "auto" else g
+
+
+def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]:
+    """The self-distillation's decode graphs (`policy` of `data_graph`; none: eager) over `batch_size` rows."""
+    if policy == "none":
+        return None
+    return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False).capture()
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -181,10 +189,7 @@ class TrainDraftStage(Stage):
             print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
             return samples, synth_seconds(path), True
         t0 = time.perf_counter()
-        graphs = None
-        if graph != "none":
-            graphs = GraphSet(loaded.model, None, d.batch_size, 0, graph, "none", default_sizes(d.batch_size),
-                              [], False).capture()
+        graphs = generation_graphs(loaded.model, d.batch_size, graph)
         samples = synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
                              d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
                              sync_every=d.sync_every, system_prompts=list(d.system_prompts),

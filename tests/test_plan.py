@@ -33,6 +33,16 @@ def test_valid_plan_and_its_description(outputs):
     assert mem["kv_cache_mb"] == pytest.approx(4 * 2 * 16 * 2 * 4 * 2049 * 2 / 2**20)
 
 
+def test_set_up_runs_only_the_stages_named(outputs):
+    """A script's way to the loaded target and head (benchmarks/): those stages' outputs, no eval."""
+    plan = plan_of("+experiment=eagle3", "model=tiny", "draft.init=random", "draft.aux_layer_ids=[1,2,3]",
+                   "device=cpu", outputs=outputs)
+    assert plan.names == ["load", "configure_aux_capture", "eval"]
+    ctx = plan.set_up("load", "configure_aux_capture")
+    assert set(ctx) == {"target", "draft_head", "aux_layers"} and ctx["target"].model.args.num_layers == 4
+    assert set(plan.set_up("load")) == {"target", "draft_head"}
+
+
 @pytest.mark.parametrize("overrides, needles", [
     (["task=serving"], ["task='serving'", "eval, serve, train_draft"]),
     (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none, eagle3, eagle, multi_layer_eagle, ngram, oracle, dflash"]),
