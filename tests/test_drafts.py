@@ -65,6 +65,23 @@ def saved_head(tmp_path: Path, target, aux_output_of=(0, 1, 2), draft_vocab=200)
     return tmp_path / "eagle3"
 
 
+def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
+    """draft.intermediate_size narrows a random-init head's MLP (room for a larger draft vocabulary in a
+    size budget); the export says so in config.json and loads back as a checkpoint of that width."""
+    _, target = pair()
+    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, intermediate_size=48,
+                      aux_layer_ids=[1, 2, 3])
+    plan = plan_draft(cfg, target.args)
+    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    assert head.midlayer.mlp.gate_proj.weight.shape == (48, target.args.hidden_size) != \
+        (target.args.intermediate_size, target.args.hidden_size)
+    head.save(tmp_path / "narrow")
+    assert json.loads((tmp_path / "narrow" / "config.json").read_text())["intermediate_size"] == 48
+    back = load_head(plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "narrow")),
+                                target.args), target, 1, torch.device("cpu"), torch.float32)
+    assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
+
+
 def test_eagle3_checkpoint_round_trip(tmp_path):
     _, target = pair()
     path = saved_head(tmp_path, target)

@@ -291,6 +291,8 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     (["train.round_weight=-1"], "train.round_weight"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
+    (["draft.intermediate_size=0"], "draft.intermediate_size"),
+    (["draft.init=checkpoint", "draft.intermediate_size=256"], "draft.intermediate_size"),  # the checkpoint's
 ])
 def test_bad_train_config_is_one_clear_error(outputs, override, key):
     with pytest.raises(PlanError) as e:

@@ -303,13 +303,15 @@ def eagle_config(target: ModelArgs) -> dict:
 
 
 def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None,
-                  lm_head: str = "own") -> dict:
+                  lm_head: str = "own", intermediate_size: Optional[int] = None) -> dict:
     """A public-format EAGLE3 config.json for a head matching `target` (random init, training).
     lm_head="own": its own lm_head over `draft_vocab_size` tokens (None: the target's vocabulary);
-    "target": the target's lm_head, so no draft_vocab_size key (Eagle3Head.shares_lm_head)."""
+    "target": the target's lm_head, so no draft_vocab_size key (Eagle3Head.shares_lm_head).
+    intermediate_size: the draft layer's MLP width (None: the target's)."""
     vocab = {} if lm_head == "target" else {"draft_vocab_size": draft_vocab_size or target.vocab_size}
     return {
-        **eagle_config(target), "architectures": [Eagle3Head.architecture], "tie_word_embeddings": False,
+        **eagle_config(target), "intermediate_size": intermediate_size or target.intermediate_size,
+        "architectures": [Eagle3Head.architecture], "tie_word_embeddings": False,
         **vocab, "target_hidden_size": target.hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
     }

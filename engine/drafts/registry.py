@@ -117,6 +117,9 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
     if cfg.init == "checkpoint":
         ckpt = HeadCheckpoint.read(cfg.path, Eagle3Head.architecture)
         ckpt_ids = (ckpt.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        if cfg.intermediate_size is not None:
+            raise ConfigError("draft.intermediate_size", cfg.intermediate_size, "a checkpoint's MLP width is its "
+                              f"config.json's ({ckpt.config.get('intermediate_size')})", "null (or draft.init=random)")
         th = ckpt.config.get("target_hidden_size", ckpt.config.get("hidden_size"))
         if th != target.hidden_size:
             raise ConfigError("draft.path", cfg.path, f"target_hidden_size {th} differs from the target's "
@@ -137,7 +140,11 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
         if cfg.lm_head == "target" and dv is not None:
             raise ConfigError("draft.draft_vocab_size", dv, "draft.lm_head=target predicts over the target's whole "
                               "vocabulary", "null (or draft.lm_head=own)")
-        head_cfg = eagle3_config(target, list(aux.output_of), dv, cfg.lm_head)
+        width = cfg.intermediate_size
+        if width is not None and width < 1:
+            raise ConfigError("draft.intermediate_size", width, "the draft layer's MLP width", ">= 1, or null (the "
+                              f"target's {target.intermediate_size})")
+        head_cfg = eagle3_config(target, list(aux.output_of), dv, cfg.lm_head, width)
     return DraftPlan("eagle3", FeatureKind.aux, aux, head_cfg, ckpt)
 
 
