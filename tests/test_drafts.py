@@ -72,6 +72,7 @@ def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
     cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, intermediate_size=48,
                       aux_layer_ids=[1, 2, 3])
     plan = plan_draft(cfg, target.args)
+    assert "draft vocab 200, MLP 48" in plan.describe()
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
     assert head.midlayer.mlp.gate_proj.weight.shape == (48, target.args.hidden_size) != \
         (target.args.intermediate_size, target.args.hidden_size)

@@ -51,6 +51,8 @@ class DraftPlan:
             parts.append(f"draft vocab {self.head_config['draft_vocab_size']}")
         elif self.algorithm == "eagle3":
             parts.append("the target's lm_head (whole vocabulary)")
+        if self.algorithm == "eagle3" and self.head_config is not None:
+            parts.append(f"MLP {self.head_config['intermediate_size']}")
         if self.aux is not None:
             parts.append(f"aux layers {self.aux.describe()}")
         return ", ".join(parts)
