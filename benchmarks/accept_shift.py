@@ -14,17 +14,18 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 from pathlib import Path
 
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
 from engine.train.data import VocabMap
-from engine.train.selfdistill import Sample, synthesize
+from engine.train.selfdistill import Sample
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
-from stages.train_draft import settings
+from stages.train_draft import settings, synthesize_data
 
 COLUMNS = ("val_loop_accept_length_k5", "val_accept_length_k5", "val_acc_0", "val_draft_vocab_coverage", "val_loss")
 
@@ -53,9 +54,9 @@ def main() -> None:
                                                    sync_every=16)
     evalset = [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
     d = recipe.train.data
-    magpie = synthesize(loaded, args.limit, min(args.limit, d.batch_size), d.max_prompt_tokens, args.tokens,
-                        d.prompt_temperature, seed=12345, min_prompt_chars=d.min_prompt_chars, sync_every=16,
-                        system_prompts=[] if args.plain else list(d.system_prompts))
+    magpie = synthesize_data(loaded, dataclasses.replace(
+        d, num_samples=args.limit, batch_size=min(args.limit, d.batch_size), max_answer_tokens=args.tokens,
+        seed=12345, sync_every=16, system_prompts=[] if args.plain else list(d.system_prompts)))
     sets = {args.dataset: evalset, "magpie" + (" (plain)" if args.plain else ""): magpie}
     by_category = collections.defaultdict(list)
     for p, s in zip(prompts, evalset):

@@ -10,11 +10,13 @@ on whatever device the load stage picks, answered by one token only; one row per
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
-from engine.train.selfdistill import cut_share, synthesize
+from engine.train.selfdistill import cut_share
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
+from stages.train_draft import synthesize_data
 
 
 def main() -> None:
@@ -30,8 +32,9 @@ def main() -> None:
     print(f"{'temperature':>11} {'limit':>5} {'cut':>5} {'median tokens':>13}")
     for temperature in map(float, args.temperatures.split(",")):
         for limit in map(int, args.limits.split(",")):
-            samples = synthesize(loaded, args.n, args.n, limit, 1, temperature, seed=d.seed,
-                                 min_prompt_chars=d.min_prompt_chars, system_prompts=list(d.system_prompts))
+            samples = synthesize_data(loaded, dataclasses.replace(
+                d, num_samples=args.n, batch_size=args.n, max_prompt_tokens=limit, max_answer_tokens=1,
+                prompt_temperature=temperature, sync_every=16))
             tokens = statistics.median(len(loaded.tokenizer.encode(s.user)) for s in samples)
             print(f"{temperature:>11g} {limit:>5} {cut_share(samples):>5.2f} {tokens:>13g}", flush=True)
 

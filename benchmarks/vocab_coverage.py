@@ -15,6 +15,7 @@ With `--head`, the coverage of that head's own vocabulary (its d2t) too.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import torch
 from safetensors import safe_open
@@ -22,10 +23,10 @@ from safetensors import safe_open
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
-from engine.train.selfdistill import synthesize
 from engine.train.vocab import build_draft_vocab
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
+from stages.train_draft import synthesize_data
 
 
 def coverage(t2d: torch.Tensor, answers: list[list[int]]) -> float:
@@ -48,9 +49,8 @@ def main() -> None:
     loaded = build_plan(cfg).set_up("load")["target"]
     tok, d, vocab = loaded.tokenizer, cfg.train.data, loaded.model.args.vocab_size
     eos = sorted(set(loaded.model.args.eos_token_ids))
-    samples = synthesize(loaded, args.samples, args.batch, d.max_prompt_tokens, d.max_answer_tokens,
-                         d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, sync_every=16,
-                         system_prompts=list(d.system_prompts))
+    samples = synthesize_data(loaded, dataclasses.replace(d, num_samples=args.samples, batch_size=args.batch,
+                                                          sync_every=16))
     prompts = [tok.encode_chat(p.text) for p in load_prompts(args.dataset)]
     answers = [r.tokens for r in Generator(loaded.model, len(prompts)).generate(
         prompts, SamplingParams(max_new_tokens=d.max_answer_tokens), tok.eos_token_ids, sync_every=16)]

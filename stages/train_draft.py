@@ -36,7 +36,7 @@ from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
-from engine.train.selfdistill import cut_share, synthesize
+from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
 from engine.train.vocab import fit_draft_vocab
 from pipeline.paths import REPO
@@ -69,6 +69,14 @@ def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]
     if policy == "none":
         return None
     return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False).capture()
+
+
+def synthesize_data(loaded, d, graphs=None) -> list[Sample]:
+    """`synthesize` with the settings of a `train.data` config (TrainDataConfig); a script passes a
+    `dataclasses.replace` of the recipe's."""
+    return synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
+                      d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
+                      sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts)
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -145,14 +153,14 @@ class TrainDraftStage(Stage):
 
         samples, data_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env))
         train, heldout = split(samples, t.heldout, cfg.seed)
-        answer_tokens = sum(len(s.answer_ids) for s in samples)
-        cut = cut_share(samples)
-        log({"data_s": data_s, "data_reused": float(reused), "data_samples": len(samples), "data_prompts_cut": cut,
-             "data_answer_tokens": answer_tokens,
+        data = {"samples": len(samples), "answer_tokens": sum(len(s.answer_ids) for s in samples),
+                "prompts_cut": cut_share(samples), "data_s": data_s}
+        log({"data_s": data_s, "data_reused": float(reused), "data_samples": data["samples"],
+             "data_prompts_cut": data["prompts_cut"], "data_answer_tokens": data["answer_tokens"],
              "data_train_samples": len(train), "data_heldout_samples": len(heldout)})
-        print(f"[train_draft] {len(samples)} samples ({answer_tokens} answer tokens, {cut:.0%} of the user messages "
-              f"cut at {t.data.max_prompt_tokens} tokens) in {data_s:.1f}s; {len(train)} train / {len(heldout)} "
-              f"held out", flush=True)
+        print(f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
+              f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
+              f"{data_s:.1f}s; {len(train)} train / {len(heldout)} held out", flush=True)
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
         student = self._student(cfg, head, target, train, env)
@@ -166,7 +174,7 @@ class TrainDraftStage(Stage):
             log({k: v for k, v in metrics.items() if k.startswith("heldout_")}, trainer.step)
 
         export = out / "head"
-        self._export(student, export, cfg, metrics, samples, data_s, env)
+        self._export(student, export, cfg, metrics, data, env)
         if t.export_dir:
             dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
             shutil.rmtree(dest, ignore_errors=True)
@@ -190,10 +198,7 @@ class TrainDraftStage(Stage):
             return samples, synth_seconds(path), True
         t0 = time.perf_counter()
         graphs = generation_graphs(loaded.model, d.batch_size, graph)
-        samples = synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
-                             d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
-                             sync_every=d.sync_every, system_prompts=list(d.system_prompts),
-                             drop_cut=d.drop_cut_prompts)
+        samples = synthesize_data(loaded, d, graphs)
         del graphs
         synth_s = time.perf_counter() - t0
         save_samples(path, samples, meta, synth_s)
@@ -209,7 +214,8 @@ class TrainDraftStage(Stage):
                 student.init_from_target(target)
         return student.requires_grad_(True)
 
-    def _export(self, student, path: Path, cfg, metrics, samples, data_s, env) -> None:
+    def _export(self, student, path: Path, cfg, metrics, data: dict, env) -> None:
+        """data: the samples' figures (samples, answer_tokens, prompts_cut, data_s)."""
         from pipeline.plan import DTYPES
         from pipeline.tracking import device_name
 
@@ -219,8 +225,8 @@ class TrainDraftStage(Stage):
         export.save(path)
         facts = {
             "target": cfg.model.name, "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
-            "samples": len(samples), "answer_tokens": sum(len(s.answer_ids) for s in samples),
-            "prompts_cut": round(cut_share(samples), 4), "data_s": round(data_s, 1),
+            "samples": data["samples"], "answer_tokens": data["answer_tokens"],
+            "prompts_cut": round(data["prompts_cut"], 4), "data_s": round(data["data_s"], 1),
             "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
             "algorithm": cfg.draft.algorithm, "architecture": export.architecture,

@@ -73,7 +73,7 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
         rng.manual_seed((seed << 32) + attempt)
         users = []  # (message, cut)
         for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every):
-            cut = not any(t in end_ids for t in r.tokens)
+            cut = r.finish_reason == "length"  # no end of turn within max_prompt_tokens
             text = tok.decode([t for t in r.tokens if t not in end_ids]).strip()
             if len(text) >= min_prompt_chars and not (cut and drop_cut):
                 users.append((text, cut))
