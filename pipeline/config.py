@@ -213,6 +213,10 @@ class TrainConfig:
     # Extra loss weight of the chains where the greedy loop, replayed on the batch with the head's own
     # chains, starts a round (0: every chain weighs the same). See engine.train.eagle3.round_weights.
     round_weight: float = 0.0
+    # The training labels: the target's distribution over the draft vocabulary at this temperature,
+    # softmax(z / T). Below 1 it leans toward the target's greedy token, the one greedy drafting is scored
+    # on; the held-out figures (val_loss included) always use the target's own distribution (T = 1).
+    label_temperature: float = 1.0
     attention: str = "auto"  # training forward: eager | flex (FlexAttention, CUDA only) | auto (flex where it can)
     # After training: this many held-out prompts through the real draft-and-verify loop (k =
     # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it. loop_eval_tokens is also

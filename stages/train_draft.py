@@ -120,6 +120,9 @@ class TrainDraftStage(Stage):
                               f"(this run: {d.algorithm} on {env.device})", "eager or auto")
         if t.round_weight < 0:
             raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
+        if not t.label_temperature > 0:
+            raise ConfigError("train.label_temperature", t.label_temperature,
+                              "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
         if t.lr <= 0:
             raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
         if t.max_len > cfg.model.max_seq_len:
@@ -141,7 +144,8 @@ class TrainDraftStage(Stage):
                 f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
                 f"attention {train_attention(cfg, env.device)}"
-                f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}; "
+                f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
+                f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}; "
                 f"-> {train_dir(cfg, env)}")
 
     # ----------------------------------------------------------------------------------------------
@@ -268,7 +272,7 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          grad_clip=t.grad_clip, ttt_steps=t.ttt_steps, loss_decay=t.loss_decay,
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
-                         round_weight=t.round_weight,
+                         round_weight=t.round_weight, label_temperature=t.label_temperature,
                          attention=train_attention(cfg, device), max_time_s=t.max_time_s, seed=cfg.seed)
 
 
@@ -285,7 +289,7 @@ def model_card(f: dict) -> str:
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
-- {f['objective']}, loss against the target's distribution over the
+- {f['objective']}, loss against the target's distribution{label_words(f)} over the
   {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
 
@@ -295,6 +299,12 @@ On the held-out {f['heldout']:.0%} of the self-distilled samples, greedy chain d
 answer position: accept_length {m.get(f'val_accept_length_k{k}', float('nan')):.2f} (bonus token included);
 accept_rate_pos_i: {rates}.{loop_line(m, f)}
 """
+
+
+def label_words(f: dict) -> str:
+    """The labels' temperature in the card, where it is not the target's own (1)."""
+    t = f["train"].get("label_temperature", 1.0)
+    return "" if t == 1 else f" at temperature {t:g} (sharpened toward its greedy token)"
 
 
 def cut_words(f: dict) -> str:

@@ -145,3 +145,33 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
         torch.testing.assert_close(out.feats[m], ref.feats[m])
         torch.testing.assert_close(out.labels[m], ref.labels[m])
         assert torch.equal(out.top[m], ref.top[m]) and torch.equal(out.tokens, ref.tokens)
+
+
+def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
+    """train.label_temperature: the labels are softmax(z / T) over the draft vocabulary, the same
+    distribution as the target's own raised to 1 / T and renormalized; the greedy token (`top`), the
+    features and the mask do not move."""
+    from engine.model import StaticKVCache
+    from engine.train.data import VocabMap, target_batch
+    from engine.train.selfdistill import Sample
+    from engine.train.vocab import build_draft_vocab
+
+    target = tiny_target(outputs).model
+    spread_init(target, seed=4)  # peaked and flat positions both
+    target.set_aux_layers([1, 2, 3])
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    samples = [Sample("", ids(5), ids(n)) for n in (7, 12)]
+    vocab = VocabMap(*build_draft_vocab([s.ids for s in samples], target.args.vocab_size, 64))
+    cache = StaticKVCache(target.args, 2, 32, torch.device("cpu"), torch.float32)
+    own = target_batch(target, cache, samples, vocab, 32, "cpu")
+    sharp = target_batch(target, cache, samples, vocab, 32, "cpu", label_temperature=0.5)
+    m = own.mask
+    torch.testing.assert_close(sharp.labels[m], (own.labels[m].log() / 0.5).softmax(-1))
+    assert torch.equal(sharp.top, own.top) and torch.equal(sharp.feats, own.feats) and torch.equal(sharp.mask, m)
+    entropy = lambda p: -(p * p.clamp_min(1e-30).log()).sum(-1)  # noqa: E731
+    assert bool((entropy(sharp.labels[m]) < entropy(own.labels[m])).all())
+    in_vocab = m & (own.top >= 0)  # where the greedy token is a draft token, it gains probability
+    assert in_vocab.any()
+    gain = sharp.labels.gather(-1, own.top.clamp_min(0)[..., None]) - own.labels.gather(-1, own.top.clamp_min(0)[..., None])
+    assert bool((gain[in_vocab] >= 0).all())

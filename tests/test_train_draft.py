@@ -278,6 +278,27 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     assert trained["eval_results"]["metrics"]["match_baseline"] == 1.0
 
 
+def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targets_own(outputs):
+    """train.label_temperature changes what the head trains on, not what it is scored against: from the
+    same seeded head on the same samples, the held-out loss before training is the same at T = 0.25 as
+    at T = 1 (the target's own distribution), and the trained heads differ."""
+    common = [*TRAIN, "train.steps=20", "train.loop_eval_prompts=0"]
+    soft = run(compose_cfg(*common, "train.name=soft"))
+    sharp = run(compose_cfg(*common, "train.name=sharp", "train.label_temperature=0.25"))
+    client = MlflowClient(default_tracking_uri(outputs))
+    runs = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id],
+                              order_by=["attributes.start_time ASC"])
+    assert len(runs) == 2 and runs[0].data.metrics["data_reused"] == 0 and runs[1].data.metrics["data_reused"] == 1
+    soft_val, sharp_val = (_history(client, r.info.run_id, "val_loss") for r in runs)
+    assert soft_val[0] == sharp_val[0]  # step 0: the same head scored on the same labels
+    assert soft_val[-1][0] == sharp_val[-1][0] == 20 and soft_val[-1][1] != sharp_val[-1][1]
+    with safe_open(str(Path(soft["draft_checkpoint"]) / "model.safetensors"), "pt") as a, \
+            safe_open(str(Path(sharp["draft_checkpoint"]) / "model.safetensors"), "pt") as b:
+        assert not torch.equal(a.get_tensor("fc.weight"), b.get_tensor("fc.weight"))
+    card = (Path(sharp["draft_checkpoint"]) / "README.md").read_text()
+    assert "at temperature 0.25" in card and "at temperature" not in (Path(soft["draft_checkpoint"]) / "README.md").read_text()
+
+
 @pytest.mark.parametrize("override, key", [
     (["draft=ngram"], "draft.algorithm"),
     (["train.heldout=1.5"], "train.heldout"),
@@ -289,6 +310,7 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
     (["train.attention=fast"], "train.attention"),
     (["train.round_weight=-1"], "train.round_weight"),
+    (["train.label_temperature=0"], "train.label_temperature"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),

@@ -8,8 +8,9 @@ The target's aux hidden states and distributions are recomputed per batch from t
 forward costs less than reading stored features back), in `target_batch`:
 
     ids [B, L] right-padded  ->  draft positions p = 0..L-2:
-        tokens x_{p+1}, feats f_p (aux), labels softmax(z_{p+1}) over the draft vocab, top: draft id of
-        argmax z_{p+1}, mask: x_{p+2} is an answer token (the part the draft is asked to predict)
+        tokens x_{p+1}, feats f_p (aux), labels softmax(z_{p+1} / T) over the draft vocab (T: the
+        training's label_temperature, 1 for held-out figures), top: draft id of argmax z_{p+1},
+        mask: x_{p+2} is an answer token (the part the draft is asked to predict)
 """
 
 from __future__ import annotations
@@ -108,10 +109,13 @@ class VocabMap:
 
 @torch.no_grad()
 def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device,
-                 features: FeatureKind = FeatureKind.aux, causal: bool = True) -> Batch:
+                 features: FeatureKind = FeatureKind.aux, causal: bool = True,
+                 label_temperature: float = 1.0) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
-    attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path."""
+    attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
+    `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
+    toward the greedy token; `top` is the same at any T)."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -127,7 +131,7 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
     z = out.logits[:, 1:]  # [B, L-1, V]: z_{p+1}
-    labels = (z if vocab.full else z[..., vocab.used]).float().softmax(-1)  # [B, L-1, Vd]
+    labels = ((z if vocab.full else z[..., vocab.used]).float() / label_temperature).softmax(-1)  # [B, L-1, Vd]
     top = vocab.to_draft[z.argmax(-1)]  # [B, L-1]
     return Batch(
         tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1],

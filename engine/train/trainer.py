@@ -83,6 +83,7 @@ class TrainSettings:
     attention: str  # the training forward's attention: eager (materialized scores) | flex (FlexAttention)
     max_time_s: Optional[float]
     seed: int
+    label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
@@ -156,9 +157,9 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _batch(self, samples: list[Sample]):
+    def _batch(self, samples: list[Sample], label_temperature: float = 1.0):
         return target_batch(self.target, self.cache, samples, self.vocab, self.s.max_len, self.device,
-                            self.spec.features)
+                            self.spec.features, label_temperature=label_temperature)
 
     def _epoch_order(self) -> list[list[Sample]]:
         if self._order[0] != self.epoch:
@@ -216,7 +217,7 @@ class Trainer:
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            batch = self._batch(order[self.index])
+            batch = self._batch(order[self.index], s.label_temperature)
             self.elapsed_s = time.perf_counter() - t0
             lr = lr_at(self.step, self.elapsed_s, s)
             for group in self.opt.param_groups:
