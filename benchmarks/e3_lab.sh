@@ -17,7 +17,8 @@
 #                                               its evals, then the GPU tests on GPU 1
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
 # MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
-# EVALS=mt: MT-bench only (the others later with `evals NAME`, to spare device time).
+# EVALS=mt: MT-bench only (the others later with `EVALS=rest ... evals NAME`, to spare device time:
+# rest skips the MT-bench a head already has; a head's MT-bench is deterministic).
 # Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
 set -u
 . benchmarks/jobs.sh
@@ -33,8 +34,8 @@ train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overr
 
 head_evals() {  # head_evals GPU NAME PREFIX: the evals of outputs/train/NAME/head, logs PREFIX_*.log
   local gpu=$1 p=$3 head="draft.init=checkpoint draft.path=outputs/train/$2/head"
-  job $gpu ${p}_mt +experiment=eagle3_full eval=mt_bench $head
-  [ "${EVALS:-all}" = mt ] && return  # EVALS=mt: MT-bench only (the rest later, with `evals NAME`)
+  [ "${EVALS:-all}" != rest ] && job $gpu ${p}_mt +experiment=eagle3_full eval=mt_bench $head
+  [ "${EVALS:-all}" = mt ] && return  # EVALS=mt: MT-bench only (the rest later, with EVALS=rest `evals NAME`)
   for ds in gsm8k humaneval alpaca; do job $gpu ${p}_$ds +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $head; done
   job $gpu ${p}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head
 }
