@@ -8,6 +8,11 @@ on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forc
 draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
 eval stage's accept_length matches). One row per set, then one per category of the eval set. No eval
 prompt is ever trained on: the eval answers are only scored.
+
+`--misses` adds a second table: where the first draft (step 0, teacher-forced) misses the target's
+greedy token on answer positions whose greedy token is a draft token, how close the target's own call
+was (its top probability over the draft vocabulary, and whether the draft took its second choice):
+near-ties are where labels sharpened toward the greedy token (`train.label_temperature`) can act.
 """
 
 from __future__ import annotations
@@ -17,10 +22,12 @@ import collections
 import dataclasses
 from pathlib import Path
 
+import torch
+
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
-from engine.train.data import VocabMap
+from engine.train.data import VocabMap, batches, target_batch
 from engine.train.selfdistill import Sample
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
@@ -30,6 +37,30 @@ from stages.train_draft import settings, synthesize_data
 COLUMNS = ("val_loop_accept_length_k5", "val_accept_length_k5", "val_acc_0", "val_draft_vocab_coverage", "val_loss")
 
 
+@torch.no_grad()
+def miss_anatomy(trainer: Trainer, samples: list[Sample]) -> dict[str, float]:
+    """The first draft's misses on `samples` (answer positions, greedy token inside the draft vocab)."""
+    s, hit_p, miss_p, second = trainer.s, [], [], 0
+    trainer.head.eval()
+    for group in batches(samples, s.max_tokens, s.max_len, None):
+        batch = target_batch(trainer.target, trainer.cache, group, trainer.vocab, s.max_len, trainer.device,
+                             trainer.spec.features)  # labels at T = 1: the target's own distribution
+        (logits,) = trainer.spec.forward(trainer.head, batch, 1)  # [B, T, Vd], step 0
+        m = batch.mask & (batch.top >= 0)
+        draft, top, p = logits.argmax(-1)[m], batch.top[m], batch.labels[m]  # [N], [N], [N, Vd]
+        p_top = p.gather(-1, top[:, None])[:, 0]  # [N]
+        miss = draft != top
+        hit_p.append(p_top[~miss])
+        miss_p.append(p_top[miss])
+        second += int((p.topk(2, -1).indices[:, 1] == draft)[miss].sum())
+    hit, missed = torch.cat(hit_p), torch.cat(miss_p)
+    n = len(hit) + len(missed)
+    return {"positions": n, "miss": len(missed) / max(n, 1), "second_choice": second / max(len(missed), 1),
+            "p_top_miss": float(missed.median()) if len(missed) else float("nan"),
+            "p_top_hit": float(hit.median()) if len(hit) else float("nan"),
+            "near_tie": float((missed < 0.5).float().mean()) if len(missed) else float("nan")}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("head", help="an EAGLE3 head directory (config.json, model.safetensors)")
@@ -37,6 +68,7 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80, help="eval prompts (spread over the set) and Magpie samples")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer; the replay's horizon")
     ap.add_argument("--plain", action="store_true", help="Magpie under the template's default system message only")
+    ap.add_argument("--misses", action="store_true", help="also the first draft's misses, set by set")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
@@ -74,6 +106,15 @@ def main() -> None:
         m = trainer.evaluate()
         print(f"{name:16} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
               + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS), flush=True)
+    if args.misses:
+        print("\nfirst draft's misses (step 0, answer positions with a draft-vocab greedy token; p_top: the "
+              "target's probability of its greedy token;\nnear_tie: misses where it is below 0.5; "
+              "second_choice: misses where the draft took the target's second token)")
+        cols = ("positions", "miss", "second_choice", "near_tie", "p_top_miss", "p_top_hit")
+        print(f"{'set':16} " + " ".join(f"{c:>14}" for c in cols))
+        for name, samples in sets.items():
+            a = miss_anatomy(trainer, samples)
+            print(f"{name:16} {a['positions']:>14} " + " ".join(f"{a[c]:>14.3f}" for c in cols[1:]), flush=True)
 
 
 if __name__ == "__main__":
