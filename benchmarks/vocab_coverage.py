@@ -9,7 +9,7 @@ share of the eval answers' tokens inside it is printed. A greedy chain stops at 
 vocabulary; `chain bound` scales the head's per-position acceptance by the coverage ratio (each of the
 i + 1 tokens of position i, as if the head were as accurate on the newly covered tokens as on the
 others) from `--rates` (a head's accept_rate_pos measured with the first size's vocabulary).
-With `--head`, the coverage of that head's own vocabulary (its d2t) too.
+With `--head`, the coverage of that head's own vocabulary (its t2d) too.
 """
 
 from __future__ import annotations
@@ -58,10 +58,8 @@ def main() -> None:
           f"{len(answers)} answers, {sum(map(len, answers))} tokens")
     if args.head:
         with safe_open(f"{args.head}/model.safetensors", "pt") as f:
-            d2t = f.get_tensor("d2t")
-        t2d = torch.zeros(vocab, dtype=torch.bool)
-        t2d[torch.arange(len(d2t)) + d2t] = True
-        print(f"the head's own vocabulary ({len(d2t)} tokens): coverage {coverage(t2d, answers):.4f}")
+            t2d = f.get_tensor("t2d").bool()  # [V]: the head's draft tokens (public EAGLE3 format)
+        print(f"the head's own vocabulary ({int(t2d.sum())} tokens): coverage {coverage(t2d, answers):.4f}")
     rates = [float(r) for r in args.rates.split(",")]
     sizes = [int(s) for s in args.sizes.split(",")]
     print(f"{'size':>6} {'counted on':>12} {'coverage':>9} {'chain bound':>12}")
