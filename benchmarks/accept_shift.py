@@ -1,9 +1,12 @@
 """How far an EAGLE3 head's acceptance moves from its own data to an eval set:
-`python benchmarks/accept_shift.py HEAD_DIR [--dataset mt_bench] [--limit 80] [--tokens 256] [overrides...]`.
+`python benchmarks/accept_shift.py HEAD_DIR [--dataset mt_bench] [--limit 80] [--tokens 256]
+[--recipe OVERRIDE ...] [overrides...]`.
 
 The target answers the eval set's prompts greedily (batched, `--tokens` new tokens at most), and writes
 `--limit` Magpie samples of its own (`engine.train.selfdistill.synthesize`, the training data's kind,
-under the recipe's system messages or, with `--plain`, the template's default); the head is then scored
+under the recipe's system messages or, with `--plain`, the template's default; each `--recipe`, a set of
+overrides of the recipe's data such as `--recipe magpie=topics_detailed`, adds a candidate's samples: how
+new its prompts are to the head); the head is then scored
 on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy,
 draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
 eval stage's accept_length matches). One row per set, then one per category of the eval set. No eval
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import statistics
 from pathlib import Path
 
 import torch
@@ -28,7 +32,7 @@ from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
 from engine.train.data import VocabMap, batches, target_batch
-from engine.train.selfdistill import Sample
+from engine.train.selfdistill import Sample, cut_share
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
@@ -68,9 +72,12 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80, help="eval prompts (spread over the set) and Magpie samples")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer; the replay's horizon")
     ap.add_argument("--plain", action="store_true", help="Magpie under the template's default system message only")
+    ap.add_argument("--recipe", action="append", default=[], metavar="OVERRIDES",
+                    help="a candidate recipe's data (space-separated overrides of the recipe), its Magpie samples "
+                         "one more set (repeatable), e.g. 'magpie=topics_detailed train.data.max_prompt_tokens=128'")
     ap.add_argument("--misses", action="store_true", help="also the first draft's misses, set by set")
     ap.add_argument("overrides", nargs="*")
-    args = ap.parse_args()
+    args = ap.parse_intermixed_args()  # overrides may follow the options
     cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
                              f"draft.path={Path(args.head).resolve()}", *args.overrides)
     recipe = compose_run_config("+experiment=train_eagle3_smollm2")
@@ -85,11 +92,17 @@ def main() -> None:
     answers = Generator(target, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens), tok.eos_token_ids,
                                                    sync_every=16)
     evalset = [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
-    d = recipe.train.data
-    magpie = synthesize_data(loaded, dataclasses.replace(
-        d, num_samples=args.limit, batch_size=min(args.limit, d.batch_size), max_answer_tokens=args.tokens,
-        seed=12345, sync_every=16, system_prompts=[] if args.plain else list(d.system_prompts)))
-    sets = {args.dataset: evalset, "magpie" + (" (plain)" if args.plain else ""): magpie}
+    sets = {args.dataset: evalset}
+    for overrides in [""] + args.recipe:  # the recipe's own Magpie samples, then each candidate's
+        d = compose_run_config("+experiment=train_eagle3_smollm2", *overrides.split()).train.data
+        name = overrides or ("magpie (plain)" if args.plain else "magpie")
+        sets[name] = synthesize_data(loaded, dataclasses.replace(
+            d, num_samples=args.limit, batch_size=min(args.limit, d.batch_size), max_answer_tokens=args.tokens,
+            seed=12345, sync_every=16, system_prompts=[] if args.plain and not overrides else list(d.system_prompts)))
+        print(f"{name}: median user message {statistics.median(len(tok.encode(s.user)) for s in sets[name]):g} "
+              f"tokens, {cut_share(sets[name]):.2f} cut", flush=True)
+    everything = [s for samples in sets.values() for s in samples]
+    print(f"{args.dataset}: median user message {statistics.median(len(tok.encode(p.text)) for p in prompts):g} tokens")
     by_category = collections.defaultdict(list)
     for p, s in zip(prompts, evalset):
         by_category[p.category or "-"].append(s)
@@ -97,24 +110,24 @@ def main() -> None:
 
     recipe.train.loop_eval_tokens = args.tokens  # the replay's horizon
     # one trainer (its KV rows sized for every set), evaluating one set at a time as its held-out split
-    everything = evalset + magpie
     trainer = Trainer(head, target, everything, everything, VocabMap.of(head),
                       settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
-    print(f"{'set':16} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
+    w = max(16, *map(len, sets))  # the name column
+    print(f"{'set':{w}} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
     for name, samples in sets.items():
         trainer.heldout = samples
         m = trainer.evaluate()
-        print(f"{name:16} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
+        print(f"{name:{w}} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
               + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS), flush=True)
     if args.misses:
         print("\nfirst draft's misses (step 0, answer positions with a draft-vocab greedy token; p_top: the "
               "target's probability of its greedy token;\nnear_tie: misses where it is below 0.5; "
               "second_choice: misses where the draft took the target's second token)")
         cols = ("positions", "miss", "second_choice", "near_tie", "p_top_miss", "p_top_hit")
-        print(f"{'set':16} " + " ".join(f"{c:>14}" for c in cols))
+        print(f"{'set':{w}} " + " ".join(f"{c:>14}" for c in cols))
         for name, samples in sets.items():
             a = miss_anatomy(trainer, samples)
-            print(f"{name:16} {a['positions']:>14} " + " ".join(f"{a[c]:>14.3f}" for c in cols[1:]), flush=True)
+            print(f"{name:{w}} {a['positions']:>14} " + " ".join(f"{a[c]:>14.3f}" for c in cols[1:]), flush=True)
 
 
 if __name__ == "__main__":

@@ -88,6 +88,9 @@ def test_magpie_group_sets_the_system_messages_of_self_distillation():
     wide = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_wide")).train.data
     assert len(wide.system_prompts) == 20 and len(set(wide.system_prompts)) == 19
     assert wide.num_samples == 98304  # the rest of the recipe stays
+    detailed = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_detailed")).train.data
+    assert len(detailed.system_prompts) == 10 and detailed.system_prompts.count("") == 1
+    assert all(len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], recipe[2:]))  # topics, asking for more
     plain = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=plain")).train.data
     assert plain.system_prompts == []
     with pytest.raises(ConfigCompositionException) as e:
