@@ -9,8 +9,10 @@ overrides of the recipe's data such as `--recipe magpie=topics_detailed`, adds a
 new its prompts are to the head); the head is then scored
 on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy,
 draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
-eval stage's accept_length matches). One row per set, then one per category of the eval set. No eval
-prompt is ever trained on: the eval answers are only scored.
+eval stage's accept_length matches), and the share of answer tokens outside the draft vocabulary with
+the share of those already in the context (the prompt or earlier in the answer: what a copying path
+could draft). One row per set, then one per category of the eval set. No eval prompt is ever trained
+on: the eval answers are only scored.
 
 `--misses` adds a second table: where the first draft (step 0, teacher-forced) misses the target's
 greedy token on answer positions whose greedy token is a draft token, how close the target's own call
@@ -39,6 +41,21 @@ from pipeline.plan import build_plan
 from stages.train_draft import settings, synthesize_data
 
 COLUMNS = ("val_loop_accept_length_k5", "val_accept_length_k5", "val_acc_0", "val_draft_vocab_coverage", "val_loss")
+
+
+def out_of_vocab(samples: list[Sample], to_draft: torch.Tensor) -> tuple[float, float]:
+    """The share of answer tokens outside the draft vocabulary (`to_draft` [V]: -1 there), and the share
+    of those already in the context (the prompt, or earlier in the answer): what copying could draft."""
+    n = oov = copied = 0
+    for s in samples:
+        seen = set(s.prompt_ids)
+        for t in s.answer_ids:
+            n += 1
+            if to_draft[t] < 0:
+                oov += 1
+                copied += t in seen
+            seen.add(t)
+    return oov / max(n, 1), copied / max(oov, 1)
 
 
 @torch.no_grad()
@@ -113,12 +130,15 @@ def main() -> None:
     trainer = Trainer(head, target, everything, everything, VocabMap.of(head),
                       settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
     w = max(16, *map(len, sets))  # the name column
-    print(f"{'set':{w}} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS))
+    to_draft = trainer.vocab.to_draft.cpu()
+    print(f"{'set':{w}} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS)
+          + f" {'out_of_vocab':>12} {'oov_in_context':>14}")
     for name, samples in sets.items():
         trainer.heldout = samples
         m = trainer.evaluate()
+        oov, in_context = out_of_vocab(samples, to_draft)
         print(f"{name:{w}} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
-              + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS), flush=True)
+              + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS) + f" {oov:>12.3f} {in_context:>14.3f}", flush=True)
     if args.misses:
         print("\nfirst draft's misses (step 0, answer positions with a draft-vocab greedy token; p_top: the "
               "target's probability of its greedy token;\nnear_tie: misses where it is below 0.5; "
