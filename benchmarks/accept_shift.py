@@ -11,7 +11,8 @@ on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forc
 draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
 eval stage's accept_length matches), and the share of answer tokens outside the draft vocabulary with
 the share of those already in the context (the prompt or earlier in the answer: what a copying path
-could draft). One row per set, then one per category of the eval set. No eval prompt is ever trained
+could draft; and how far the head's lm_head rows moved from the target's they were initialized from).
+One row per set, then one per category of the eval set. No eval prompt is ever trained
 on: the eval answers are only scored.
 
 `--misses` adds a second table: where the first draft (step 0, teacher-forced) misses the target's
@@ -131,6 +132,10 @@ def main() -> None:
                       settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
     w = max(16, *map(len, sets))  # the name column
     to_draft = trainer.vocab.to_draft.cpu()
+    if not head.shares_lm_head:  # how far the head's lm_head rows moved from the target's they started from
+        cos = torch.nn.functional.cosine_similarity(head.lm_head.weight.float(),
+                                                    target.lm_head.weight[trainer.vocab.used].float(), dim=-1)
+        print(f"the head's lm_head rows against the target's: median cosine {cos.median():.3f}")
     print(f"{'set':{w}} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS)
           + f" {'out_of_vocab':>12} {'oov_in_context':>14}")
     for name, samples in sets.items():
