@@ -2,18 +2,17 @@
 `python benchmarks/accept_shift.py HEAD_DIR [--dataset mt_bench] [--limit 80] [--tokens 256]
 [--recipe OVERRIDE ...] [overrides...]`.
 
-The target answers the eval set's prompts greedily (batched, `--tokens` new tokens at most), and writes
-`--limit` Magpie samples of its own (`engine.train.selfdistill.synthesize`, the training data's kind,
-under the recipe's system messages or, with `--plain`, the template's default; each `--recipe`, a set of
+The target answers the eval set's prompts greedily (batched, `--tokens` new tokens at most) and writes
+`--limit` Magpie samples of its own (`engine.train.selfdistill.synthesize`, the training data's kind: under
+the recipe's system messages or, with `--plain`, the template's default). Each `--recipe`, a set of
 overrides of the recipe's data such as `--recipe magpie=topics_detailed`, adds a candidate's samples: how
-new its prompts are to the head); the head is then scored
-on both with the trainer's held-out evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy,
-draft-vocabulary coverage, and the greedy loop replayed over each answer up to `--tokens`, which the
-eval stage's accept_length matches), and the share of answer tokens outside the draft vocabulary with
-the share of those already in the context (the prompt or earlier in the answer: what a copying path
-could draft; and how far the head's lm_head rows moved from the target's they were initialized from).
-One row per set, then one per category of the eval set. No eval prompt is ever trained
-on: the eval answers are only scored.
+new its prompts are to the head. The head is then scored on every set with the trainer's held-out
+evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy, draft-vocabulary coverage, and the
+greedy loop replayed over each answer up to `--tokens`, which the eval stage's accept_length matches).
+Two more columns: the share of answer tokens outside the draft vocabulary, and the share of those already
+in the context (the prompt or earlier in the answer: what a copying path could draft). One row per set,
+then one per category of the eval set. It also prints how far the head's lm_head rows moved from the
+target's they were initialized from. No eval prompt is ever trained on: the eval answers are only scored.
 
 `--misses` adds a second table: where the first draft (step 0, teacher-forced) misses the target's
 greedy token on answer positions whose greedy token is a draft token, how close the target's own call
