@@ -58,15 +58,23 @@ def out_of_vocab(samples: list[Sample], to_draft: torch.Tensor) -> tuple[float, 
     return oov / max(n, 1), copied / max(oov, 1)
 
 
-@torch.no_grad()
-def miss_anatomy(trainer: Trainer, samples: list[Sample]) -> dict[str, float]:
-    """The first draft's misses on `samples` (answer positions, greedy token inside the draft vocab)."""
-    s, hit_p, miss_p, second = trainer.s, [], [], 0
+def first_drafts(trainer: Trainer, samples: list[Sample]):
+    """(group, batch, logits [B, T, Vd]) batch by batch: the head's first draft (step 0, teacher-forced)
+    on `samples`, with the labels at T = 1 (the target's own distribution), in eval mode."""
+    s = trainer.s
     trainer.head.eval()
     for group in batches(samples, s.max_tokens, s.max_len, None):
         batch = target_batch(trainer.target, trainer.cache, group, trainer.vocab, s.max_len, trainer.device,
-                             trainer.spec.features)  # labels at T = 1: the target's own distribution
+                             trainer.spec.features)
         (logits,) = trainer.spec.forward(trainer.head, batch, 1)  # [B, T, Vd], step 0
+        yield group, batch, logits
+
+
+@torch.no_grad()
+def miss_anatomy(trainer: Trainer, samples: list[Sample]) -> dict[str, float]:
+    """The first draft's misses on `samples` (answer positions, greedy token inside the draft vocab)."""
+    hit_p, miss_p, second = [], [], 0
+    for _, batch, logits in first_drafts(trainer, samples):
         m = batch.mask & (batch.top >= 0)
         draft, top, p = logits.argmax(-1)[m], batch.top[m], batch.labels[m]  # [N], [N], [N, Vd]
         p_top = p.gather(-1, top[:, None])[:, 0]  # [N]
@@ -82,6 +90,31 @@ def miss_anatomy(trainer: Trainer, samples: list[Sample]) -> dict[str, float]:
             "near_tie": float((missed < 0.5).float().mean()) if len(missed) else float("nan")}
 
 
+def head_and_eval_answers(args):
+    """-> plan, loaded target, head, eval prompts, eval samples: the head of `args.head` on its target
+    (`args.overrides`), and the target's greedy answers (up to `args.tokens`) to `args.limit` prompts
+    spread over `args.dataset`."""
+    cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
+                             f"draft.path={Path(args.head).resolve()}", *args.overrides)
+    plan = build_plan(cfg)
+    ctx = plan.set_up("load", "configure_aux_capture")
+    loaded, head = ctx["target"], ctx["draft_head"]
+    tok = loaded.tokenizer
+    prompts = load_prompts(args.dataset)
+    prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]
+    ids = [tok.encode_chat(p.text) for p in prompts]
+    answers = Generator(loaded.model, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens),
+                                                         tok.eos_token_ids, sync_every=16)
+    return plan, loaded, head, prompts, [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
+
+
+def scoring_trainer(plan, loaded, head, samples: list[Sample], recipe, name: str) -> Trainer:
+    """A trainer that only scores: its KV rows sized for every one of `samples`, each set evaluated in
+    turn as its held-out split."""
+    return Trainer(head, loaded.model, samples, samples, VocabMap.of(head), settings(recipe, plan.env.device),
+                   plan.env.outputs_dir / name, lambda *a, **k: None)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("head", help="an EAGLE3 head directory (config.json, model.safetensors)")
@@ -95,20 +128,9 @@ def main() -> None:
     ap.add_argument("--misses", action="store_true", help="also the first draft's misses, set by set")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()  # overrides may follow the options
-    cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
-                             f"draft.path={Path(args.head).resolve()}", *args.overrides)
-    recipe = compose_run_config("+experiment=train_eagle3_smollm2")
-    plan = build_plan(cfg)
-    ctx = plan.set_up("load", "configure_aux_capture")
-    loaded, head = ctx["target"], ctx["draft_head"]
+    plan, loaded, head, prompts, evalset = head_and_eval_answers(args)
     target, tok = loaded.model, loaded.tokenizer
-
-    prompts = load_prompts(args.dataset)
-    prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]
-    ids = [tok.encode_chat(p.text) for p in prompts]
-    answers = Generator(target, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens), tok.eos_token_ids,
-                                                   sync_every=16)
-    evalset = [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
+    recipe = compose_run_config("+experiment=train_eagle3_smollm2")
     sets = {args.dataset: evalset}
     for overrides in [""] + args.recipe:  # the recipe's own Magpie samples, then each candidate's
         d = compose_run_config("+experiment=train_eagle3_smollm2", *overrides.split()).train.data
@@ -127,8 +149,7 @@ def main() -> None:
 
     recipe.train.loop_eval_tokens = args.tokens  # the replay's horizon
     # one trainer (its KV rows sized for every set), evaluating one set at a time as its held-out split
-    trainer = Trainer(head, target, everything, everything, VocabMap.of(head),
-                      settings(recipe, plan.env.device), plan.env.outputs_dir / "accept_shift", lambda *a, **k: None)
+    trainer = scoring_trainer(plan, loaded, head, everything, recipe, "accept_shift")
     w = max(16, *map(len, sets))  # the name column
     to_draft = trainer.vocab.to_draft.cpu()
     if not head.shares_lm_head:  # how far the head's lm_head rows moved from the target's they started from

@@ -25,19 +25,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from pathlib import Path
 
 import torch
 
-from engine.generate import Generator
-from engine.prompts import load_prompts
-from engine.sampling import SamplingParams
-from engine.train.data import VocabMap, batches, target_batch
+from accept_shift import first_drafts, head_and_eval_answers, scoring_trainer  # benchmarks/, the script's dir
 from engine.train.selfdistill import Sample
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
-from pipeline.plan import build_plan
-from stages.train_draft import settings, synthesize_data
+from stages.train_draft import synthesize_data
 
 
 @torch.no_grad()
@@ -47,14 +42,9 @@ def positions(trainer: Trainer, samples: list[Sample], embed: torch.Tensor) -> d
     seen: list[torch.Tensor] = []
     hook = head.lm_head.register_forward_hook(lambda m, i, o: seen.append(i[0]))
     rows = {k: [] for k in ("own_lse", "own_max", "own_hit", "own_label", "extra", "extra_label")}
-    head.eval()
     try:
-        for group in batches(samples, s.max_tokens, s.max_len, None):
-            batch = target_batch(trainer.target, trainer.cache, group, trainer.vocab, s.max_len, trainer.device,
-                                 trainer.spec.features)
-            seen.clear()
-            (logits,) = trainer.spec.forward(head, batch, 1)  # [B, T, Vd]
-            x = seen[0].float()  # [B, T, H]
+        for group, batch, logits in first_drafts(trainer, samples):
+            x = seen.pop().float()  # [B, T, H]: the lm_head input of this batch's forward
             for b, sample in enumerate(group):
                 full = torch.tensor(sample.ids[: s.max_len], device=x.device)  # [L_b]
                 ps = batch.mask[b].nonzero()[:, 0]  # answer positions with a label
@@ -132,29 +122,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()
-    cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
-                             f"draft.path={Path(args.head).resolve()}", *args.overrides)
-    recipe = compose_run_config("+experiment=train_eagle3_smollm2")
-    plan = build_plan(cfg)
-    ctx = plan.set_up("load", "configure_aux_capture")
-    loaded, head = ctx["target"], ctx["draft_head"]
-    target, tok = loaded.model, loaded.tokenizer
+    plan, loaded, head, _, evalset = head_and_eval_answers(args)
     if head.shares_lm_head:
         raise SystemExit(f"{args.head}: the head drafts over the target's whole vocabulary; nothing is out of it")
-    prompts = load_prompts(args.dataset)
-    prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]
-    ids = [tok.encode_chat(p.text) for p in prompts]
-    answers = Generator(target, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens), tok.eos_token_ids,
-                                                   sync_every=16)
-    evalset = [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
+    recipe = compose_run_config("+experiment=train_eagle3_smollm2")
     d = recipe.train.data
     train = synthesize_data(loaded, dataclasses.replace(
         d, num_samples=args.train, batch_size=min(args.train, 128), max_answer_tokens=args.tokens, seed=4242,
         sync_every=16))
     everything = evalset + train
-    trainer = Trainer(head, target, everything, everything, VocabMap.of(head),
-                      settings(recipe, plan.env.device), plan.env.outputs_dir / "copy_probe", lambda *a, **k: None)
-    embed = target.lm_head.weight  # [V, H]: tied to the embedding in SmolLM2
+    trainer = scoring_trainer(plan, loaded, head, everything, recipe, "copy_probe")
+    embed = loaded.model.lm_head.weight  # [V, H]: tied to the embedding in SmolLM2
     fitted = positions(trainer, train, embed)
     a, b = fit(fitted)
     print(f"extras' logits: {a:.3f} * (x . E[tok]) + {b:.3f}, fitted on {len(train)} self-distilled samples")
