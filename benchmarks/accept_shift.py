@@ -33,7 +33,7 @@ import torch
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
-from engine.train.data import VocabMap, batches, target_batch
+from engine.train.data import VocabMap, batches
 from engine.train.selfdistill import Sample, cut_share
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
@@ -64,8 +64,7 @@ def first_drafts(trainer: Trainer, samples: list[Sample]):
     s = trainer.s
     trainer.head.eval()
     for group in batches(samples, s.max_tokens, s.max_len, None):
-        batch = target_batch(trainer.target, trainer.cache, group, trainer.vocab, s.max_len, trainer.device,
-                             trainer.spec.features)
+        batch = trainer._batch(group)  # as the trainer's held-out evaluation builds it (labels at T = 1)
         (logits,) = trainer.spec.forward(trainer.head, batch, 1)  # [B, T, Vd], step 0
         yield group, batch, logits
 
