@@ -83,14 +83,15 @@ def test_unknown_group_option_is_rejected():
 
 def test_magpie_group_sets_the_system_messages_of_self_distillation():
     assert to_run_config(compose_cfg()).train.data.system_prompts == []  # plain: the template's default
-    recipe = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2")).train.data.system_prompts
-    assert len(recipe) == 10 and recipe.count("") == 2 and any("math" in p for p in recipe)  # topics
+    topics = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics")).train.data
+    assert len(topics.system_prompts) == 10 and topics.system_prompts.count("") == 2
+    assert any("math" in p for p in topics.system_prompts)
     wide = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_wide")).train.data
     assert len(wide.system_prompts) == 20 and len(set(wide.system_prompts)) == 19
     assert wide.num_samples == 98304  # the rest of the recipe stays
-    detailed = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_detailed")).train.data
+    detailed = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2")).train.data  # the recipe's
     assert len(detailed.system_prompts) == 10 and detailed.system_prompts.count("") == 1
-    assert all(len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], recipe[2:]))  # topics, asking for more
+    assert all(len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], topics.system_prompts[2:]))  # asking for more
     plain = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=plain")).train.data
     assert plain.system_prompts == []
     with pytest.raises(ConfigCompositionException) as e:
