@@ -18,7 +18,7 @@ from stages.train_draft import settings, synthesize_data
 from test_train_draft import TRAIN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from copy_probe import fit, positions, report  # noqa: E402
+from copy_probe import fit, fit_projection, positions, project, report  # noqa: E402
 
 
 def test_copy_probe_rows_agree_with_the_trainers_first_draft_accuracy(outputs, capsys):
@@ -66,3 +66,39 @@ def test_fit_finds_an_informative_copy_score_and_report_counts_the_copies(capsys
     name, positions_, own, with_extras, copyable, copies_right, lost = capsys.readouterr().out.split()
     assert float(own) == 0 and float(with_extras) > 0.6 and float(copies_right) > 0.95 and float(lost) == 0
     assert abs(float(copyable) - (label >= 0).float().mean().item()) < 1e-3
+
+
+def test_fit_projection_finds_a_copy_score_that_the_scalars_cannot(capsys):
+    """Synthetic rows where x points at its copy's embedding row only after a fixed rotation R: x . E[tok]
+    carries nothing, (x R^T) . E[tok] everything. The scalars of `fit` cannot use it; the rank-H correction
+    of `fit_projection` must, and `project` with a zero correction gives back the rows' own scores."""
+    g = torch.Generator().manual_seed(0)
+    h, vocab, samples, per = 6, 40, 60, 20
+    embed = torch.randn(vocab, h, generator=g)
+    rot = torch.linalg.qr(torch.randn(h, h, generator=g)).Q  # [H, H] orthogonal
+    r = {k: [] for k in ("own_label", "extra", "extra_label", "x", "groups")}
+    for _ in range(samples):
+        t = torch.randperm(vocab, generator=g)[:4]  # [C] this sample's out-of-vocabulary context tokens
+        f, ps = torch.zeros(4, dtype=torch.long), torch.arange(per)  # all in the context from the start
+        label = torch.randint(-1, 4, (per,), generator=g)  # -1: an own-vocabulary label
+        x = 0.3 * torch.randn(per, h, generator=g)
+        x[label >= 0] += 2 * embed[t[label[label >= 0]]] @ rot  # [n, H]: visible through x R^T only
+        r["x"].append(x)
+        r["extra"].append(x @ embed[t].T)
+        r["extra_label"].append(label)
+        r["own_label"].append(torch.where(label < 0, 0.0, float("-inf")))
+        r["groups"].append((t, f, ps))
+    r = {k: (v if k == "groups" else torch.cat(v)) for k, v in r.items()}
+    n = len(r["x"])
+    r.update(own_lse=torch.zeros(n), own_max=torch.full((n,), -1.0), own_hit=torch.zeros(n, dtype=torch.bool))
+    assert torch.equal(project(r, embed, torch.zeros(h, 2), torch.zeros(h, 2)), r["extra"])
+
+    def copies_right(a, b, extra=None):
+        capsys.readouterr()
+        report("synthetic", r, a, b, extra)
+        return float(capsys.readouterr().out.split()[5])
+
+    scalars = copies_right(*fit(r))
+    a, b, u, v = fit_projection(r, embed, rank=h, steps=300)
+    projected = copies_right(a, b, project(r, embed, u, v))
+    assert projected > 0.9 and projected > scalars + 0.3
