@@ -129,11 +129,9 @@ def project(r: dict, embed: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> t
     """The extras' scores through the corrected input x + x U V^T: (x') . E[tok] -> [N, C] (-inf as in r)."""
     xp = r["x"] + (r["x"] @ u) @ v.T  # [N, H]
     embed = embed.detach()  # frozen: no gradient into the [V, H] table
-    parts, o = [], 0
-    for t, f, ps in r["groups"]:
-        parts.append(_scores(xp[o: o + len(ps)], embed[t].float(), f, ps))
-        o += len(ps)
-    return _padded(parts)
+    # one split (its backward is one cat), not a slice per sample (each slice's backward is a [N, H] zero tensor)
+    parts = xp.split([len(ps) for _, _, ps in r["groups"]])
+    return _padded([_scores(xs, embed[t].float(), f, ps) for xs, (t, f, ps) in zip(parts, r["groups"])])
 
 
 def fit_projection(r: dict, embed: torch.Tensor, rank: int, steps: int = 200,
