@@ -109,19 +109,25 @@ def _keep(r: dict) -> torch.Tensor:
     return (r["own_label"] > float("-inf")) | (r["extra_label"] >= 0)  # positions whose label is a candidate
 
 
-def fit(r: dict[str, torch.Tensor], steps: int = 300) -> tuple[float, float]:
-    """a, b of the extras' logits by cross-entropy over own + extra candidates (the head frozen)."""
-    a, b = torch.ones((), requires_grad=True), torch.zeros((), requires_grad=True)
-    opt = torch.optim.Adam([a, b], lr=0.05)
-    valid = r["extra"] > float("-inf")  # [N, C]: padding and not-yet-seen tokens are no candidates
-    extra, keep = r["extra"].masked_fill(~valid, 0.0), _keep(r)
-    for _ in range(steps):
-        loss = _union_nll(r, keep, (a * extra + b).masked_fill(~valid, -1e9))  # finite: no NaN gradients
+def _fit(r: dict, scores, a: torch.Tensor, b: torch.Tensor, opt: torch.optim.Optimizer, steps: int) -> None:
+    """Minimise `_union_nll` of the extras' logits a * scores() + b over `opt`'s parameters (a kept > 0)."""
+    keep = _keep(r)
+    for _ in tqdm(range(steps), desc="fit", unit="step", leave=False):
+        e = scores()  # [N, C], -inf: padding and not-yet-seen tokens are no candidates
+        valid = e > float("-inf")
+        ex = (a * e.masked_fill(~valid, 0.0) + b).masked_fill(~valid, -1e9)  # finite: no NaN gradients
+        loss = _union_nll(r, keep, ex)
         opt.zero_grad()
         loss.backward()
         opt.step()
         with torch.no_grad():
             a.clamp_(min=1e-3)
+
+
+def fit(r: dict[str, torch.Tensor], steps: int = 300) -> tuple[float, float]:
+    """a, b of the extras' logits by cross-entropy over own + extra candidates (the head frozen)."""
+    a, b = torch.ones((), requires_grad=True), torch.zeros((), requires_grad=True)
+    _fit(r, lambda: r["extra"], a, b, torch.optim.Adam([a, b], lr=0.05), steps)
     return a.item(), b.item()
 
 
@@ -145,16 +151,7 @@ def fit_projection(r: dict, embed: torch.Tensor, rank: int, steps: int = 200,
     a, b = torch.ones((), requires_grad=True), torch.zeros((), requires_grad=True)
     opt = torch.optim.AdamW([{"params": [u, v], "weight_decay": weight_decay},
                              {"params": [a, b], "weight_decay": 0.0}], lr=0.01)
-    keep = _keep(r)
-    for _ in tqdm(range(steps), desc="fit_projection", unit="step"):
-        e = project(r, embed, u, v)
-        valid = e > float("-inf")
-        loss = _union_nll(r, keep, (a * e.masked_fill(~valid, 0.0) + b).masked_fill(~valid, -1e9))
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            a.clamp_(min=1e-3)
+    _fit(r, lambda: project(r, embed, u, v), a, b, opt, steps)
     return a.item(), b.item(), u.detach(), v.detach()
 
 
