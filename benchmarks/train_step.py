@@ -4,14 +4,16 @@ Builds the plan of `+experiment=train_eagle3_smollm2` (plus overrides), runs its
 stages, then times the target's pass (causal SDPA against the engine's decode attention) and one
 training step phase by phase (target features, head forward, loss, backward, optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
 for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
-compiled kernel, what `train.attention=auto` picks on CUDA), compile (torch.compile of the eager forward
+compiled kernel, what `train.attention=auto` picks on CUDA), flex_torch_loss (flex with the plain-torch
+soft cross-entropy instead of the recipe's `train.loss_kernel`, auto: the fused Triton one on CUDA), compile (torch.compile of the eager forward
 and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
-top kernels of the eager step.
+top kernels of three whole training steps (flex: target features, forward, loss, backward, optimizer).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import random
 import time
 
@@ -58,15 +60,14 @@ def main() -> None:
                       lambda *a, **k: None, spec)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def forward_loss(h, batch):
-        return spec.loss(spec.forward(h, batch, s.ttt_steps), batch, s.loss_decay)
+    def forward_loss(attention=None, kernel=s.loss_kernel):  # the recipe's loss kernel unless named
+        fwd = functools.partial(spec.forward, attention=attention) if attention else spec.forward
+        return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernel)
 
-    def forward_loss_flex(h, batch):
-        return spec.loss(spec.forward(h, batch, s.ttt_steps, attention=ttt_attention_flex), batch, s.loss_decay)
-
-    variants = {"eager": forward_loss, "flex": forward_loss_flex}
+    variants = {"eager": forward_loss(), "flex": forward_loss(ttt_attention_flex),
+                "flex_torch_loss": forward_loss(ttt_attention_flex, "torch")}
     if "compile" in args.variants:
-        variants["compile"] = torch.compile(forward_loss, dynamic=True)
+        variants["compile"] = torch.compile(forward_loss(kernel="torch"), dynamic=True)
     for shape in shapes:  # the target's pass: one causal SDPA (what training uses) against its decode attention
         ms = {}
         for causal in (True, False):
@@ -112,18 +113,19 @@ def main() -> None:
             print(f"{name:8} {shape[0]:>3}x{shape[1]:<3} {first:8.1f} {times['target']:8.1f} {times['fwd']:9.1f} "
                   f"{times['bwd']:8.1f} {times['opt']:8.1f} {step:8.1f} {shape[0] * shape[1] / step:8.1f} {peak:8.1f}",
                   flush=True)
-    if args.profile and dev.type == "cuda":
+    if args.profile and dev.type == "cuda":  # the whole training step as the trainer runs it on CUDA (flex)
         from torch.profiler import ProfilerActivity, profile
 
-        batch = trainer._batch(data[shapes[0]])
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
+                batch = trainer._batch(data[shapes[0]])
                 with trainer._autocast():
-                    loss, _ = forward_loss(student, batch)
+                    loss, _ = variants["flex"](student, batch)
+                trainer.opt.zero_grad(set_to_none=True)
                 loss.backward()
+                trainer.opt.step()
             sync()
-        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=25, max_name_column_width=60))
-
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
 
 if __name__ == "__main__":
     main()

@@ -24,6 +24,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -39,12 +40,15 @@ from engine.train.data import VocabMap, load_samples, save_samples, split, synth
 from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
 from engine.train.vocab import fit_draft_vocab
+from kernels.decode_attention import triton
+from kernels.soft_ce import SOFT_CE_KERNELS
 from pipeline.paths import REPO
 from stages.base import Stage, StageEnv, register_stage
 
 
 DATA_GRAPHS = ("auto", "none", "full", "debug")
 TRAIN_ATTENTION = ("auto", "eager", "flex")
+LOSS_KERNELS = ("auto", *SOFT_CE_KERNELS)
 
 
 def flex_trains(algorithm: str, device: torch.device) -> bool:
@@ -57,6 +61,14 @@ def train_attention(cfg, device: torch.device) -> str:
     if a == "auto":
         return "flex" if flex_trains(cfg.draft.algorithm, device) else "eager"
     return a
+
+
+def train_loss_kernel(cfg, device: torch.device) -> str:
+    """train.loss_kernel with auto resolved: the fused Triton soft cross-entropy on CUDA, else torch."""
+    k = cfg.train.loss_kernel
+    if k == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    return k
 
 
 def data_graph(cfg, env: StageEnv) -> str:
@@ -118,6 +130,13 @@ class TrainDraftStage(Stage):
         if t.attention == "flex" and not flex_trains(d.algorithm, env.device):
             raise ConfigError("train.attention", t.attention, f"FlexAttention trains {d.algorithm} on CUDA only "
                               f"(this run: {d.algorithm} on {env.device})", "eager or auto")
+        if t.loss_kernel not in LOSS_KERNELS:
+            raise ConfigError("train.loss_kernel", t.loss_kernel, "the loss's soft cross-entropy", LOSS_KERNELS)
+        if t.loss_kernel == "triton" and (triton is None or (env.device.type != "cuda"
+                                                             and os.environ.get("TRITON_INTERPRET") != "1")):
+            raise ConfigError("train.loss_kernel", t.loss_kernel,
+                              f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
+                              f"{'installed' if triton is not None else 'not installed'}", "torch or auto")
         if t.round_weight < 0:
             raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
         if not t.label_temperature > 0:
@@ -143,7 +162,7 @@ class TrainDraftStage(Stage):
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
                 f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
-                f"attention {train_attention(cfg, env.device)}"
+                f"attention {train_attention(cfg, env.device)}, loss {train_loss_kernel(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
                 f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}; "
                 f"-> {train_dir(cfg, env)}")
@@ -273,7 +292,8 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
                          round_weight=t.round_weight, label_temperature=t.label_temperature,
-                         attention=train_attention(cfg, device), max_time_s=t.max_time_s, seed=cfg.seed)
+                         attention=train_attention(cfg, device), loss_kernel=train_loss_kernel(cfg, device),
+                         max_time_s=t.max_time_s, seed=cfg.seed)
 
 
 def model_card(f: dict) -> str:

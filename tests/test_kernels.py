@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kernels import decode_attention as da
+from kernels import soft_ce
 
 pytestmark = pytest.mark.skipif(da.triton is None, reason="triton is not installed")
 DEVICES = ["cuda"] if torch.cuda.is_available() else (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -223,3 +224,51 @@ def test_fused_model_equals_unfused(device):
     assert torch.allclose(got.logits, ref.logits, atol=1e-4)
     assert torch.allclose(got.aux_hidden_states, ref.aux_hidden_states, atol=1e-4)
     assert [r.tokens for r in Generator(target, 3).generate(prompts, params)] == ref_tokens
+
+
+# ------------------------------------------------------------------------------------- soft cross-entropy
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("v", [37, 1024, 2500])  # one partial block, one whole block, several blocks
+@pytest.mark.parametrize("temperature", [1.0, 0.5])
+def test_soft_cross_entropy_matches_reference(device, dtype, v, temperature):
+    g = torch.Generator().manual_seed(v)
+    z = (3 * torch.randn(6, v, generator=g)).to(device, dtype).requires_grad_(True)
+    t = (3 * torch.randn(6, v, generator=g)).to(device, dtype)
+    rows = torch.tensor([1, 0, 1, 1, 0, 1], dtype=torch.bool, device=device)
+    w = torch.randn(6, generator=g).to(device)
+    for r in (None, rows):
+        got = {}
+        for kernel in ("torch", "triton"):
+            ce, arg = soft_ce.soft_cross_entropy(z, t, temperature, r, kernel)
+            (ce * w).sum().backward()
+            got[kernel] = ce.detach(), arg, z.grad
+            z.grad = None
+        (ce0, arg0, g0), (ce1, arg1, g1) = got["torch"], got["triton"]
+        assert ce1.dtype == torch.float32 and g1.dtype == dtype
+        torch.testing.assert_close(ce1, ce0, atol=2e-5, rtol=1e-5)
+        assert torch.equal(arg1, arg0)
+        torch.testing.assert_close(g1.float(), g0.float(), atol=1e-6 if dtype == torch.float32 else 8e-3, rtol=1e-4)
+        if r is not None:  # dead rows: no loss, no gradient, no argmax
+            assert not ce1[~r].any() and not g1[~r].any() and (arg1[~r] == -1).all()
+    # the cross-entropy against the target's own distribution is its entropy: the minimum over logits
+    ce_self, _ = soft_ce.soft_cross_entropy(t.float(), t.float(), 1.0, None, "triton")
+    p = t.float().softmax(-1)
+    torch.testing.assert_close(ce_self, -(p * p.log()).sum(-1), atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_soft_cross_entropy_argmax_takes_the_first_maximum_across_blocks(device):
+    z = torch.zeros(2, 3000, device=device)
+    z[0, 1500] = z[0, 2900] = z[0, 2000] = 5.0  # ties in two later blocks: the first index wins
+    z[1, 7] = z[1, 1030] = 1.0
+    _, arg = soft_ce.soft_cross_entropy(z, z, 1.0, None, "triton")
+    assert arg.tolist() == [1500, 7] == z.argmax(-1).tolist()
+
+
+def test_soft_cross_entropy_rejects_a_bad_kernel_or_shape():
+    z = torch.zeros(2, 5)
+    with pytest.raises(ValueError, match="kernel='fused'"):
+        soft_ce.soft_cross_entropy(z, z, 1.0, None, "fused")
+    with pytest.raises(ValueError, match=r"\[N, V\]"):
+        soft_ce.soft_cross_entropy(z, z[:, :4], 1.0, None, "torch")

@@ -16,6 +16,7 @@ from engine.drafts.heads import Eagle3Head, eagle3_config
 from engine.model import StaticKVCache, run_steps
 from engine.train.eagle3 import (Batch, chain_acceptance, chain_lengths, round_weights, simulated_loop,
                                  ttt_attention_flex, ttt_forward, ttt_loss)
+from kernels.decode_attention import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -32,10 +33,10 @@ def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
     feats = torch.randn(b, t, head.fc.in_features, generator=g)
     tokens = torch.randint(0, 320, (b, t), generator=g)
     positions = torch.arange(t).expand(b, t)
-    labels = torch.softmax(torch.randn(b, t, 320, generator=g), -1)
-    batch = Batch(tokens, positions, feats, labels, labels.argmax(-1), torch.ones(b, t, dtype=torch.bool))
-    return head, Batch(*(x.to(device) for x in (batch.tokens, batch.positions, batch.feats, batch.labels, batch.top,
-                                               batch.mask)))
+    label_logits = 2 * torch.randn(b, t, 320, generator=g)
+    batch = Batch(tokens, positions, feats, label_logits, label_logits.argmax(-1), torch.ones(b, t, dtype=torch.bool))
+    return head, Batch(*(x.to(device) for x in (batch.tokens, batch.positions, batch.feats, batch.label_logits,
+                                               batch.top, batch.mask)))
 
 
 @torch.no_grad()
@@ -116,6 +117,39 @@ def test_ttt_loss_and_gradient_reach_every_trained_tensor():
     for name, p in head.named_parameters():
         assert p.grad is not None and p.grad.abs().sum() > 0, name
     assert head.embed.weight.grad is None  # the target's embedding stays frozen
+
+
+@pytest.mark.skipif(triton is None, reason="triton is not installed")
+@pytest.mark.parametrize("anchor_weight", [False, True])
+def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
+    """The Triton soft cross-entropy (TRITON_INTERPRET=1 on CPU) gives ttt_loss the same loss, per-step
+    figures and gradients as the plain-torch path, at a label temperature, with masked positions."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    head, batch = _head_and_batch(device=device)
+    batch.mask[0, :4] = False
+    batch.label_temperature = 0.5
+    if anchor_weight:
+        batch.anchor_weight = torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
+    head.requires_grad_(True)
+    out = {}
+    for kernel in ("torch", "triton"):
+        loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch, kernel=kernel)
+        head.zero_grad()
+        loss.backward()
+        out[kernel] = loss, stats, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+    (l0, s0, g0), (l1, s1, g1) = out["torch"], out["triton"]
+    torch.testing.assert_close(l1, l0)
+    assert s0.keys() == s1.keys() and all(torch.allclose(s1[k], s0[k], atol=1e-5) for k in s0)
+    assert g0.keys() == g1.keys() and len(g0) > 0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_triton_loss_kernel_needs_cuda_or_the_interpreter(outputs, monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(PlanError) as e:
+        build_plan(to_run_config(compose_cfg(*TRAIN, "train.loss_kernel=triton", "device=cpu")))
+    assert "train.loss_kernel" in str(e.value) and "TRITON_INTERPRET" in str(e.value)
 
 
 def test_chain_acceptance_counts_chains_not_positions():
@@ -311,6 +345,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.attention=fast"], "train.attention"),
     (["train.round_weight=-1"], "train.round_weight"),
     (["train.label_temperature=0"], "train.label_temperature"),
+    (["train.loss_kernel=fused"], "train.loss_kernel"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),

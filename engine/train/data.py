@@ -8,8 +8,9 @@ The target's aux hidden states and distributions are recomputed per batch from t
 forward costs less than reading stored features back), in `target_batch`:
 
     ids [B, L] right-padded  ->  draft positions p = 0..L-2:
-        tokens x_{p+1}, feats f_p (aux), labels softmax(z_{p+1} / T) over the draft vocab (T: the
-        training's label_temperature, 1 for held-out figures), top: draft id of argmax z_{p+1},
+        tokens x_{p+1}, feats f_p (aux), label_logits z_{p+1} over the draft vocab (the labels are
+        softmax(z / T), T the training's label_temperature, 1 for held-out figures; the loss reads the
+        logits: kernels/soft_ce.py), top: draft id of argmax z_{p+1},
         mask: x_{p+2} is an answer token (the part the draft is asked to predict)
 """
 
@@ -115,7 +116,7 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
     attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
     `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
-    toward the greedy token; `top` is the same at any T)."""
+    toward the greedy token; `top` is the same at any T); the batch keeps z itself, in the target's dtype."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -131,10 +132,10 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
     z = out.logits[:, 1:]  # [B, L-1, V]: z_{p+1}
-    labels = ((z if vocab.full else z[..., vocab.used]).float() / label_temperature).softmax(-1)  # [B, L-1, Vd]
+    label_logits = (z if vocab.full else z[..., vocab.used]).contiguous()  # [B, L-1, Vd]
     top = vocab.to_draft[z.argmax(-1)]  # [B, L-1]
     return Batch(
-        tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1],
-        labels=labels, top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
+        tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1], label_logits=label_logits,
+        top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1), label_temperature=label_temperature,
     )
 

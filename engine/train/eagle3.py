@@ -18,7 +18,8 @@ the keys a query sees:
 
     batch.tokens   [B, T]          x_{p+1}, the token the draft reads at position p
     batch.feats    [B, T, F]       target aux hidden states at p (F = n_aux * target hidden)
-    batch.labels   [B, T, Vd]      target distribution at p+1 over the draft vocabulary (fp32)
+    batch.label_logits [B, T, Vd]  the target's logits z_{p+1} over the draft vocabulary (its dtype); the
+                                   head learns softmax(z / label_temperature) (batch.labels: that, fp32)
     batch.top      [B, T]          draft id of the target's greedy token at p+1 (-1: outside the draft vocab)
     batch.mask     [B, T] bool     positions trained on (the answer part of a sample)
     batch.anchor_weight [B, T]     optional loss weight of the chain anchored at j (round_weights)
@@ -28,7 +29,8 @@ Attention: `ttt_attention` materializes the [T, T + s] scores (any device, the r
 `ttt_attention_flex` is the same attention as one FlexAttention kernel (CUDA training).
 
 Loss: cross-entropy against the target distribution (forward KL up to a constant), step s weighted
-by `decay ** s`, as EAGLE-3 does. `chain_lengths` turns the per-step greedy matches into the drafts
+by `decay ** s`, as EAGLE-3 does; `kernels/soft_ce.py` computes it per position from the label logits
+(kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path). `chain_lengths` turns the per-step greedy matches into the drafts
 a chain anchored at each j gets accepted; `chain_acceptance` averages them over anchors (the per-position
 estimate: accept_rate_pos_i, accept_length at k drafts) and `simulated_loop` replays the greedy loop on
 them (rounds start where the previous one stopped: what the eval stage reports), on held-out samples.
@@ -42,10 +44,10 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from engine.model import apply_rope
+from kernels.soft_ce import soft_cross_entropy
 
 
 @dataclass
@@ -53,14 +55,19 @@ class Batch:
     tokens: Tensor  # [B, T] int64
     positions: Tensor  # [B, T] int64
     feats: Tensor  # [B, T, F]
-    labels: Tensor  # [B, T, Vd] float32
+    label_logits: Tensor  # [B, T, Vd] the target's logits over the draft vocabulary
     top: Tensor  # [B, T] int64
     mask: Tensor  # [B, T] bool
     anchor_weight: Optional[Tensor] = None  # [B, T] float: loss weight of the chain anchored at j
+    label_temperature: float = 1.0  # labels = softmax(label_logits / T)
 
     @property
     def num_tokens(self) -> int:
         return int(self.mask.sum())
+
+    @property
+    def labels(self) -> Tensor:  # [B, T, Vd] float32: the distribution the head learns
+        return (self.label_logits.float() / self.label_temperature).softmax(-1)
 
 
 def _shift(x: Tensor, n: int, dim: int) -> Tensor:
@@ -157,22 +164,25 @@ def step_valid(mask: Tensor, s: int) -> Tensor:
     return mask & (torch.arange(mask.shape[1], device=mask.device) >= s)[None]
 
 
-def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8) -> tuple[Tensor, dict[str, Tensor]]:
+def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8,
+             kernel: str = "torch") -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted cross-entropy against the target distribution; also per-step loss and greedy accuracy
     (0-d tensors: reading them is a device sync, left to the caller). With `batch.anchor_weight`, step s
-    at p is weighted by the weight of its chain's anchor p - s (see `round_weights`)."""
+    at p is weighted by the weight of its chain's anchor p - s (see `round_weights`). Only the valid
+    positions are computed; `kernel` is soft_cross_entropy's (torch or triton)."""
     total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
+    target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
     for s, lg in enumerate(logits):
         valid = step_valid(batch.mask, s)
         n = valid.sum().clamp(min=1)
         w = valid if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)  # [B, T]
-        ce = -(batch.labels * F.log_softmax(lg.float(), -1)).sum(-1)  # [B, T]
-        loss_s = (ce * w).sum() / w.sum().clamp(min=1e-6)
+        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel)
+        loss_s = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
         total = total + decay ** s * loss_s
         norm += decay ** s
         with torch.no_grad():
             stats[f"loss_{s}"] = loss_s.detach()
-            stats[f"acc_{s}"] = ((lg.argmax(-1) == batch.top) & valid).sum() / n
+            stats[f"acc_{s}"] = ((top.view_as(valid) == batch.top) & valid).sum() / n
     return total / norm, stats
 
 

@@ -44,7 +44,7 @@ class TrainSpec:
     forward     (head, batch, steps) -> per-step logits [B, T, V], aligned so that logits[s][:, p]
                 predicts label index p (the target's distribution of x_{p+2}) for the chain anchored
                 at j = p - s: step s of a proposal made when the target holds positions 0..j
-    loss        (logits, batch, decay) -> (loss, stats); acceptance is read from the logits' greedy chains
+    loss        (logits, batch, decay, kernel=...) -> (loss, stats); acceptance is read from the logits' greedy chains
                 (chain_lengths), the same for every draft
     check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
                 only this algorithm constrains (e.g. DFlash: train.ttt_steps within the block)
@@ -84,6 +84,7 @@ class TrainSettings:
     max_time_s: Optional[float]
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
+    loss_kernel: str = "torch"  # the loss's soft cross-entropy: torch | triton (kernels/soft_ce.py)
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
@@ -121,6 +122,7 @@ class Trainer:
         # the training step's forward (evaluation keeps the materialized attention: no backward there)
         self.train_forward = (functools.partial(spec.forward, attention=ttt_attention_flex)
                               if settings.attention == "flex" else spec.forward)
+        self.loss = functools.partial(spec.loss, kernel=settings.loss_kernel)  # (logits, batch, decay)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -179,7 +181,7 @@ class Trainer:
             batch = self._batch(group)
             with self._autocast():
                 logits = self.spec.forward(self.head, batch, max(self.s.ttt_steps, k))
-            l, stats = self.spec.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
+            l, stats = self.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
             n = batch.num_tokens
             loss, tokens = loss + l.item() * n, tokens + n
             covered += int(((batch.top >= 0) & batch.mask).sum())  # the target's token is a draft token
@@ -226,7 +228,7 @@ class Trainer:
                 logits = self.train_forward(self.head, batch, s.ttt_steps)
             if s.round_weight > 0:
                 batch.anchor_weight = round_weights(logits, batch, s.eval_k, s.round_weight)
-            loss, stats = self.spec.loss(logits, batch, s.loss_decay)
+            loss, stats = self.loss(logits, batch, s.loss_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)

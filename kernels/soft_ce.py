@@ -1,0 +1,139 @@
+"""Cross-entropy against a soft target given by its logits, fused: the draft-training loss.
+
+    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch") -> (ce, argmax)
+        logits          [N, V]  the head's logits (any float dtype; bf16 under autocast), differentiable
+        target_logits   [N, V]  the target's logits over the same vocabulary; labels p = softmax(t / T)
+        rows            [N] bool, optional: the rows to compute (the others: ce 0, argmax -1, gradient 0)
+        ce              [N] fp32   -sum_v p_v log softmax(logits)_v  =  lse(logits) - sum_v p_v logits_v
+        argmax          [N] int64  the logits' argmax (first index of the maximum), for accuracy figures
+
+The plain-torch path materializes p, log_softmax(logits) in fp32 and their product, and autograd keeps
+them for the backward: about ten passes over an [N, V] fp32 tensor per call. The Triton path reads
+logits and target_logits once in the forward (one program per row, an online logsumexp of both and the
+p-weighted sum, the argmax on the way) and once in the backward, which writes the gradient
+softmax(logits) - p scaled by the incoming grad, straight in logits' dtype; it keeps only the two
+logsumexps per row ([N] fp32 each). Math in fp32 on both paths.
+
+`soft_cross_entropy_reference` is the plain-torch definition; the Triton kernels are tested against it
+(TRITON_INTERPRET=1 on CPU, and on the GPU).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from kernels.decode_attention import triton
+
+if triton is not None:
+    import triton.language as tl
+
+SOFT_CE_KERNELS = ("torch", "triton")
+_BLOCK = 1024  # columns a program reads at once (the draft vocabularies here: 8192..49152)
+
+
+def soft_cross_entropy_reference(logits: Tensor, target_logits: Tensor, temperature: float,
+                                 rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    p = (target_logits.float() / temperature).softmax(-1)  # [N, V]
+    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [N]
+    arg = logits.argmax(-1)
+    if rows is None:
+        return ce, arg
+    return torch.where(rows, ce, torch.zeros_like(ce)), torch.where(rows, arg, torch.full_like(arg, -1))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _soft_ce_fwd_kernel(Z, T, ROWS, CE, LSE_Z, LSE_T, ARG, n_cols, inv_temp,
+                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        n = n_cols
+        if HAS_ROWS:
+            n = tl.where(tl.load(ROWS + row) != 0, n_cols, 0)  # a dead row runs no iteration
+        z_row, t_row = Z + row * n_cols, T + row * n_cols
+        m_z, s_z = float("-inf"), 0.0  # running max and sum of exp(z - m_z)
+        m_t, s_t, a = float("-inf"), 0.0, 0.0  # the same for t / T, and sum of exp(t / T - m_t) * z
+        best, best_i = float("-inf"), 0
+        for start in range(0, n, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            m = cols < n_cols
+            z = tl.load(z_row + cols, mask=m, other=float("-inf")).to(tl.float32)
+            t = tl.load(t_row + cols, mask=m, other=float("-inf")).to(tl.float32) * inv_temp
+            bm = tl.max(z, 0)
+            bi = tl.argmax(z, 0)
+            best_i = tl.where(bm > best, start + bi, best_i)  # strictly greater: the first maximum wins
+            best = tl.maximum(best, bm)
+            new_z = tl.maximum(m_z, bm)
+            s_z = s_z * tl.exp(m_z - new_z) + tl.sum(tl.exp(z - new_z), 0)
+            m_z = new_z
+            new_t = tl.maximum(m_t, tl.max(t, 0))
+            scale = tl.exp(m_t - new_t)
+            e = tl.exp(t - new_t)  # 0 on masked columns
+            s_t = s_t * scale + tl.sum(e, 0)
+            a = a * scale + tl.sum(e * tl.where(m, z, 0.0), 0)
+            m_t = new_t
+        live = n > 0  # a dead row's sums stay 0: made harmless before the logs and the division
+        s_z, s_t = tl.where(live, s_z, 1.0), tl.where(live, s_t, 1.0)
+        lse_z = tl.where(live, m_z, 0.0) + tl.log(s_z)
+        tl.store(CE + row, tl.where(live, lse_z - a / s_t, 0.0))
+        tl.store(LSE_Z + row, lse_z)
+        tl.store(LSE_T + row, tl.where(live, m_t, 0.0) + tl.log(s_t))
+        tl.store(ARG + row, tl.where(live, best_i, -1).to(tl.int64))
+
+    @triton.jit
+    def _soft_ce_bwd_kernel(Z, T, ROWS, LSE_Z, LSE_T, G, DZ, n_cols, inv_temp,
+                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+        row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        cols = blk * BLOCK + tl.arange(0, BLOCK)
+        m = cols < n_cols
+        g = tl.load(G + row)
+        if HAS_ROWS:
+            g = tl.where(tl.load(ROWS + row) != 0, g, 0.0)
+        z = tl.load(Z + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        t = tl.load(T + row * n_cols + cols, mask=m, other=0.0).to(tl.float32) * inv_temp
+        dz = g * (tl.exp(z - tl.load(LSE_Z + row)) - tl.exp(t - tl.load(LSE_T + row)))
+        tl.store(DZ + row * n_cols + cols, dz.to(DZ.dtype.element_ty), mask=m)
+
+
+class _SoftCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, target_logits: Tensor, rows: Optional[Tensor], temperature: float):
+        n, v = logits.shape
+        ce = torch.empty(n, dtype=torch.float32, device=logits.device)
+        lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
+        arg = torch.empty(n, dtype=torch.int64, device=logits.device)
+        flags = rows if rows is not None else ce  # a placeholder pointer when every row is live
+        _soft_ce_fwd_kernel[(n,)](logits, target_logits, flags, ce, lse_z, lse_t, arg, v, 1.0 / temperature,
+                                  HAS_ROWS=rows is not None, BLOCK=_BLOCK)
+        ctx.save_for_backward(logits, target_logits, flags, lse_z, lse_t)
+        ctx.has_rows, ctx.inv_temp = rows is not None, 1.0 / temperature
+        ctx.mark_non_differentiable(arg)
+        return ce, arg
+
+    @staticmethod
+    def backward(ctx, g_ce: Tensor, _g_arg):
+        logits, target_logits, flags, lse_z, lse_t = ctx.saved_tensors
+        n, v = logits.shape
+        dz = torch.empty_like(logits)
+        _soft_ce_bwd_kernel[(n, triton.cdiv(v, _BLOCK))](logits, target_logits, flags, lse_z, lse_t,
+                                                         g_ce.float().contiguous(), dz, v, ctx.inv_temp,
+                                                         HAS_ROWS=ctx.has_rows, BLOCK=_BLOCK)
+        return dz, None, None, None
+
+
+def soft_cross_entropy(logits: Tensor, target_logits: Tensor, temperature: float = 1.0,
+                       rows: Optional[Tensor] = None, kernel: str = "torch") -> tuple[Tensor, Tensor]:
+    """(ce [N] fp32, argmax [N]); `kernel`: torch (the reference) or triton (the fused kernels)."""
+    if logits.shape != target_logits.shape or logits.dim() != 2:
+        raise ValueError(f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
+                         f"{tuple(target_logits.shape)} must both be [N, V]")
+    if kernel == "torch":
+        return soft_cross_entropy_reference(logits, target_logits, temperature, rows)
+    if kernel != "triton" or triton is None:
+        raise ValueError(f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
+                         + (" (triton is not installed)" if kernel == "triton" else ""))
+    rows = rows.to(torch.uint8).contiguous() if rows is not None else None
+    return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, temperature)
