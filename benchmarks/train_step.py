@@ -5,7 +5,7 @@ stages, then times the target's pass (causal SDPA against the engine's decode at
 training step phase by phase (target features, head forward, loss, backward, optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
 for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
 compiled kernel, what `train.attention=auto` picks on CUDA), flex_torch_loss (flex with the plain-torch
-soft cross-entropy instead of the recipe's `train.loss_kernel`, auto: the fused Triton one on CUDA), compile (torch.compile of the eager forward
+soft cross-entropy instead of the recipe's `train.kernels`, auto: the fused Triton one on CUDA), compile (torch.compile of the eager forward
 and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
 top kernels of three whole training steps (flex: target features, forward, loss, backward, optimizer).
 """
@@ -60,7 +60,7 @@ def main() -> None:
                       lambda *a, **k: None, spec)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def forward_loss(attention=None, kernel=s.loss_kernel):  # the recipe's loss kernel unless named
+    def forward_loss(attention=None, kernel=s.kernels):  # the recipe's loss kernel unless named
         fwd = functools.partial(spec.forward, attention=attention) if attention else spec.forward
         return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernel)
 

@@ -48,7 +48,7 @@ from stages.base import Stage, StageEnv, register_stage
 
 DATA_GRAPHS = ("auto", "none", "full", "debug")
 TRAIN_ATTENTION = ("auto", "eager", "flex")
-LOSS_KERNELS = ("auto", *SOFT_CE_KERNELS)
+TRAIN_KERNELS = ("auto", *SOFT_CE_KERNELS)
 
 
 def flex_trains(algorithm: str, device: torch.device) -> bool:
@@ -63,9 +63,9 @@ def train_attention(cfg, device: torch.device) -> str:
     return a
 
 
-def train_loss_kernel(cfg, device: torch.device) -> str:
-    """train.loss_kernel with auto resolved: the fused Triton soft cross-entropy on CUDA, else torch."""
-    k = cfg.train.loss_kernel
+def train_kernels(cfg, device: torch.device) -> str:
+    """train.kernels with auto resolved: the training step's fused Triton kernels on CUDA, else torch."""
+    k = cfg.train.kernels
     if k == "auto":
         return "triton" if device.type == "cuda" and triton is not None else "torch"
     return k
@@ -130,11 +130,11 @@ class TrainDraftStage(Stage):
         if t.attention == "flex" and not flex_trains(d.algorithm, env.device):
             raise ConfigError("train.attention", t.attention, f"FlexAttention trains {d.algorithm} on CUDA only "
                               f"(this run: {d.algorithm} on {env.device})", "eager or auto")
-        if t.loss_kernel not in LOSS_KERNELS:
-            raise ConfigError("train.loss_kernel", t.loss_kernel, "the loss's soft cross-entropy", LOSS_KERNELS)
-        if t.loss_kernel == "triton" and (triton is None or (env.device.type != "cuda"
+        if t.kernels not in TRAIN_KERNELS:
+            raise ConfigError("train.kernels", t.kernels, "the training step's fused kernels", TRAIN_KERNELS)
+        if t.kernels == "triton" and (triton is None or (env.device.type != "cuda"
                                                              and os.environ.get("TRITON_INTERPRET") != "1")):
-            raise ConfigError("train.loss_kernel", t.loss_kernel,
+            raise ConfigError("train.kernels", t.kernels,
                               f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
                               f"{'installed' if triton is not None else 'not installed'}", "torch or auto")
         if t.round_weight < 0:
@@ -162,7 +162,7 @@ class TrainDraftStage(Stage):
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
                 f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
-                f"attention {train_attention(cfg, env.device)}, loss {train_loss_kernel(cfg, env.device)}"
+                f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
                 f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}; "
                 f"-> {train_dir(cfg, env)}")
@@ -292,7 +292,7 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
                          round_weight=t.round_weight, label_temperature=t.label_temperature,
-                         attention=train_attention(cfg, device), loss_kernel=train_loss_kernel(cfg, device),
+                         attention=train_attention(cfg, device), kernels=train_kernels(cfg, device),
                          max_time_s=t.max_time_s, seed=cfg.seed)
 
 

@@ -145,11 +145,11 @@ def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-4, msg=n)
 
 
-def test_triton_loss_kernel_needs_cuda_or_the_interpreter(outputs, monkeypatch):
+def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(PlanError) as e:
-        build_plan(to_run_config(compose_cfg(*TRAIN, "train.loss_kernel=triton", "device=cpu")))
-    assert "train.loss_kernel" in str(e.value) and "TRITON_INTERPRET" in str(e.value)
+        build_plan(to_run_config(compose_cfg(*TRAIN, "train.kernels=triton", "device=cpu")))
+    assert "train.kernels" in str(e.value) and "TRITON_INTERPRET" in str(e.value)
 
 
 def test_chain_acceptance_counts_chains_not_positions():
@@ -345,7 +345,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.attention=fast"], "train.attention"),
     (["train.round_weight=-1"], "train.round_weight"),
     (["train.label_temperature=0"], "train.label_temperature"),
-    (["train.loss_kernel=fused"], "train.loss_kernel"),
+    (["train.kernels=fused"], "train.kernels"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),

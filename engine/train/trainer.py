@@ -84,7 +84,7 @@ class TrainSettings:
     max_time_s: Optional[float]
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
-    loss_kernel: str = "torch"  # the loss's soft cross-entropy: torch | triton (kernels/soft_ce.py)
+    kernels: str = "torch"  # the step's fused kernels: torch | triton (the loss: kernels/soft_ce.py)
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
@@ -122,7 +122,7 @@ class Trainer:
         # the training step's forward (evaluation keeps the materialized attention: no backward there)
         self.train_forward = (functools.partial(spec.forward, attention=ttt_attention_flex)
                               if settings.attention == "flex" else spec.forward)
-        self.loss = functools.partial(spec.loss, kernel=settings.loss_kernel)  # (logits, batch, decay)
+        self.loss = functools.partial(spec.loss, kernel=settings.kernels)  # (logits, batch, decay)
 
     # -- state ------------------------------------------------------------------------------------
     @property
