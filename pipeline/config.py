@@ -201,6 +201,7 @@ class TrainConfig:
     steps: int = 2000
     lr: float = 5e-4
     warmup_steps: int = 100
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio (0..1)
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     ttt_steps: int = 6  # draft steps unrolled on the draft's own outputs

@@ -142,6 +142,9 @@ class TrainDraftStage(Stage):
         if not t.label_temperature > 0:
             raise ConfigError("train.label_temperature", t.label_temperature,
                               "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
+        if not 0.0 <= t.min_lr_ratio <= 1.0:
+            raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "where the cosine schedule ends, as a share of lr",
+                              "0 <= min_lr_ratio <= 1")
         if t.lr <= 0:
             raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
         if t.max_len > cfg.model.max_seq_len:
@@ -292,6 +295,7 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
                          round_weight=t.round_weight, label_temperature=t.label_temperature,
+                         min_lr_ratio=t.min_lr_ratio,
                          attention=train_attention(cfg, device), kernels=train_kernels(cfg, device),
                          max_time_s=t.max_time_s, seed=cfg.seed)
 

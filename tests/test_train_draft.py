@@ -3,6 +3,7 @@ of a trained head into the eval stage (acceptance above a random head's on the t
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from kernels.decode_attention import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
+from stages.train_draft import settings
 from pipeline.tracking import default_tracking_uri
 from test_model import pair
 
@@ -150,6 +152,19 @@ def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch)
     with pytest.raises(PlanError) as e:
         build_plan(to_run_config(compose_cfg(*TRAIN, "train.kernels=triton", "device=cpu")))
     assert "train.kernels" in str(e.value) and "TRITON_INTERPRET" in str(e.value)
+
+
+def test_lr_schedule_warms_up_then_follows_steps_or_time_down_to_the_floor():
+    from engine.train.trainer import lr_at
+
+    s = settings(to_run_config(compose_cfg(*TRAIN, "train.lr=1e-3", "train.warmup_steps=10", "train.steps=110",
+                                           "train.min_lr_ratio=0.25", "device=cpu")), torch.device("cpu"))
+    assert lr_at(0, 0.0, s) == pytest.approx(1e-4) and lr_at(9, 0.0, s) == pytest.approx(1e-3)
+    assert lr_at(60, 0.0, s) == pytest.approx(1e-3 * (0.25 + 0.75 * 0.5))  # half way down the cosine
+    assert lr_at(110, 0.0, s) == pytest.approx(2.5e-4) == lr_at(500, 0.0, s)  # the floor, and it stays
+    timed = dataclasses.replace(s, max_time_s=100.0, min_lr_ratio=0.0)
+    assert lr_at(20, 50.0, timed) == pytest.approx(5e-4)  # time ahead of steps: half the budget used
+    assert lr_at(20, 100.0, timed) == pytest.approx(0.0)
 
 
 def test_chain_acceptance_counts_chains_not_positions():
@@ -346,6 +361,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.round_weight=-1"], "train.round_weight"),
     (["train.label_temperature=0"], "train.label_temperature"),
     (["train.kernels=fused"], "train.kernels"),
+    (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),

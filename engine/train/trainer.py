@@ -84,18 +84,20 @@ class TrainSettings:
     max_time_s: Optional[float]
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
+    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
     kernels: str = "torch"  # the step's fused kernels: torch | triton (the loss: kernels/soft_ce.py)
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
-    """Linear warmup, then cosine to 10% over the run's progress: the larger of steps done and, with a
-    time budget, time used, so a run stopped by `max_time_s` still ends on a decayed LR."""
+    """Linear warmup, then cosine to lr * min_lr_ratio over the run's progress: the larger of steps done
+    and, with a time budget, time used, so a run stopped by `max_time_s` still ends on a decayed LR."""
     if step < s.warmup_steps:
         return s.lr * (step + 1) / s.warmup_steps
     frac = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
     if s.max_time_s:
         frac = max(frac, elapsed_s / s.max_time_s)
-    return s.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
+    floor = s.min_lr_ratio
+    return s.lr * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(1.0, frac))))
 
 
 class Trainer:
