@@ -83,12 +83,13 @@ def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]
     return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False).capture()
 
 
-def synthesize_data(loaded, d, graphs=None) -> list[Sample]:
+def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
     """`synthesize` with the settings of a `train.data` config (TrainDataConfig); a script passes a
     `dataclasses.replace` of the recipe's."""
     return synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
                       d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
-                      sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts)
+                      sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts,
+                      phase_s=phase_s)
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -177,16 +178,19 @@ class TrainDraftStage(Stage):
         out.mkdir(parents=True, exist_ok=True)
         log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
 
-        samples, data_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env))
+        samples, data_s, phase_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data",
+                                                      data_graph(cfg, env))
         train, heldout = split(samples, t.heldout, cfg.seed)
         data = {"samples": len(samples), "answer_tokens": sum(len(s.answer_ids) for s in samples),
                 "prompts_cut": cut_share(samples), "data_s": data_s}
         log({"data_s": data_s, "data_reused": float(reused), "data_samples": data["samples"],
              "data_prompts_cut": data["prompts_cut"], "data_answer_tokens": data["answer_tokens"],
-             "data_train_samples": len(train), "data_heldout_samples": len(heldout)})
+             "data_train_samples": len(train), "data_heldout_samples": len(heldout),
+             **{f"data_{k}_s": v for k, v in phase_s.items()}})
         print(f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
               f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
-              f"{data_s:.1f}s; {len(train)} train / {len(heldout)} held out", flush=True)
+              f"{data_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
+              f"{len(train)} train / {len(heldout)} held out", flush=True)
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
         student = self._student(cfg, head, target, train, env)
@@ -221,14 +225,15 @@ class TrainDraftStage(Stage):
         samples = load_samples(path, meta)
         if samples is not None:
             print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
-            return samples, synth_seconds(path), True
+            return (samples, *synth_seconds(path), True)
         t0 = time.perf_counter()
         graphs = generation_graphs(loaded.model, d.batch_size, graph)
-        samples = synthesize_data(loaded, d, graphs)
+        phase_s = {"graphs": time.perf_counter() - t0}  # then messages, answers (synthesize)
+        samples = synthesize_data(loaded, d, graphs, phase_s)
         del graphs
         synth_s = time.perf_counter() - t0
-        save_samples(path, samples, meta, synth_s)
-        return samples, synth_s, False
+        save_samples(path, samples, meta, synth_s, phase_s)
+        return samples, synth_s, phase_s, False
 
     def _student(self, cfg, head, target, train, env: StageEnv):
         """A float32 trainable copy of the loaded head: from scratch, its draft vocabulary (EAGLE3 with an

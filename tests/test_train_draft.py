@@ -279,6 +279,10 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert [s for s, _ in _history(client, second, "train_loss")] == [50]  # no step before 40 re-ran
     assert runs[0].data.metrics["data_reused"] == 1.0  # the cached samples
     assert runs[0].data.metrics["data_s"] == runs[1].data.metrics["data_s"]  # their synthesis time, recorded
+    first = runs[1].data.metrics  # and its phases: graph capture, the user messages, the answers
+    phases = [first[f"data_{k}_s"] for k in ("graphs", "messages", "answers")]
+    assert all(v >= 0 for v in phases) and phases[1] > 0 and phases[2] > 0 and sum(phases) <= first["data_s"]
+    assert all(runs[0].data.metrics[f"data_{k}_s"] == first[f"data_{k}_s"] for k in ("graphs", "messages", "answers"))
     # and their user messages cut at max_prompt_tokens (a random tiny target seldom ends its turn)
     assert runs[0].data.metrics["data_prompts_cut"] == runs[1].data.metrics["data_prompts_cut"] > 0
 

@@ -2,7 +2,7 @@
 
     samples.jsonl   one self-distilled sample per line: {"user", "prompt_ids", "answer_ids", "cut"}
     meta.json       what produced them (target checkpoint, generation settings): a cache key
-    stats.json      how long the synthesis took (reported again when the samples are reused)
+    stats.json      how long the synthesis took, whole and by phase (reported again when the samples are reused)
 
 The target's aux hidden states and distributions are recomputed per batch from the ids (a 135M target
 forward costs less than reading stored features back), in `target_batch`:
@@ -30,8 +30,10 @@ from engine.train.eagle3 import Batch
 from engine.train.selfdistill import Sample
 
 
-def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float) -> None:
-    """samples.jsonl, meta.json (the cache key) and stats.json (how long synthesis took)."""
+def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float,
+                 phase_s: Optional[dict[str, float]] = None) -> None:
+    """samples.jsonl, meta.json (the cache key) and stats.json (how long synthesis took: `synth_s`, and
+    by phase, e.g. graph capture, messages, answers)."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"samples.jsonl.{os.getpid()}.tmp"  # per process: two jobs may synthesise the same key
     with open(tmp, "w") as f:
@@ -40,13 +42,16 @@ def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float) 
                                 "cut": s.cut}) + "\n")
     tmp.rename(path / "samples.jsonl")  # complete or absent: never half-written
     (path / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
-    (path / "stats.json").write_text(json.dumps({"synth_s": synth_s}))
+    (path / "stats.json").write_text(json.dumps({"synth_s": synth_s, "phase_s": phase_s or {}}))
 
 
-def synth_seconds(path: Path) -> float:
-    """The recorded synthesis time of cached samples (0.0 when unknown)."""
+def synth_seconds(path: Path) -> tuple[float, dict[str, float]]:
+    """The recorded synthesis time of cached samples and its phases (0.0 and {} when unknown)."""
     stats = path / "stats.json"
-    return json.loads(stats.read_text())["synth_s"] if stats.is_file() else 0.0
+    if not stats.is_file():
+        return 0.0, {}
+    s = json.loads(stats.read_text())
+    return s["synth_s"], s.get("phase_s", {})
 
 
 def load_samples(path: Path, meta: dict) -> Optional[list[Sample]]:

@@ -17,9 +17,10 @@ samples depend on the seed and the sizes only, not on how the decoding ran (grap
 
 from __future__ import annotations
 
+import time
 import warnings
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
@@ -49,13 +50,16 @@ def cut_share(samples: Sequence[Sample]) -> float:
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
                max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
                seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16,
-               system_prompts: Sequence[str] = (), drop_cut: bool = False) -> list[Sample]:
+               system_prompts: Sequence[str] = (), drop_cut: bool = False,
+               phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
     are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
     `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
     `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
     `system_prompts`: the system messages the user messages are written under, row by row (the answers
-    are always asked for under the template's default, as the eval asks)."""
+    are always asked for under the template's default, as the eval asks).
+    `phase_s`: if given, the seconds spent writing the user messages ("messages") and the answers
+    ("answers") are added to it (each phase ends on a host read of its tokens, so the times are whole)."""
     tok, model = target.tokenizer, target.model
     turns = [tok.user_turn(sp or None) for sp in (system_prompts or [""])]
     prefixes = [turns[i % len(turns)][0] for i in range(batch_size)]
@@ -71,6 +75,7 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
         if len(samples) >= n:
             break
         rng.manual_seed((seed << 32) + attempt)
+        t0 = time.perf_counter()
         users = []  # (message, cut)
         for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every):
             cut = r.finish_reason == "length"  # no end of turn within max_prompt_tokens
@@ -81,9 +86,13 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
         if not users:
             continue
         prompts = [tok.encode_chat(u) for u, _ in users]
+        t1 = time.perf_counter()
         for (u, cut), p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
                                                                sync_every=sync_every)):
             samples.append(Sample(u, p, r.tokens, cut))
+        if phase_s is not None:
+            phase_s["messages"] = phase_s.get("messages", 0.0) + t1 - t0
+            phase_s["answers"] = phase_s.get("answers", 0.0) + time.perf_counter() - t1
         bar.update(len(users))
     bar.close()
     if len(samples) < n:
