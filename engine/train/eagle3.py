@@ -30,10 +30,12 @@ Attention: `ttt_attention` materializes the [T, T + s] scores (any device, the r
 
 Loss: cross-entropy against the target distribution (forward KL up to a constant), step s weighted
 by `decay ** s`, as EAGLE-3 does; `kernels/soft_ce.py` computes it per position from the label logits
-(kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path). `chain_lengths` turns the per-step greedy matches into the drafts
-a chain anchored at each j gets accepted; `chain_acceptance` averages them over anchors (the per-position
-estimate: accept_rate_pos_i, accept_length at k drafts) and `simulated_loop` replays the greedy loop on
-them (rounds start where the previous one stopped: what the eval stage reports), on held-out samples.
+(kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path).
+
+`chain_lengths` turns the per-step greedy matches into the drafts a chain anchored at each j gets
+accepted; `chain_acceptance` averages them over anchors (the per-position estimate: accept_rate_pos_i,
+accept_length at k drafts) and `simulated_loop` replays the greedy loop on them (rounds start where the
+previous one stopped: what the eval stage reports), on held-out samples.
 """
 
 from __future__ import annotations
