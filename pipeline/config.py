@@ -182,6 +182,7 @@ class TrainDataConfig:
     drop_cut_prompts: bool = False  # draw again the user messages cut at max_prompt_tokens (else answered)
     max_answer_tokens: int = 384  # the target's answer
     prompt_temperature: float = 1.0
+    prompt_top_p: float = 0.95  # nucleus of the user messages' sampling (1: the whole distribution)
     # System messages the user messages are written under, row by row ("": the template's default);
     # [] = the default only. They steer the topics (Magpie); answers are always under the default.
     system_prompts: list[str] = field(default_factory=list)

@@ -87,7 +87,7 @@ def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] 
     """`synthesize` with the settings of a `train.data` config (TrainDataConfig); a script passes a
     `dataclasses.replace` of the recipe's."""
     return synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
-                      d.prompt_temperature, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
+                      d.prompt_temperature, d.prompt_top_p, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
                       sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts,
                       phase_s=phase_s)
 
@@ -146,6 +146,8 @@ class TrainDraftStage(Stage):
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "where the cosine schedule ends, as a share of lr",
                               "0 <= min_lr_ratio <= 1")
+        if not 0.0 < t.data.prompt_top_p <= 1.0:
+            raise ConfigError("train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1")
         if t.lr <= 0:
             raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
         if t.max_len > cfg.model.max_seq_len:
@@ -316,7 +318,7 @@ def model_card(f: dict) -> str:
 
 - Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
-  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
+  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
   {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps

@@ -30,6 +30,9 @@ def test_synthesize_prompts_and_answers_from_the_target(outputs):
     again = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
                        min_prompt_chars=1)
     assert [s.ids for s in again] == [s.ids for s in samples]  # seeded
+    whole = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
+                       min_prompt_chars=1, prompt_top_p=1.0)  # the whole distribution: other messages
+    assert [s.user for s in whole] != [s.user for s in samples]
     # the samples do not depend on how the decoding ran: the round loop (a host look every step) and
     # looks every 5 steps give the same ones (each batch also draws from its own seeded generator, so
     # steps run past a batch's end cannot shift the next batch's draws)

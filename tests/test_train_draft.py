@@ -366,6 +366,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.label_temperature=0"], "train.label_temperature"),
     (["train.kernels=fused"], "train.kernels"),
     (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
+    (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),

@@ -48,7 +48,8 @@ def cut_share(samples: Sequence[Sample]) -> float:
 
 
 def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
-               max_answer_tokens: int = 256, prompt_temperature: float = 1.0, answer_temperature: float = 0.0,
+               max_answer_tokens: int = 256, prompt_temperature: float = 1.0, prompt_top_p: float = 0.95,
+               answer_temperature: float = 0.0,
                seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16,
                system_prompts: Sequence[str] = (), drop_cut: bool = False,
                phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
@@ -66,7 +67,7 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
     end_ids = turns[0][1]
     gen = Generator(model, batch_size, graphs=graphs)
     rng = torch.Generator(device=model.lm_head.weight.device)  # seeded per batch below
-    ask = SamplingParams(temperature=prompt_temperature, top_p=0.95, max_new_tokens=max_prompt_tokens)
+    ask = SamplingParams(temperature=prompt_temperature, top_p=prompt_top_p, max_new_tokens=max_prompt_tokens)
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
     samples: list[Sample] = []
     bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True)
