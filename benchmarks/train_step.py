@@ -127,5 +127,6 @@ def main() -> None:
             sync()
         print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40, max_name_column_width=70))
 
+
 if __name__ == "__main__":
     main()

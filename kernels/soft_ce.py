@@ -1,9 +1,11 @@
 """Cross-entropy against a soft target given by its logits, fused: the draft-training loss.
 
-    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch") -> (ce, argmax)
+    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch", probs=None) -> (ce, argmax)
         logits          [N, V]  the head's logits (any float dtype; bf16 under autocast), differentiable
         target_logits   [N, V]  the target's logits over the same vocabulary; labels p = softmax(t / T)
         rows            [N] bool, optional: the rows to compute (the others: ce 0, argmax -1, gradient 0)
+        probs           [N, V] fp32, optional: p itself, for the torch path when a caller reuses one target
+                        over several calls (ttt_loss's steps); the Triton path never materializes it
         ce              [N] fp32   -sum_v p_v log softmax(logits)_v  =  lse(logits) - sum_v p_v logits_v
         argmax          [N] int64  the logits' argmax (first index of the maximum), for accuracy figures
 
@@ -35,8 +37,9 @@ _BLOCK = 1024  # columns a program reads at once (the draft vocabularies here: 8
 
 
 def soft_cross_entropy_reference(logits: Tensor, target_logits: Tensor, temperature: float,
-                                 rows: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
-    p = (target_logits.float() / temperature).softmax(-1)  # [N, V]
+                                 rows: Optional[Tensor] = None,
+                                 probs: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    p = (target_logits.float() / temperature).softmax(-1) if probs is None else probs  # [N, V]
     ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [N]
     arg = logits.argmax(-1)
     if rows is None:
@@ -125,13 +128,14 @@ class _SoftCrossEntropy(torch.autograd.Function):
 
 
 def soft_cross_entropy(logits: Tensor, target_logits: Tensor, temperature: float = 1.0,
-                       rows: Optional[Tensor] = None, kernel: str = "torch") -> tuple[Tensor, Tensor]:
+                       rows: Optional[Tensor] = None, kernel: str = "torch",
+                       probs: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """(ce [N] fp32, argmax [N]); `kernel`: torch (the reference) or triton (the fused kernels)."""
     if logits.shape != target_logits.shape or logits.dim() != 2:
         raise ValueError(f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
                          f"{tuple(target_logits.shape)} must both be [N, V]")
     if kernel == "torch":
-        return soft_cross_entropy_reference(logits, target_logits, temperature, rows)
+        return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs)
     if kernel != "triton" or triton is None:
         raise ValueError(f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
                          + (" (triton is not installed)" if kernel == "triton" else ""))

@@ -174,11 +174,13 @@ def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8,
     positions are computed; `kernel` is soft_cross_entropy's (torch or triton)."""
     total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
     target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
+    probs = batch.labels.flatten(0, 1) if kernel == "torch" else None  # the torch path's labels, once a batch
     for s, lg in enumerate(logits):
         valid = step_valid(batch.mask, s)
         n = valid.sum().clamp(min=1)
         w = valid if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)  # [B, T]
-        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel)
+        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel,
+                                     probs)
         loss_s = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
         total = total + decay ** s * loss_s
         norm += decay ** s
