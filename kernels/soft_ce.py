@@ -92,12 +92,14 @@ if triton is not None:
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
+        n = n_cols
+        if HAS_ROWS:  # a dead row reads nothing and writes 0 (its lse are 0, not its own: exp(t / T) of its
+            n = tl.where(tl.load(ROWS + row) != 0, n_cols, 0)  # real logits may overflow, 0 * inf is NaN)
+        m_in = cols < n
         g = tl.load(G + row)
-        if HAS_ROWS:
-            g = tl.where(tl.load(ROWS + row) != 0, g, 0.0)
-        z = tl.load(Z + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        t = tl.load(T + row * n_cols + cols, mask=m, other=0.0).to(tl.float32) * inv_temp
-        dz = g * (tl.exp(z - tl.load(LSE_Z + row)) - tl.exp(t - tl.load(LSE_T + row)))
+        z = tl.load(Z + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32)
+        t = tl.load(T + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32) * inv_temp
+        dz = tl.where(m_in, g * (tl.exp(z - tl.load(LSE_Z + row)) - tl.exp(t - tl.load(LSE_T + row))), 0.0)
         tl.store(DZ + row * n_cols + cols, dz.to(DZ.dtype.element_ty), mask=m)
 
 

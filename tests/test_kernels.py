@@ -258,6 +258,30 @@ def test_soft_cross_entropy_matches_reference(device, dtype, v, temperature):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_soft_cross_entropy_dead_rows_with_large_logits_get_a_zero_gradient(device):
+    """Dead rows are real positions too (a prompt's, a TTT step's first ones) with the target's real logits:
+    at T = 0.5 a logit of 45 is exp(90), past fp32. The backward must not touch them (0 * inf is NaN: the
+    first GPU training run with the kernel went NaN at its first steps)."""
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(4, 2500, generator=g).to(device).requires_grad_(True)
+    t = torch.randn(4, 2500, generator=g).to(device)
+    with torch.no_grad():
+        t[1] += 60.0  # dead
+        z[3] += 120.0  # dead
+        t[2] += 60.0  # live: its own logsumexp keeps it finite
+    rows = torch.tensor([1, 0, 1, 0], dtype=torch.bool, device=device)
+    got = {}
+    for kernel in ("torch", "triton"):
+        ce, _ = soft_ce.soft_cross_entropy(z, t, 0.5, rows, kernel)
+        ce.sum().backward()
+        got[kernel], z.grad = (ce.detach(), z.grad), None
+    (ce0, g0), (ce1, g1) = got["torch"], got["triton"]
+    assert torch.isfinite(g1).all() and not g1[~rows].any()
+    torch.testing.assert_close(ce1, ce0, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(g1, g0, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_soft_cross_entropy_argmax_takes_the_first_maximum_across_blocks(device):
     z = torch.zeros(2, 3000, device=device)
     z[0, 1500] = z[0, 2900] = z[0, 2000] = 5.0  # ties in two later blocks: the first index wins

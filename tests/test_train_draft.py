@@ -304,6 +304,17 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert d2t.shape == (96,)
 
 
+def test_a_loss_that_goes_nan_stops_the_run_with_one_clear_error(outputs):
+    """A diverged run stops at the first logged step whose loss is not finite and its MLflow run is FAILED,
+    rather than spending its time budget training on NaN; no head is exported."""
+    with pytest.raises(FloatingPointError, match=r"train_loss=nan at step \d+ .*train.kernels=torch"):
+        run(compose_cfg(*TRAIN, "train.steps=40", "train.lr=1e30", "train.grad_clip=1e30"))
+    client = MlflowClient(default_tracking_uri(outputs))
+    (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
+    assert r.info.status == "FAILED"
+    assert not (outputs / "train" / "train_eagle3_smollm2" / "head").exists()
+
+
 def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs):
     """draft.lm_head=target: the head predicts through the target's lm_head (frozen, shared), so the
     export stores no lm_head, d2t or t2d and its config.json no draft_vocab_size (sglang then loads the

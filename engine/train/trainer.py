@@ -244,6 +244,11 @@ class Trainer:
                        "epoch": self.epoch, "train_tokens_per_s": int(tokens_seen) / max(now - last_log, 1e-9),
                        **{f"train_{k}": v.item() for k, v in stats.items()}}
                 tokens_seen, last_log = 0, now
+                if not math.isfinite(row["train_loss"]):  # stop at once: every step after it trains on NaN
+                    raise FloatingPointError(
+                        f"train_draft: train_loss={row['train_loss']} at step {self.step} (grad_norm "
+                        f"{row['grad_norm']}, lr {lr:g}, train.kernels={s.kernels}); valid: a finite loss. "
+                        f"Try a lower train.lr, or train.kernels=torch to rule out the Triton kernels")
                 self.log(row, self.step)
                 bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc0=f"{row['train_acc_0']:.2f}")
             if self.step % s.eval_every == 0 and self.step < s.steps:
