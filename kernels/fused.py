@@ -81,32 +81,37 @@ if triton is not None:
     def _rope_cache_kernel(QKV, COS, SIN, SLOTS, KC, VC, QO,
                            s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, s_sl_b, s_kc_b, s_kc_h, s_kc_s,
                            s_qo_b, s_qo_h, s_qo_t,
-                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr):
-        b, t, h = tl.program_id(0), tl.program_id(1), tl.program_id(2)  # h over heads + kv_heads
-        half = tl.arange(0, D // 2)
+                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
+                           NH: tl.constexpr, NKV: tl.constexpr):
+        # one program per token: its q and k heads as one [NH, D/2] tile (NH: heads + kv_heads, padded
+        # to a power of two), its v heads as one [NKV, D] tile
+        b, t = tl.program_id(0), tl.program_id(1)
+        half = tl.arange(0, D // 2)[None, :]
+        h = tl.arange(0, NH)[:, None]  # q heads, then k heads
         cs = COS + b * s_cs_b + t * s_cs_t
         sn = SIN + b * s_cs_b + t * s_cs_t
         c1, c2 = tl.load(cs + half), tl.load(cs + D // 2 + half)
         s1, s2 = tl.load(sn + half), tl.load(sn + D // 2 + half)
-        row = QKV + b * s_qkv_b + t * s_qkv_t + h * D  # q heads, then k heads (v follows k)
-        x1 = tl.load(row + half).to(tl.float32)
-        x2 = tl.load(row + D // 2 + half).to(tl.float32)
+        row = QKV + b * s_qkv_b + t * s_qkv_t
+        live = h < HEADS + KV_HEADS
+        x1 = tl.load(row + h * D + half, mask=live, other=0.0).to(tl.float32)
+        x2 = tl.load(row + h * D + D // 2 + half, mask=live, other=0.0).to(tl.float32)
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-        if h < HEADS:
-            out = QO + b * s_qo_b + h * s_qo_h + t * s_qo_t
-            tl.store(out + half, o1.to(QO.dtype.element_ty))
-            tl.store(out + D // 2 + half, o2.to(QO.dtype.element_ty))
-        else:
-            kvh = h - HEADS
-            slot = tl.load(SLOTS + b * s_sl_b + t)
-            kdst = KC + b * s_kc_b + kvh * s_kc_h + slot * s_kc_s
-            tl.store(kdst + half, o1.to(KC.dtype.element_ty))
-            tl.store(kdst + D // 2 + half, o2.to(KC.dtype.element_ty))
-            vrow = row + KV_HEADS * D  # v of this kv head
-            vdst = VC + b * s_kc_b + kvh * s_kc_h + slot * s_kc_s
-            tl.store(vdst + half, tl.load(vrow + half).to(VC.dtype.element_ty))
-            tl.store(vdst + D // 2 + half, tl.load(vrow + D // 2 + half).to(VC.dtype.element_ty))
+        is_q = h < HEADS
+        out = QO + b * s_qo_b + tl.where(is_q, h, 0) * s_qo_h + t * s_qo_t
+        tl.store(out + half, o1.to(QO.dtype.element_ty), mask=is_q)
+        tl.store(out + D // 2 + half, o2.to(QO.dtype.element_ty), mask=is_q)
+        is_k = live & (h >= HEADS)
+        slot = tl.load(SLOTS + b * s_sl_b + t)
+        kdst = KC + b * s_kc_b + tl.where(is_k, h - HEADS, 0) * s_kc_h + slot * s_kc_s
+        tl.store(kdst + half, o1.to(KC.dtype.element_ty), mask=is_k)
+        tl.store(kdst + D // 2 + half, o2.to(KC.dtype.element_ty), mask=is_k)
+        vh = tl.arange(0, NKV)[:, None]
+        full = tl.arange(0, D)[None, :]
+        is_v = vh < KV_HEADS
+        v = tl.load(row + (HEADS + KV_HEADS + vh) * D + full, mask=is_v, other=0.0)
+        tl.store(VC + b * s_kc_b + vh * s_kc_h + slot * s_kc_s + full, v.to(VC.dtype.element_ty), mask=is_v)
 
     @triton.jit
     def _silu_mul_kernel(GU, OUT, n_cols, BLOCK: tl.constexpr):
@@ -140,11 +145,12 @@ def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cac
     qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     q = torch.empty(b, heads, t, d, dtype=qkv.dtype, device=qkv.device)
-    _rope_cache_kernel[(b, t, heads + kv_heads)](
+    _rope_cache_kernel[(b, t)](
         qkv, cos, sin, slots, k_cache, v_cache, q,
         qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), slots.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        HEADS=heads, KV_HEADS=kv_heads, D=d,
+        HEADS=heads, KV_HEADS=kv_heads, D=d, NH=triton.next_power_of_2(heads + kv_heads),
+        NKV=triton.next_power_of_2(kv_heads),
     )
     return q
 
