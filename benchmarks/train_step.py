@@ -4,8 +4,8 @@ Builds the plan of `+experiment=train_eagle3_smollm2` (plus overrides), runs its
 stages, then times the target's pass (causal SDPA against the engine's decode attention) and one
 training step phase by phase (target features, head forward, loss, backward, optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
 for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
-compiled kernel, what `train.attention=auto` picks on CUDA), flex_torch_loss (flex with the plain-torch
-soft cross-entropy instead of the recipe's `train.kernels`, auto: the fused Triton one on CUDA), compile (torch.compile of the eager forward
+compiled kernel, what `train.attention=auto` picks on CUDA), flex_torch_kernels (flex with the
+plain-torch loss and norms instead of the recipe's `train.kernels`, auto: the fused Triton ones on CUDA), compile (torch.compile of the eager forward
 and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
 top kernels of three whole training steps (flex: target features, forward, loss, backward, optimizer).
 """
@@ -13,6 +13,7 @@ top kernels of three whole training steps (flex: target features, forward, loss,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import random
 import time
@@ -20,9 +21,8 @@ import time
 import torch
 
 from engine.train.data import VocabMap, target_batch
-from engine.train.eagle3 import ttt_attention_flex
 from engine.train.selfdistill import Sample
-from engine.train.trainer import TRAIN_SPECS, Trainer
+from engine.train.trainer import TRAIN_SPECS, Trainer, train_forward_options
 from engine.train.vocab import fit_draft_vocab
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
@@ -60,14 +60,15 @@ def main() -> None:
                       lambda *a, **k: None, spec)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def forward_loss(attention=None, kernel=s.kernels):  # the recipe's loss kernel unless named
-        fwd = functools.partial(spec.forward, attention=attention) if attention else spec.forward
-        return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernel)
+    def forward_loss(attention="eager", kernels=s.kernels):  # the recipe's kernels unless named
+        o = train_forward_options(spec, dataclasses.replace(s, attention=attention, kernels=kernels))
+        fwd = functools.partial(spec.forward, **o)
+        return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernels)
 
-    variants = {"eager": forward_loss(), "flex": forward_loss(ttt_attention_flex),
-                "flex_torch_loss": forward_loss(ttt_attention_flex, "torch")}
+    variants = {"eager": forward_loss(), "flex": forward_loss("flex"),
+                "flex_torch_kernels": forward_loss("flex", "torch")}
     if "compile" in args.variants:
-        variants["compile"] = torch.compile(forward_loss(kernel="torch"), dynamic=True)
+        variants["compile"] = torch.compile(forward_loss(kernels="torch"), dynamic=True)
     for shape in shapes:  # the target's pass: one causal SDPA (what training uses) against its decode attention
         ms = {}
         for causal in (True, False):

@@ -49,6 +49,7 @@ import torch
 from torch import Tensor
 
 from engine.model import apply_rope
+from kernels.rms_norm import rms_norm
 from kernels.soft_ce import soft_cross_entropy
 
 
@@ -138,25 +139,40 @@ def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
                                        enable_gqa=group > 1)
 
 
-def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention) -> list[Tensor]:
-    """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable)."""
+def module_norm(norm, x: Tensor) -> Tensor:
+    """The head's RMSNorm module as it is (ttt_forward's default `norm`)."""
+    return norm(x)
+
+
+def triton_norm(norm, x: Tensor) -> Tensor:
+    """The head's RMSNorm through kernels/rms_norm's Triton kernels; under autocast the output is in the
+    autocast dtype, the one the next projection casts it to anyway (the same values)."""
+    dev = x.device.type
+    out = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
+    return rms_norm(x, norm.weight, norm.variance_epsilon, out, "triton")
+
+
+def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, norm=module_norm) -> list[Tensor]:
+    """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable).
+    `norm(module, x)` applies the head's RMSNorms (module_norm, or triton_norm while training on CUDA)."""
     m, att = head.midlayer, head.midlayer.self_attn
     b, t = batch.tokens.shape
     heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-    emb = m.input_layernorm(head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
-    cos = head.rope_cos[batch.positions][:, None].to(emb.dtype)  # [B, 1, T, D]
-    sin = head.rope_sin[batch.positions][:, None].to(emb.dtype)
+    emb = norm(m.input_layernorm, head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
+    rope = torch.promote_types(emb.dtype, m.input_layernorm.weight.dtype)  # the module's output dtype
+    cos = head.rope_cos[batch.positions][:, None].to(rope)  # [B, 1, T, D]
+    sin = head.rope_sin[batch.positions][:, None].to(rope)
     g = head.fc(batch.feats.to(emb.dtype))  # [B, T, H]
     keys, values, logits = [], [], []
     for s in range(steps):
-        x = torch.cat([emb, m.hidden_norm(g)], -1)  # [B, T, 2H]
+        x = torch.cat([emb, norm(m.hidden_norm, g)], -1)  # [B, T, 2H]
         q = apply_rope(att.q_proj(x).view(b, t, heads, d).transpose(1, 2), cos, sin)  # [B, H, T, D]
         keys.append(apply_rope(att.k_proj(x).view(b, t, kv, d).transpose(1, 2), cos, sin))  # [B, KV, T, D]
         values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
         o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
         h = g + att.o_proj(o)
-        h = h + m.mlp(m.post_attention_layernorm(h))  # [B, T, H]
-        logits.append(head.lm_head(head.norm(h)))
+        h = h + m.mlp(norm(m.post_attention_layernorm, h))  # [B, T, H]
+        logits.append(head.lm_head(norm(head.norm, h)))
         g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
     return logits
 

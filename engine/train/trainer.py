@@ -30,8 +30,8 @@ from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
-from engine.train.eagle3 import (chain_acceptance, chain_lengths, round_weights, simulated_loop, ttt_attention_flex,
-                                 ttt_forward, ttt_loss)
+from engine.train.eagle3 import (chain_acceptance, chain_lengths, round_weights, simulated_loop, triton_norm,
+                                 ttt_attention_flex, ttt_forward, ttt_loss)
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
@@ -53,12 +53,13 @@ class TrainSpec:
     features: FeatureKind
     forward: Callable
     flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
+    fused_norm: bool = False  # forward(..., norm=triton_norm) exists (train.kernels=triton)
     loss: Callable = ttt_loss
     check: Optional[Callable] = None
 
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
-    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True),
+    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, fused_norm=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
@@ -85,7 +86,19 @@ class TrainSettings:
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-    kernels: str = "torch"  # the step's fused kernels: torch | triton (the loss: kernels/soft_ce.py)
+    kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, kernels/rms_norm.py)
+
+
+def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
+    """The training step's forward options: FlexAttention (train.attention=flex) and the Triton RMSNorm
+    (train.kernels=triton) where the draft's forward has them. Evaluation keeps the plain forward (the
+    materialized attention: no backward there)."""
+    options = {}
+    if s.attention == "flex" and spec.flex_attention:
+        options["attention"] = ttt_attention_flex
+    if s.kernels == "triton" and spec.fused_norm:
+        options["norm"] = triton_norm
+    return options
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
@@ -121,9 +134,7 @@ class Trainer:
         self.step, self.epoch, self.index = 0, 0, 0
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
-        # the training step's forward (evaluation keeps the materialized attention: no backward there)
-        self.train_forward = (functools.partial(spec.forward, attention=ttt_attention_flex)
-                              if settings.attention == "flex" else spec.forward)
+        self.train_forward = functools.partial(spec.forward, **train_forward_options(spec, settings))
         self.loss = functools.partial(spec.loss, kernel=settings.kernels)  # (logits, batch, decay)
 
     # -- state ------------------------------------------------------------------------------------
