@@ -4,8 +4,9 @@ Builds the plan of `+experiment=train_eagle3_smollm2` (plus overrides), runs its
 stages, then times the target's pass (causal SDPA against the engine's decode attention) and one
 training step phase by phase (target features, head forward, loss, backward, optimizer) on synthetic samples of the given shapes (random ids: the cost does not depend on the text),
 for every forward variant in `--variants`: eager (materialized attention scores), flex (FlexAttention's
-compiled kernel, what `train.attention=auto` picks on CUDA), flex_torch_kernels (flex with the
-plain-torch loss and norms instead of the recipe's `train.kernels`, auto: the fused Triton ones on CUDA), compile (torch.compile of the eager forward
+compiled kernel, what `train.attention=auto` picks on CUDA), flex_fused_loss (flex with the Triton
+loss but the torch norms and RoPE), flex_torch_kernels (flex with the plain-torch loss, norms and RoPE
+instead of the recipe's `train.kernels`, auto: the Triton ones on CUDA), compile (torch.compile of the eager forward
 and loss, dynamic shapes; not a trainer option: see docs/benchmarks.md). Prints one row per (variant, shape) and, with --profile, the
 top kernels of three whole training steps (flex: target features, forward, loss, backward, optimizer).
 """
@@ -21,6 +22,7 @@ import time
 import torch
 
 from engine.train.data import VocabMap, target_batch
+from engine.train.eagle3 import TORCH_OPS
 from engine.train.selfdistill import Sample
 from engine.train.trainer import TRAIN_SPECS, Trainer, train_forward_options
 from engine.train.vocab import fit_draft_vocab
@@ -60,12 +62,13 @@ def main() -> None:
                       lambda *a, **k: None, spec)
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
 
-    def forward_loss(attention="eager", kernels=s.kernels):  # the recipe's kernels unless named
+    def forward_loss(attention="eager", kernels=s.kernels, ops=None):  # the recipe's kernels unless named
         o = train_forward_options(spec, dataclasses.replace(s, attention=attention, kernels=kernels))
-        fwd = functools.partial(spec.forward, **o)
+        fwd = functools.partial(spec.forward, **o, **({"ops": ops} if ops else {}))
         return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernels)
 
     variants = {"eager": forward_loss(), "flex": forward_loss("flex"),
+                "flex_fused_loss": forward_loss("flex", ops=TORCH_OPS),
                 "flex_torch_kernels": forward_loss("flex", "torch")}
     if "compile" in args.variants:
         variants["compile"] = torch.compile(forward_loss(kernels="torch"), dynamic=True)

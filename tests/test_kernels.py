@@ -325,3 +325,29 @@ def test_rms_norm_forward_and_backward_match_reference(device, dtype, out_dtype,
     torch.testing.assert_close(y1.float(), y0.float(), **tol)
     torch.testing.assert_close(dx1.float(), dx0.float(), **tol)
     torch.testing.assert_close(dw1, dw0, atol=1e-4 if dtype == torch.float32 else 0.3, rtol=1e-4 if dtype == torch.float32 else 2e-2)
+
+
+# ------------------------------------------------------------------------------------- RoPE with a backward
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("heads, d", [(9, 64), (3, 64), (4, 16)])  # SmolLM2's q and kv heads; a power of two
+def test_rope_forward_and_backward_match_reference(device, heads, d):
+    from kernels import rope as rp
+
+    g = torch.Generator().manual_seed(heads)
+    b, t = 2, 5
+    x = torch.randn(b, t, heads * d, generator=g).to(device).requires_grad_(True)
+    ang = torch.rand(b, t, d // 2, generator=g).to(device) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    dy = torch.randn(b, heads, t, d, generator=g).to(device)
+    got = {}
+    for kernel in ("torch", "triton"):
+        y = rp.rope(x, cos, sin, heads, None, kernel)
+        (y * dy).sum().backward()
+        got[kernel] = y.detach(), x.grad
+        x.grad = None
+    (y0, dx0), (y1, dx1) = got["torch"], got["triton"]
+    assert y1.shape == (b, heads, t, d) and y1.is_contiguous() and dx1.shape == x.shape
+    torch.testing.assert_close(y1, y0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5)
+    # the rotation keeps each pair's norm, and the backward is its inverse
+    torch.testing.assert_close(y1.square().sum(), x.detach().square().sum(), rtol=1e-5, atol=1e-3)

@@ -15,8 +15,8 @@ from safetensors import safe_open
 from conftest import compose_cfg, spread_init
 from engine.drafts.heads import Eagle3Head, eagle3_config
 from engine.model import StaticKVCache, run_steps
-from engine.train.eagle3 import (Batch, chain_acceptance, chain_lengths, module_norm, round_weights,
-                                 simulated_loop, triton_norm, ttt_attention_flex, ttt_forward, ttt_loss)
+from engine.train.eagle3 import (TORCH_OPS, TRITON_OPS, Batch, chain_acceptance, chain_lengths, round_weights,
+                                 simulated_loop, ttt_attention_flex, ttt_forward, ttt_loss)
 from kernels.decode_attention import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
@@ -148,25 +148,48 @@ def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
 
 
 @pytest.mark.skipif(triton is None, reason="triton is not installed")
-def test_ttt_forward_on_the_triton_norm_equals_the_module_norm():
-    """train.kernels=triton also runs the EAGLE3 forward's RMSNorms as Triton kernels (forward and
-    backward): the same logits and gradients as the modules (fp32; bf16 under autocast on the GPU)."""
+def test_ttt_forward_on_the_triton_ops_equals_the_torch_ops():
+    """train.kernels=triton also runs the EAGLE3 forward's RMSNorms and RoPE as Triton kernels (forward
+    and backward): the same logits and gradients as the modules and apply_rope (fp32)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     head, batch = _head_and_batch(device=device)
     head.requires_grad_(True)
     out = {}
-    for norm in (module_norm, triton_norm):
-        logits = ttt_forward(head, batch, 3, norm=norm)
+    for ops in (TORCH_OPS, TRITON_OPS):
+        logits = ttt_forward(head, batch, 3, ops=ops)
         head.zero_grad()
         ttt_loss(logits, batch)[0].backward()
-        out[norm] = [lg.detach() for lg in logits], {n: p.grad.clone() for n, p in head.named_parameters()
+        out[ops] = [lg.detach() for lg in logits], {n: p.grad.clone() for n, p in head.named_parameters()
                                                       if p.grad is not None}
-    (l0, g0), (l1, g1) = out[module_norm], out[triton_norm]
+    (l0, g0), (l1, g1) = out[TORCH_OPS], out[TRITON_OPS]
     for a, b in zip(l0, l1):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
-    assert g0.keys() == g1.keys() and {"midlayer.hidden_norm.weight", "norm.weight"} <= g0.keys()
+    assert g0.keys() == g1.keys() and {"midlayer.hidden_norm.weight", "norm.weight", "midlayer.self_attn.q_proj.weight",
+                                       "midlayer.self_attn.k_proj.weight"} <= g0.keys()
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_ttt_forward_on_the_triton_ops_under_bf16_autocast_on_gpu():
+    """As the trainer runs it on CUDA (bf16 autocast, FlexAttention): the Triton norms and RoPE give the
+    torch ops' logits and gradients up to bf16 rounding."""
+    head, batch = _head_and_batch(b=4, t=64, device="cuda")
+    head.requires_grad_(True)
+    out = {}
+    for ops in (TORCH_OPS, TRITON_OPS):
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = ttt_forward(head, batch, 3, attention=ttt_attention_flex, ops=ops)
+        head.zero_grad()
+        ttt_loss(logits, batch, kernel="triton")[0].backward()
+        out[ops] = [lg.float() for lg in logits], {n: p.grad.clone() for n, p in head.named_parameters()
+                                                    if p.grad is not None}
+    (l0, g0), (l1, g1) = out[TORCH_OPS], out[TRITON_OPS]
+    for a, b in zip(l0, l1):
+        torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-3, rtol=0.05, msg=n)
 
 
 def test_train_forward_options_follow_attention_and_kernels():
@@ -174,7 +197,7 @@ def test_train_forward_options_follow_attention_and_kernels():
 
     s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
     fast = dataclasses.replace(s, attention="flex", kernels="triton")
-    assert train_forward_options(TRAIN_SPECS["eagle3"], fast) == {"attention": ttt_attention_flex, "norm": triton_norm}
+    assert train_forward_options(TRAIN_SPECS["eagle3"], fast) == {"attention": ttt_attention_flex, "ops": TRITON_OPS}
     assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {}  # neither exists for DFlash's forward
     assert train_forward_options(TRAIN_SPECS["eagle3"], s) == {}  # CPU: eager attention, torch kernels
 

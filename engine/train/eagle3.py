@@ -43,13 +43,13 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-from engine.model import apply_rope
 from kernels.rms_norm import rms_norm
+from kernels.rope import rope, rope_reference
 from kernels.soft_ce import soft_cross_entropy
 
 
@@ -139,40 +139,54 @@ def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
                                        enable_gqa=group > 1)
 
 
-def module_norm(norm, x: Tensor) -> Tensor:
-    """The head's RMSNorm module as it is (ttt_forward's default `norm`)."""
-    return norm(x)
-
-
-def triton_norm(norm, x: Tensor) -> Tensor:
-    """The head's RMSNorm through kernels/rms_norm's Triton kernels; under autocast the output is in the
-    autocast dtype, the one the next projection casts it to anyway (the same values)."""
+def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
     dev = x.device.type
-    out = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
-    return rms_norm(x, norm.weight, norm.variance_epsilon, out, "triton")
+    return torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else None
 
 
-def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, norm=module_norm) -> list[Tensor]:
-    """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable).
-    `norm(module, x)` applies the head's RMSNorms (module_norm, or triton_norm while training on CUDA)."""
+@dataclass(frozen=True)
+class ForwardOps:
+    """How `ttt_forward` runs the head's RMSNorms and RoPE.
+
+    norm  (RMSNorm module, x [..., H]) -> [..., H]
+    rope  (x [B, T, n * D], cos [B, T, D] fp32, sin, n) -> [B, n, T, D]
+
+    TORCH_OPS: the modules and engine.model.apply_rope's formula (fp32 results from the fp32 master
+    weights and rotation). TRITON_OPS (train.kernels=triton): kernels/rms_norm.py and kernels/rope.py, one
+    kernel forward and one backward each; under autocast they write the autocast dtype, the values the
+    next projection or the attention casts to anyway."""
+
+    norm: Callable
+    rope: Callable
+
+
+TORCH_OPS = ForwardOps(norm=lambda mod, x: mod(x), rope=rope_reference)
+TRITON_OPS = ForwardOps(
+    norm=lambda mod, x: rms_norm(x, mod.weight, mod.variance_epsilon, _autocast_dtype(x), "triton"),
+    rope=lambda x, cos, sin, n: rope(x, cos, sin, n, _autocast_dtype(x), "triton"),
+)
+
+
+def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
+    """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable)."""
     m, att = head.midlayer, head.midlayer.self_attn
     b, t = batch.tokens.shape
     heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-    emb = norm(m.input_layernorm, head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
-    rope = torch.promote_types(emb.dtype, m.input_layernorm.weight.dtype)  # the module's output dtype
-    cos = head.rope_cos[batch.positions][:, None].to(rope)  # [B, 1, T, D]
-    sin = head.rope_sin[batch.positions][:, None].to(rope)
+    emb = ops.norm(m.input_layernorm, head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
+    rot = torch.promote_types(emb.dtype, m.input_layernorm.weight.dtype)  # the norm module's output dtype
+    cos = head.rope_cos[batch.positions].to(rot)  # [B, T, D]
+    sin = head.rope_sin[batch.positions].to(rot)
     g = head.fc(batch.feats.to(emb.dtype))  # [B, T, H]
     keys, values, logits = [], [], []
     for s in range(steps):
-        x = torch.cat([emb, norm(m.hidden_norm, g)], -1)  # [B, T, 2H]
-        q = apply_rope(att.q_proj(x).view(b, t, heads, d).transpose(1, 2), cos, sin)  # [B, H, T, D]
-        keys.append(apply_rope(att.k_proj(x).view(b, t, kv, d).transpose(1, 2), cos, sin))  # [B, KV, T, D]
+        x = torch.cat([emb, ops.norm(m.hidden_norm, g)], -1)  # [B, T, 2H]
+        q = ops.rope(att.q_proj(x), cos, sin, heads)  # [B, H, T, D]
+        keys.append(ops.rope(att.k_proj(x), cos, sin, kv))  # [B, KV, T, D]
         values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
         o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
         h = g + att.o_proj(o)
-        h = h + m.mlp(norm(m.post_attention_layernorm, h))  # [B, T, H]
-        logits.append(head.lm_head(norm(head.norm, h)))
+        h = h + m.mlp(ops.norm(m.post_attention_layernorm, h))  # [B, T, H]
+        logits.append(head.lm_head(ops.norm(head.norm, h)))
         g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
     return logits
 

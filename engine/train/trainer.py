@@ -30,7 +30,7 @@ from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
-from engine.train.eagle3 import (chain_acceptance, chain_lengths, round_weights, simulated_loop, triton_norm,
+from engine.train.eagle3 import (TRITON_OPS, chain_acceptance, chain_lengths, round_weights, simulated_loop,
                                  ttt_attention_flex, ttt_forward, ttt_loss)
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
@@ -53,13 +53,13 @@ class TrainSpec:
     features: FeatureKind
     forward: Callable
     flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
-    fused_norm: bool = False  # forward(..., norm=triton_norm) exists (train.kernels=triton)
+    forward_ops: bool = False  # forward(..., ops=TRITON_OPS) exists (train.kernels=triton)
     loss: Callable = ttt_loss
     check: Optional[Callable] = None
 
 
 TRAIN_SPECS: dict[str, TrainSpec] = {
-    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, fused_norm=True),
+    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, forward_ops=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
@@ -90,14 +90,14 @@ class TrainSettings:
 
 
 def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
-    """The training step's forward options: FlexAttention (train.attention=flex) and the Triton RMSNorm
-    (train.kernels=triton) where the draft's forward has them. Evaluation keeps the plain forward (the
+    """The training step's forward options: FlexAttention (train.attention=flex) and the Triton RMSNorm and
+    RoPE (train.kernels=triton) where the draft's forward has them. Evaluation keeps the plain forward (the
     materialized attention: no backward there)."""
     options = {}
     if s.attention == "flex" and spec.flex_attention:
         options["attention"] = ttt_attention_flex
-    if s.kernels == "triton" and spec.fused_norm:
-        options["norm"] = triton_norm
+    if s.kernels == "triton" and spec.forward_ops:
+        options["ops"] = TRITON_OPS
     return options
 
 
