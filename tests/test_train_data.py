@@ -152,8 +152,8 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
 
 def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
     """train.label_temperature: the labels are softmax(z / T) over the draft vocabulary, the same
-    distribution as the target's own raised to 1 / T and renormalized; the greedy token (`top`), the
-    features and the mask do not move."""
+    distribution as the target's own raised to 1 / T and renormalized; the draft's target token (`top`),
+    the features and the mask do not move."""
     from engine.model import StaticKVCache
     from engine.train.data import VocabMap, target_batch
     from engine.train.selfdistill import Sample
@@ -174,7 +174,36 @@ def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
     assert torch.equal(sharp.top, own.top) and torch.equal(sharp.feats, own.feats) and torch.equal(sharp.mask, m)
     entropy = lambda p: -(p * p.clamp_min(1e-30).log()).sum(-1)  # noqa: E731
     assert bool((entropy(sharp.labels[m]) < entropy(own.labels[m])).all())
-    in_vocab = m & (own.top >= 0)  # where the greedy token is a draft token, it gains probability
-    assert in_vocab.any()
-    gain = sharp.labels.gather(-1, own.top.clamp_min(0)[..., None]) - own.labels.gather(-1, own.top.clamp_min(0)[..., None])
-    assert bool((gain[in_vocab] >= 0).all())
+    greedy = own.label_logits.argmax(-1, keepdim=True)  # the target's most likely draft token gains probability
+    gain = sharp.labels.gather(-1, greedy) - own.labels.gather(-1, greedy)
+    assert bool((gain[m] > 0).all())
+
+
+def test_target_batch_top_is_the_targets_greedy_token_on_its_own_answers(outputs):
+    """`top` is the sample's next token: on the target's own (greedy) answers, the argmax of its logits
+    over the whole vocabulary at every trained position; `label_logits` are those logits' draft-vocabulary
+    columns (the target's pass computes only those rows of its lm_head)."""
+    from engine.model import StaticKVCache
+    from engine.train.data import VocabMap, target_batch
+
+    loaded = tiny_target(outputs)
+    target = loaded.model
+    spread_init(target, seed=4)  # peaked answers, no near-ties
+    target.set_aux_layers([1, 2, 3])
+    samples = synthesize(loaded, n=6, batch_size=6, max_prompt_tokens=12, max_answer_tokens=16, seed=2,
+                         min_prompt_chars=1)
+    vocab = VocabMap(*build_draft_vocab([s.ids for s in samples[:3]], target.args.vocab_size, 48))
+    cache = StaticKVCache(target.args, 6, 64, torch.device("cpu"), torch.float32)
+    batch = target_batch(target, cache, samples, vocab, 64, "cpu")
+    lens = [len(s.ids) for s in samples]
+    ids = torch.zeros(6, max(lens), dtype=torch.long)
+    for i, s in enumerate(samples):
+        ids[i, : lens[i]] = torch.tensor(s.ids)
+    positions = torch.arange(ids.shape[1]).expand_as(ids)
+    z = target(ids, positions, cache.rows(6), valid=positions < torch.tensor(lens)[:, None],
+               kv_len=ids.shape[1], causal=True).logits[:, 1:]  # [B, L-1, V]: the whole vocabulary
+    m = batch.mask
+    assert m.sum() > 40
+    assert torch.equal(batch.top[m], vocab.to_draft[z.argmax(-1)][m])  # the greedy token, as a draft id
+    assert (batch.top[m] == -1).any() and (batch.top[m] >= 0).any()  # some answer tokens outside the vocab
+    torch.testing.assert_close(batch.label_logits, z[..., vocab.used])

@@ -10,8 +10,13 @@ forward costs less than reading stored features back), in `target_batch`:
     ids [B, L] right-padded  ->  draft positions p = 0..L-2:
         tokens x_{p+1}, feats f_p (aux), label_logits z_{p+1} over the draft vocab (the labels are
         softmax(z / T), T the training's label_temperature, 1 for held-out figures; the loss reads the
-        logits: kernels/soft_ce.py), top: draft id of argmax z_{p+1},
+        logits: kernels/soft_ce.py), top: draft id of x_{p+2} (-1 outside the draft vocabulary),
         mask: x_{p+2} is an answer token (the part the draft is asked to predict)
+
+`top` is what the held-out figures score the draft against. The answers are the target's greedy
+continuations, so x_{p+2} is the target's greedy token where it wrote the sample: what the eval's
+draft-and-verify loop verifies against. It needs no target logits over the whole vocabulary, so the
+target's pass ends at its final hidden state and only the draft vocabulary's rows of its lm_head run.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from pathlib import Path
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.base import FeatureKind
@@ -121,7 +127,7 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
     attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
     `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
-    toward the greedy token; `top` is the same at any T); the batch keeps z itself, in the target's dtype."""
+    toward the greedy token); the batch keeps z itself, in the target's dtype."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     ids = torch.zeros(b, width, dtype=torch.long)
@@ -132,13 +138,14 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     ids, answer = ids.to(device), answer.to(device)
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < torch.tensor(lens, device=device)[:, None]
-    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal)
+    first = torch.zeros(b, dtype=torch.long, device=device)  # full-vocabulary logits at one position only
+    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal, logits_index=first)
     feats = out.aux_hidden_states if features == FeatureKind.aux else out.hidden_states
     if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")
-    z = out.logits[:, 1:]  # [B, L-1, V]: z_{p+1}
-    label_logits = (z if vocab.full else z[..., vocab.used]).contiguous()  # [B, L-1, Vd]
-    top = vocab.to_draft[z.argmax(-1)]  # [B, L-1]
+    w = target.lm_head.weight if vocab.full else target.lm_head.weight[vocab.used]  # [Vd, H]
+    label_logits = F.linear(out.hidden_states[:, 1:], w)  # [B, L-1, Vd]: z_{p+1} over the draft vocabulary
+    top = vocab.to_draft[torch.cat([ids[:, 2:], ids.new_zeros(b, 1)], 1)]  # [B, L-1]: x_{p+2}
     return Batch(
         tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1], label_logits=label_logits,
         top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1), label_temperature=label_temperature,
