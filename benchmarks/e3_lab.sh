@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # EAGLE3 training experiments (issue 5), in the background, read with `device.sh poll`:
-#   bash benchmarks/e3_lab.sh bench             the training step phase by phase (benchmarks/train_step.py):
-#                                               eager / FlexAttention / torch.compile, then a kernel profile
+#   bash benchmarks/e3_lab.sh bench             the training kernels' GPU tests, then the training step phase by
+#                                               phase (benchmarks/train_step.py) with the Triton kernels, the
+#                                               Triton loss only and none, then a kernel profile
 #   bash benchmarks/e3_lab.sh data              the self-distilled samples only (NUM samples, generation batch DB)
 #   bash benchmarks/e3_lab.sh train NAME ...    train_eagle3_smollm2 on those samples (overrides after NAME),
 #                                               then the head's evals (below)
@@ -63,8 +64,12 @@ gpu_tests() {  # gpu_tests GPU
 }
 
 case "$1" in
-bench)
-  TORCH_LOGS=recompiles python benchmarks/train_step.py --profile --shapes 32x512,64x256,40x400,48x333 > $L/train_step.log 2>&1
+bench)  # the kernels' GPU tests, then the step with each kernel set (train_step.py's variants), profiled
+  python -m pytest -q -p no:cacheprovider tests/test_kernels.py tests/test_train_draft.py tests/test_train_data.py \
+    -k "soft or rms or rope or ops or kernel or ttt or target_batch or fused_model" > $L/kernel_tests.log 2>&1
+  echo "kernel tests exit $? $(date +%T)" >> $L/done
+  TORCH_LOGS=recompiles python benchmarks/train_step.py --profile --variants flex,flex_fused_loss,flex_torch_kernels \
+    --shapes 32x512,64x256,40x400 > $L/train_step.log 2>&1
   echo "bench exit $? $(date +%T)" >> $L/done ;;
 data)
   datagen ;;
