@@ -20,7 +20,8 @@ the keys a query sees:
     batch.feats    [B, T, F]       target aux hidden states at p (F = n_aux * target hidden)
     batch.label_logits [B, T, Vd]  the target's logits z_{p+1} over the draft vocabulary (its dtype); the
                                    head learns softmax(z / label_temperature) (batch.labels: that, fp32)
-    batch.top      [B, T]          draft id of the target's greedy token at p+1 (-1: outside the draft vocab)
+    batch.top      [B, T]          draft id of x_{p+2}, the sample's next token: on the target's own greedy
+                                   answers, its greedy token (-1: outside the draft vocab)
     batch.mask     [B, T] bool     positions trained on (the answer part of a sample)
     batch.anchor_weight [B, T]     optional loss weight of the chain anchored at j (round_weights)
     step logits    [B, T, Vd]      one tensor per TTT step
