@@ -64,7 +64,7 @@ def main() -> None:
 
     def forward_loss(attention="eager", kernels=s.kernels, ops=None):  # the recipe's kernels unless named
         o = train_forward_options(spec, dataclasses.replace(s, attention=attention, kernels=kernels))
-        fwd = functools.partial(spec.forward, **o, **({"ops": ops} if ops else {}))
+        fwd = functools.partial(spec.forward, **(o | ({"ops": ops} if ops else {})))
         return lambda h, batch: spec.loss(fwd(h, batch, s.ttt_steps), batch, s.loss_decay, kernel=kernels)
 
     variants = {"eager": forward_loss(), "flex": forward_loss("flex"),
