@@ -469,3 +469,20 @@ def test_shipped_head_is_the_eagle3_default_and_drafts_smollm2(outputs):
     m = ctx["eval_results"]["metrics"]
     assert m["match_baseline"] == 1.0
     assert m["accept_length"] > 1.5, m["accept_length"]
+
+
+def test_train_step_benchmark_builds_every_variant_and_times_a_step(outputs):
+    """benchmarks/train_step.py on the tiny target with the Triton kernels (interpreted): every variant's
+    forward is built (the flex ones need CUDA to run, not to build; building flex_fused_loss once passed
+    `ops` twice), and the eager step is timed phase by phase."""
+    import subprocess
+    import sys
+
+    from pipeline.paths import REPO
+
+    p = subprocess.run([sys.executable, "benchmarks/train_step.py", "--variants", "eager", "--shapes", "1x48",
+                        "--iters", "1", "model=tiny", "draft.aux_layer_ids=[0,1,2]", "draft.draft_vocab_size=128",
+                        "train.max_tokens=128", "train.kernels=triton"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    row = next(line.split() for line in p.stdout.splitlines() if line.startswith("eager "))
+    assert row[1] == "1x48" and float(row[7]) > 0  # step ms
