@@ -257,6 +257,42 @@ def test_simulated_loop_replays_rounds_from_chain_lengths():
     assert anchors.nonzero().tolist() == [[0, 3], [1, 1]]
 
 
+def _replay_walk(length, mask, horizon=None):
+    """The loop replayed by walking each row's rounds in Python: the reference for the pointer doubling."""
+    anchors, tokens = torch.zeros(mask.shape, dtype=torch.bool), 0
+    for row, (lengths, trained) in enumerate(zip(length.tolist(), mask)):
+        idx = trained.nonzero().flatten().tolist()
+        if len(idx) < 2:
+            continue
+        j, stop = idx[0] + 1, idx[-1] + 1
+        end = stop if horizon is None else min(stop, idx[0] + horizon)
+        while j < end:
+            anchors[row, j] = True
+            tokens += min(lengths[j] + 1, stop - j)
+            j += lengths[j] + 1
+    return tokens, int(anchors.sum()), anchors
+
+
+@pytest.mark.parametrize("t", [1, 7, 64, 300])
+def test_loop_anchors_by_pointer_doubling_equal_the_walk(t):
+    """Random chain lengths (0..k, runs of zeros: the longest paths) and masks (prompts, padding, rows with
+    0, 1 or all positions trained), with and without a horizon."""
+    g = torch.Generator().manual_seed(t)
+    b = 24
+    length = torch.randint(0, 6, (b, t), generator=g) * (torch.rand(b, t, generator=g) < 0.6)
+    first = torch.randint(0, t, (b,), generator=g)
+    last = torch.minimum(first + torch.randint(0, t + 1, (b,), generator=g), torch.tensor(t - 1))
+    pos = torch.arange(t)
+    mask = (pos >= first[:, None]) & (pos <= last[:, None])
+    mask[0], mask[1] = False, pos == min(3, t - 1)  # nothing trained; one trained position
+    if t > 1:
+        mask[2], length[2] = True, 0  # every position trained, every chain rejected: the longest path
+    for horizon in (None, 1, 5, 40):
+        want = _replay_walk(length, mask, horizon)
+        got = simulated_loop(length, mask, horizon)
+        assert got[:2] == want[:2] and torch.equal(got[2], want[2]), horizon
+
+
 def test_round_weights_put_the_loss_on_the_loop_anchors():
     head, batch = _head_and_batch(b=2, t=12)
     batch.mask[:, :3] = False

@@ -253,41 +253,58 @@ def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tens
     return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
 
 
-def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> tuple[int, int, Tensor]:
-    """The greedy draft-and-verify loop replayed on teacher-forced chain lengths.
+def loop_anchors(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> Tensor:
+    """Where the greedy draft-and-verify loop, replayed on teacher-forced chain lengths, starts its rounds.
 
     At inference a round anchored at j commits its accepted drafts plus the target's bonus token and the
     next round is anchored at j + accepted + 1; the first round follows the prompt (anchor p0 + 1, with
     p0 the first trained position: the first answer token comes from the prefill). Since the samples are
     the target's greedy answers, this is the loop's own sequence of rounds, without running it.
-    `horizon` is the loop's max_new_tokens (the prefill's token included): no round starts past it, and
-    the round that crosses it counts its whole acceptance, as the eval stage counts a verify. Late tokens
-    of long greedy answers (repetition) are the easiest to draft, so the figure depends on the horizon;
-    the eval stage generates 256.
+    `horizon` is the loop's max_new_tokens (the prefill's token included): no round starts past it.
+
+    The rounds of a row are a path in the graph j -> j + length[j] + 1 (rounds at or past the row's end
+    go to a sink, node T). The path from the first anchor is marked by pointer doubling, on the device and
+    without a host sync: after level i the marks hold the path's first 2^i nodes, and level i + 1 adds
+    their images under the 2^i-th power of the jump (the jump then squared by one gather); ceil(log2(T+1))
+    levels cover any path. About 30 small kernels for a batch, instead of a Python walk per row.
+
+    length [B, T] (chain_lengths), mask [B, T] -> anchors [B, T] bool, on length's device
+    """
+    b, t = mask.shape
+    pos = torch.arange(t, device=length.device)
+    first = torch.where(mask, pos, t).amin(1)  # [B] first trained position
+    stop = torch.where(mask, pos, -1).amax(1) + 1  # [B] rounds anchor below it
+    end = stop if horizon is None else torch.minimum(stop, first + horizon)  # [B]
+    jump = torch.cat([pos + length + 1, length.new_full((b, 1), t)], 1)  # [B, T+1], node T: the sink
+    jump = torch.where(jump < end[:, None], jump, t)
+    start = torch.where((mask.sum(1) >= 2) & (first + 1 < end), first + 1, t)  # [B]
+    marks = torch.zeros(b, t + 1, dtype=torch.uint8, device=length.device)
+    marks[torch.arange(b, device=length.device), start] = 1
+    for _ in range(max(1, math.ceil(math.log2(t + 1)))):
+        marks = marks.scatter_reduce(1, jump, marks, "amax")  # keeps its own marks, adds their images
+        jump = jump.gather(1, jump)
+    return marks[:, :t].bool()
+
+
+def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> tuple[int, int, Tensor]:
+    """The greedy loop replayed on teacher-forced chain lengths (`loop_anchors`): the round that crosses
+    `horizon` counts its whole acceptance, as the eval stage counts a verify. Late tokens of long greedy
+    answers (repetition) are the easiest to draft, so the figure depends on the horizon; the eval stage
+    generates 256.
 
     length [B, T] (chain_lengths), mask [B, T] -> (tokens: accepted + 1 summed over rounds, rounds,
-    anchors [B, T] bool, CPU)
+    anchors [B, T] bool, on length's device)
     """
-    length, mask = length.cpu(), mask.cpu()
-    anchors = torch.zeros(mask.shape, dtype=torch.bool)
-    tokens = rounds = 0
-    for row, (lengths, trained) in enumerate(zip(length.tolist(), mask)):
-        idx = trained.nonzero().flatten().tolist()
-        if len(idx) < 2:
-            continue
-        j, stop = idx[0] + 1, idx[-1] + 1  # rounds anchor at j..stop-1; stop - j answer tokens are left
-        end = stop if horizon is None else min(stop, idx[0] + horizon)
-        while j < end:
-            anchors[row, j] = True
-            tokens += min(lengths[j] + 1, stop - j)
-            rounds += 1
-            j += lengths[j] + 1
-    return tokens, rounds, anchors
+    anchors = loop_anchors(length, mask, horizon)
+    pos = torch.arange(mask.shape[1], device=length.device)
+    stop = torch.where(mask, pos, -1).amax(1, keepdim=True) + 1  # [B, 1]
+    tokens = torch.minimum(length + 1, stop - pos)[anchors].sum()
+    return int(tokens), int(anchors.sum()), anchors
 
 
 def round_weights(logits: list[Tensor], batch: Batch, k: int, extra: float) -> Tensor:
     """Anchor weights [B, T] for the loss: 1 everywhere, 1 + extra where the loop, replayed with the
-    head's current greedy chains (`simulated_loop`), starts a round. The loop's accept length is tokens
+    head's current greedy chains (`loop_anchors`), starts a round. The loop's accept length is tokens
     over rounds and rounds pile up where the draft fails, so this weighs the chains that cost rounds."""
-    _, _, anchors = simulated_loop(chain_lengths(logits, batch, k), batch.mask)
-    return 1.0 + extra * anchors.to(batch.mask.device, torch.float32)
+    anchors = loop_anchors(chain_lengths(logits, batch, k), batch.mask)  # [B, T], no host sync
+    return 1.0 + extra * anchors.float()
