@@ -34,7 +34,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kernels.decode_attention import decode_attention
-from kernels.fused import add_rmsnorm, rope_cache_write, silu_mul
+from kernels.fused import add_rmsnorm, rope_cache_write, rotate_half, silu_mul
 from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
 from kernels.gemv import add_rmsnorm_gemv, gemv, silu_mul_gemv
 
@@ -153,14 +153,9 @@ def rope_tables(args: ModelArgs, max_seq_len: int) -> tuple[Tensor, Tensor]:
     return emb.cos(), emb.sin()
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """x: [batch, heads, seq, head_dim]; cos/sin: [batch, 1, seq, head_dim] in x's dtype."""
-    return x * cos + _rotate_half(x) * sin
+    return x * cos + rotate_half(x) * sin
 
 
 # --------------------------------------------------------------------------------------------- cache

@@ -33,7 +33,7 @@ def add_rmsnorm_reference(x: Tensor, delta: Tensor | None, weight: Tensor, eps: 
     return h, weight * n
 
 
-def _rotate_half(x: Tensor) -> Tensor:
+def rotate_half(x: Tensor) -> Tensor:  # RoPE's half rotation: [x1, x2] -> [-x2, x1]
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
@@ -46,7 +46,7 @@ def rope_cache_write_reference(qkv, cos, sin, slots, k_cache, v_cache, heads: in
     k = k.view(b, t, kv_heads, d).transpose(1, 2)
     v = v.view(b, t, kv_heads, d).transpose(1, 2)
     c, s = cos[:, None].float(), sin[:, None].float()
-    q, k = q * c + _rotate_half(q) * s, k * c + _rotate_half(k) * s
+    q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
     idx = slots[:, None, :, None].expand(b, kv_heads, t, d)
     k_cache.scatter_(2, idx, k.to(k_cache.dtype))
     v_cache.scatter_(2, idx, v.to(v_cache.dtype))

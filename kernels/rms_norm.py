@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from kernels.decode_attention import triton
+from kernels.fused import add_rmsnorm_reference
 
 if triton is not None:
     import triton.language as tl
@@ -36,8 +37,7 @@ _ROWS = 16  # rows per backward program (each writes one partial weight gradient
 
 
 def rms_norm_reference(x: Tensor, weight: Tensor, eps: float, out_dtype: Optional[torch.dtype] = None) -> Tensor:
-    xh = (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    y = weight * xh
+    _, y = add_rmsnorm_reference(x, None, weight, eps)  # the inference norm's formula, without a residual
     return y if out_dtype is None else y.to(out_dtype)
 
 

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 
 from kernels.decode_attention import triton
+from kernels.fused import rotate_half
 
 if triton is not None:
     import triton.language as tl
@@ -34,8 +35,7 @@ def rope_reference(x: Tensor, cos: Tensor, sin: Tensor, heads: int, out_dtype: O
     b, t, _ = x.shape
     c, s = cos[:, None], sin[:, None]  # [B, 1, T, D]
     q = x.view(b, t, heads, -1).transpose(1, 2)  # [B, heads, T, D]
-    q1, q2 = q.chunk(2, dim=-1)
-    y = q * c + torch.cat([-q2, q1], dim=-1) * s  # engine.model.apply_rope
+    y = q * c + rotate_half(q) * s  # engine.model.apply_rope
     return y if out_dtype is None else y.to(out_dtype)
 
 
