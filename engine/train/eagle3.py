@@ -253,6 +253,12 @@ def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tens
     return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
 
 
+def _trained_span(mask: Tensor) -> tuple[Tensor, Tensor]:
+    """mask [B, T] -> (first trained position [B] (T when none), one past the last [B] (0 when none))."""
+    pos = torch.arange(mask.shape[1], device=mask.device)
+    return torch.where(mask, pos, mask.shape[1]).amin(1), torch.where(mask, pos, -1).amax(1) + 1
+
+
 def loop_anchors(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> Tensor:
     """Where the greedy draft-and-verify loop, replayed on teacher-forced chain lengths, starts its rounds.
 
@@ -272,8 +278,7 @@ def loop_anchors(length: Tensor, mask: Tensor, horizon: Optional[int] = None) ->
     """
     b, t = mask.shape
     pos = torch.arange(t, device=length.device)
-    first = torch.where(mask, pos, t).amin(1)  # [B] first trained position
-    stop = torch.where(mask, pos, -1).amax(1) + 1  # [B] rounds anchor below it
+    first, stop = _trained_span(mask)  # [B]: rounds anchor in first + 1 .. stop - 1
     end = stop if horizon is None else torch.minimum(stop, first + horizon)  # [B]
     jump = torch.cat([pos + length + 1, length.new_full((b, 1), t)], 1)  # [B, T+1], node T: the sink
     jump = torch.where(jump < end[:, None], jump, t)
@@ -297,8 +302,8 @@ def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) 
     """
     anchors = loop_anchors(length, mask, horizon)
     pos = torch.arange(mask.shape[1], device=length.device)
-    stop = torch.where(mask, pos, -1).amax(1, keepdim=True) + 1  # [B, 1]
-    tokens = torch.minimum(length + 1, stop - pos)[anchors].sum()
+    _, stop = _trained_span(mask)
+    tokens = torch.minimum(length + 1, stop[:, None] - pos)[anchors].sum()
     return int(tokens), int(anchors.sum()), anchors
 
 

@@ -86,7 +86,7 @@ class TrainSettings:
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-    kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, kernels/rms_norm.py)
+    kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, rms_norm.py, rope.py)
 
 
 def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
