@@ -16,6 +16,12 @@
 #                                               issue's 15-minute budget is this job's wall time), A on GPU 0
 #                                               as e3a, B on GPU 1 as e3b, C on GPU 2 as e3c, ..., each with
 #                                               its evals, then the GPU tests on GPU 1
+#   bash benchmarks/e3_lab.sh share "A..." "B..." [...]  one GPU for all: the data once, then the trainings
+#                                               side by side on GPU 0 (e3a, e3b, ...; each its own MLflow
+#                                               store), each with its evals, then the GPU tests. The recipe's
+#                                               step leaves the GPU idle half the time (host-bound), so two
+#                                               trainings share it at a modest cost in steps; for override
+#                                               sets that leave the data alone (the data is read from cache)
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
 # MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
 # EVALS=mt: MT-bench only (the others later with `EVALS=rest ... evals NAME`, to spare device time:
@@ -46,13 +52,16 @@ datagen() {  # the samples once on GPU 0 (one training step), cached for the tra
 }
 
 side_by_side() {  # side_by_side "A..." "B..." ...: set i on GPU i as e3a, e3b, ... (the GPU tests after e3b)
-  local gpu=0 letters=abcdefgh
+  local i=0 letters=abcdefgh  # ONE_GPU=1: every set on GPU 0 (store i each), the GPU tests after all
   for o in "$@"; do
+    local gpu=$([ -n "${ONE_GPU:-}" ] && echo 0 || echo $i)
     # shellcheck disable=SC2086
-    (train_and_eval $gpu e3${letters:$gpu:1} $o; if [ $gpu = 1 ]; then gpu_tests 1; fi) &
-    gpu=$((gpu + 1))
+    (export STORE=$i; train_and_eval $gpu e3${letters:$i:1} $o
+     if [ $i = 1 ] && [ -z "${ONE_GPU:-}" ]; then gpu_tests 1; fi) &
+    i=$((i + 1))
   done
   wait
+  if [ -n "${ONE_GPU:-}" ]; then gpu_tests 0; fi
   echo "all done $(date +%T)" >> $L/done
 }
 
@@ -86,6 +95,9 @@ pair)
   datagen
   wait  # the step benchmark on GPU 1 ends before its training starts
   side_by_side "$a" "$b" ;;
+share)  # one GPU: the data once, then the trainings side by side on it
+  datagen
+  shift; ONE_GPU=1 side_by_side "$@" ;;
 duo)
   DATA=""  # the recipe's own data settings unless an override set changes them (not NUM / DB)
   shift; side_by_side "$@" ;;
