@@ -140,6 +140,9 @@ class TrainDraftStage(Stage):
                               f"{'installed' if triton is not None else 'not installed'}", "torch or auto")
         if t.round_weight < 0:
             raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
+        if not 0.0 <= t.reach_weight <= 1.0:
+            raise ConfigError("train.reach_weight", t.reach_weight, "the loss weight taken off the TTT steps no chain reaches",
+                              "0 <= reach_weight <= 1 (0: off)")
         if not t.label_temperature > 0:
             raise ConfigError("train.label_temperature", t.label_temperature,
                               "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
@@ -170,6 +173,7 @@ class TrainDraftStage(Stage):
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
                 f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
+                f"{f', reach weight {t.reach_weight:g}' if t.reach_weight else ''}"
                 f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}; "
                 f"-> {train_dir(cfg, env)}")
 
@@ -302,7 +306,7 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
                          round_weight=t.round_weight, label_temperature=t.label_temperature,
-                         min_lr_ratio=t.min_lr_ratio,
+                         min_lr_ratio=t.min_lr_ratio, reach_weight=t.reach_weight,
                          attention=train_attention(cfg, device), kernels=train_kernels(cfg, device),
                          max_time_s=t.max_time_s, seed=cfg.seed)
 
@@ -321,7 +325,7 @@ def model_card(f: dict) -> str:
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
-  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
+  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{reach_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
 
 ## Acceptance measured
@@ -336,6 +340,12 @@ def label_words(f: dict) -> str:
     """The labels' temperature in the card, where it is not the target's own (1)."""
     t = f["train"].get("label_temperature", 1.0)
     return "" if t == 1 else f" at temperature {t:g} (sharpened toward its greedy token)"
+
+
+def reach_words(f: dict) -> str:
+    """train.reach_weight in the card, where it was on."""
+    r = f["train"].get("reach_weight", 0.0)
+    return "" if not r else f"; a step no greedy chain reaches weighs {1 - r:g}"
 
 
 def cut_words(f: dict) -> str:

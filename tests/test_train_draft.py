@@ -121,6 +121,53 @@ def test_ttt_loss_and_gradient_reach_every_trained_tensor():
     assert head.embed.weight.grad is None  # the target's embedding stays frozen
 
 
+def _half_right(head, batch: Batch, steps: int) -> list[torch.Tensor]:
+    """The batch's next tokens set to the head's own step-0 greedy draft at half the positions (so chains
+    run on past step 0), and the head's logits on it."""
+    with torch.no_grad():
+        own = ttt_forward(head, batch, 1)[0].argmax(-1)  # [B, T]: step 0 does not read the labels
+    pick = torch.rand(batch.top.shape, generator=torch.Generator().manual_seed(3)).to(own.device) < 0.5
+    batch.top = torch.where(pick, own, batch.top)
+    return ttt_forward(head, batch, steps)
+
+
+@pytest.mark.parametrize("reach", [0.0, 0.5, 1.0])
+def test_reach_weight_trains_the_steps_chains_reach(reach):
+    """reach_weight: step s at p weighs 1 where the chain anchored at p - s had drafts 0..s-1 all right,
+    1 - reach elsewhere, over the step's valid count. Against a per-position loop; at reach = 1 a step
+    no chain reaches gets no gradient."""
+    head, batch = _head_and_batch(t=16)
+    batch.mask[0, :3] = False
+    head.requires_grad_(True)
+    steps, decay = 3, 0.7
+    logits = _half_right(head, batch, steps)
+    loss, stats = ttt_loss(logits, batch, decay=decay, reach=reach)
+    right = [(lg.argmax(-1) == batch.top) & batch.mask for lg in logits]  # [B, T] by position, per step
+    b, t = batch.mask.shape
+    want, reached = 0.0, {}
+    for s in range(steps):
+        terms, n = [], 0
+        for r in range(b):
+            for p in range(s, t):
+                if not batch.mask[r, p]:
+                    continue
+                n += 1
+                reached[s, r, p] = all(bool(right[i][r, p - s + i]) for i in range(s))
+                ce = -(batch.labels[r, p] * torch.log_softmax(logits[s][r, p].float(), -1)).sum()
+                terms.append(ce * (1.0 if reached[s, r, p] else 1.0 - reach))
+        want = want + decay ** s * torch.stack(terms).sum() / n
+    want = want / sum(decay ** s for s in range(steps))
+    torch.testing.assert_close(loss, want)
+    reach_1 = sum(reached[1, r, p] for (s, r, p) in reached if s == 1)
+    assert 0 < reach_1 < sum(1 for k in reached if k[0] == 1)  # the test reaches some step-1 chains, not all
+    if reach > 0:
+        assert stats["reach_1"].item() == pytest.approx(reach_1 / sum(1 for k in reached if k[0] == 1))
+    if reach == 1.0:
+        grads = torch.autograd.grad(loss, logits)
+        for (s, r, p), ok in reached.items():
+            assert bool(grads[s][r, p].abs().sum() > 0) == ok, (s, r, p)
+
+
 @pytest.mark.skipif(triton is None, reason="triton is not installed")
 @pytest.mark.parametrize("anchor_weight", [False, True])
 def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
@@ -130,12 +177,14 @@ def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
     head, batch = _head_and_batch(device=device)
     batch.mask[0, :4] = False
     batch.label_temperature = 0.5
-    if anchor_weight:
+    if anchor_weight:  # with the reach weights too (the chains' greedy drafts: the kernel's argmax)
         batch.anchor_weight = torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
     head.requires_grad_(True)
+    reach = 0.5 if anchor_weight else 0.0
+    _half_right(head, batch, 1)
     out = {}
     for kernel in ("torch", "triton"):
-        loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch, kernel=kernel)
+        loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch, kernel=kernel, reach=reach)
         head.zero_grad()
         loss.backward()
         out[kernel] = loss, stats, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
@@ -465,6 +514,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
     (["train.attention=fast"], "train.attention"),
     (["train.round_weight=-1"], "train.round_weight"),
+    (["train.reach_weight=1.5"], "train.reach_weight"),
     (["train.label_temperature=0"], "train.label_temperature"),
     (["train.kernels=fused"], "train.kernels"),
     (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),

@@ -83,6 +83,13 @@ def _shift(x: Tensor, n: int, dim: int) -> Tensor:
     return torch.cat([pad, x.narrow(dim, 0, t - min(n, t))], dim)
 
 
+def _shift_left(x: Tensor, n: int) -> Tensor:
+    """out[:, p] = x[:, p + n] along dim 1, zero-filled at the end (position-indexed step n -> by anchor)."""
+    if n == 0:
+        return x
+    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]), *x.shape[2:])], 1)
+
+
 def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], group: int) -> Tensor:
     """Attention of TTT step s = len(keys) - 1.
 
@@ -197,27 +204,44 @@ def step_valid(mask: Tensor, s: int) -> Tensor:
     return mask & (torch.arange(mask.shape[1], device=mask.device) >= s)[None]
 
 
-def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8,
-             kernel: str = "torch") -> tuple[Tensor, dict[str, Tensor]]:
+def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8, kernel: str = "torch",
+             reach: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
     """Weighted cross-entropy against the target distribution; also per-step loss and greedy accuracy
     (0-d tensors: reading them is a device sync, left to the caller). With `batch.anchor_weight`, step s
     at p is weighted by the weight of its chain's anchor p - s (see `round_weights`). Only the valid
-    positions are computed; `kernel` is soft_cross_entropy's (torch or triton)."""
+    positions are computed; `kernel` is soft_cross_entropy's (torch or triton).
+
+    `reach` (0..1) puts the loss where inference drafts. A chain is only continued while its drafts are
+    right, so step s of the chain anchored at j is ever drafted only if steps 0..s-1 at j..j+s-1 were
+    all right (greedy, the head's own argmax against the target's token). Such a step weighs 1, any other
+    1 - reach, and the step's loss keeps its denominator (the valid positions, or their anchor weights):
+    step s's share of the loss then falls with the share of chains that reach it, as its share of the
+    accept length does (reach = 1: d(accept length)/d(acceptance of step s) is the reach of s times what
+    follows). Step 0 always weighs 1. `reach_s` in the stats: the share of step s's positions reached."""
     total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
     target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
     probs = batch.labels.flatten(0, 1) if kernel == "torch" else None  # the torch path's labels, once a batch
+    alive = torch.ones_like(batch.mask)  # [B, T] by anchor j: the chain's drafts so far all right
     for s, lg in enumerate(logits):
-        valid = step_valid(batch.mask, s)
+        valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
         n = valid.sum().clamp(min=1)
-        w = valid if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)  # [B, T]
+        base = valid.float() if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)
+        w = base
+        if reach > 0 and s > 0:
+            reached = _shift(alive, s, 1)  # [B, T] by position
+            w = base * torch.where(reached, 1.0, 1.0 - reach)
+            stats[f"reach_{s}"] = (reached & valid).sum() / n
         ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel,
                                      probs)
-        loss_s = (ce.view_as(w) * w).sum() / w.sum().clamp(min=1e-6)
+        loss_s = (ce.view_as(w) * w).sum() / base.sum().clamp(min=1e-6)
         total = total + decay ** s * loss_s
         norm += decay ** s
         with torch.no_grad():
+            right = (top.view_as(valid) == batch.top) & valid  # [B, T] by position
             stats[f"loss_{s}"] = loss_s.detach()
-            stats[f"acc_{s}"] = ((top.view_as(valid) == batch.top) & valid).sum() / n
+            stats[f"acc_{s}"] = right.sum() / n
+            if reach > 0:
+                alive = alive & _shift_left(right, s)
     return total / norm, stats
 
 
@@ -232,7 +256,7 @@ def chain_lengths(logits: list[Tensor], batch: Batch, k: int) -> Tensor:
     length = torch.zeros(b, t, dtype=torch.long, device=batch.mask.device)
     for s in range(min(k, len(logits))):
         right = (logits[s].argmax(-1) == batch.top) & batch.mask  # [B, T] at position p = j + s
-        ok = ok & torch.cat([right[:, s:], right.new_zeros(b, s)], 1)  # [B, T] indexed by anchor j
+        ok = ok & _shift_left(right, s)  # [B, T] indexed by anchor j
         length += ok
     return length
 

@@ -19,14 +19,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.model import apply_rope
-from engine.train.eagle3 import Batch, _shift
-
-
-def _shift_left(x: Tensor, n: int) -> Tensor:
-    """out[:, p] = x[:, p + n] along dim 1, zero-filled at the end."""
-    if n == 0:
-        return x
-    return torch.cat([x[:, n:], x.new_zeros(x.shape[0], min(n, x.shape[1]), *x.shape[2:])], 1)
+from engine.train.eagle3 import Batch, _shift, _shift_left
 
 
 def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -86,6 +86,7 @@ class TrainSettings:
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
+    reach_weight: float = 0.0  # training loss: steps no greedy chain reaches weigh 1 - reach_weight (ttt_loss)
     kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, rms_norm.py, rope.py)
 
 
@@ -241,7 +242,7 @@ class Trainer:
                 logits = self.train_forward(self.head, batch, s.ttt_steps)
             if s.round_weight > 0:
                 batch.anchor_weight = round_weights(logits, batch, s.eval_k, s.round_weight)
-            loss, stats = self.loss(logits, batch, s.loss_decay)
+            loss, stats = self.loss(logits, batch, s.loss_decay, reach=s.reach_weight)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
