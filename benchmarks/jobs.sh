@@ -1,5 +1,6 @@
 # Sourced by the background GPU scripts (par.sh, e3_lab.sh): one pipeline job per call, its own Hydra run
-# dir and a per-GPU MLflow store under $L (STORE=name: its own store, for jobs that share a GPU), its log in $L/NAME.log, and "NAME exit RC TIME" in $L/done.
+# dir and a per-GPU MLflow store under $L (STORE=N: store N instead, for jobs that share a GPU), its log
+# in $L/NAME.log, and "NAME exit RC TIME" in $L/done.
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 L=${L:-/tmp/bg}
 mkdir -p "$L"

@@ -141,8 +141,8 @@ class TrainDraftStage(Stage):
         if t.round_weight < 0:
             raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
         if not 0.0 <= t.reach_weight <= 1.0:
-            raise ConfigError("train.reach_weight", t.reach_weight, "the loss weight taken off the TTT steps no chain reaches",
-                              "0 <= reach_weight <= 1 (0: off)")
+            raise ConfigError("train.reach_weight", t.reach_weight,
+                              "the loss weight taken off the TTT steps no chain reaches", "0 <= reach_weight <= 1 (0: off)")
         if not t.label_temperature > 0:
             raise ConfigError("train.label_temperature", t.label_temperature,
                               "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
