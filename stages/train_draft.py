@@ -320,12 +320,12 @@ def model_card(f: dict) -> str:
 
 ## How it was trained
 
-- Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2`), on {f['device']}.
+- Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2{lever_overrides(f)}`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
-  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{reach_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
+  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
 
 ## Acceptance measured
@@ -342,10 +342,16 @@ def label_words(f: dict) -> str:
     return "" if t == 1 else f" at temperature {t:g} (sharpened toward its greedy token)"
 
 
-def reach_words(f: dict) -> str:
-    """train.reach_weight in the card, where it was on."""
-    r = f["train"].get("reach_weight", 0.0)
-    return "" if not r else f"; a step no greedy chain reaches weighs {1 - r:g}"
+def lever_overrides(f: dict) -> str:
+    """The loss levers that were on, as the overrides that turn them on (the recipe leaves them off)."""
+    return "".join(f" train.{k}={f['train'][k]:g}" for k in ("round_weight", "reach_weight") if f["train"].get(k))
+
+
+def weight_words(f: dict) -> str:
+    """train.round_weight and train.reach_weight in the card, where they were on."""
+    w, r = f["train"].get("round_weight", 0.0), f["train"].get("reach_weight", 0.0)
+    return ((f"; the chains where the replayed greedy loop starts a round weigh {1 + w:g}" if w else "")
+            + (f"; a step no greedy chain reaches weighs {1 - r:g}" if r else ""))
 
 
 def cut_words(f: dict) -> str:

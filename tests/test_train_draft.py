@@ -21,7 +21,7 @@ from kernels.decode_attention import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
-from stages.train_draft import settings
+from stages.train_draft import model_card, settings
 from pipeline.tracking import default_tracking_uri
 from test_model import pair
 
@@ -545,13 +545,26 @@ def test_shipped_head_fits_the_budget_and_has_a_model_card():
     assert "self-distilled" in card and "accept_length" in card
 
 
+def test_model_card_names_the_loss_levers_that_were_on():
+    """The card of a head trained with train.round_weight / train.reach_weight says so, in words and as the
+    overrides that reproduce it; the recipe's own card (both off) mentions neither."""
+    facts = json.loads((SHIPPED / "training.json").read_text())
+    facts["train"].update(round_weight=0.0, reach_weight=0.0)
+    plain = model_card(facts)
+    assert not any(w in plain for w in ("round_weight", "reach_weight", "starts a round", "chain reaches"))
+    facts["train"].update(round_weight=1.0, reach_weight=0.25)
+    card = model_card(facts)
+    assert "+experiment=train_eagle3_smollm2 train.round_weight=1 train.reach_weight=0.25`" in card
+    assert "starts a round weigh 2" in card and "no greedy chain reaches weighs 0.75" in card
+
+
 @pytest.mark.slow
 def test_shipped_head_is_the_eagle3_default_and_drafts_smollm2(outputs):
     """`+experiment=eagle3` on a fresh machine: the shipped head loads for the default target, is
     accepted far more often than nothing, and greedy output stays the target's."""
     ctx = run(compose_cfg("+experiment=eagle3", "device=cpu", "eval.limit=2", "eval.max_new_tokens=32",
                           "tracking=off"))
-    assert ctx["draft_head"].draft_vocab_size == 8192
+    assert ctx["draft_head"].draft_vocab_size == 10240
     m = ctx["eval_results"]["metrics"]
     assert m["match_baseline"] == 1.0
     assert m["accept_length"] > 1.5, m["accept_length"]
