@@ -34,9 +34,12 @@ warm)  # the GGUF converted once, before parallel jobs read outputs/weights; the
 par)  # issues 5-7 on 4 GPUs in the background (benchmarks/par.sh); read with poll
   mkdir -p /tmp/bg; setsid bash benchmarks/par.sh > /tmp/bg/par.log 2>&1 < /dev/null &
   echo "launched at $(date +%T)" ;;
-poll)  # progress of the background jobs (WAIT=seconds first; stops early once /tmp/bg/done matches UNTIL)
+poll)  # progress of the background jobs (WAIT=seconds first; stops early once /tmp/bg/done has a line
+  # matching each of the comma-separated patterns in UNTIL, e.g. UNTIL="e3a_mt exit,e3b_mt exit")
   set +e +o pipefail
-  for _ in $(seq "${WAIT:-0}"); do grep -qE "${UNTIL:-all done}" /tmp/bg/done 2>/dev/null && break; sleep 1; done
+  finished() { local u; IFS=, read -ra u <<< "${UNTIL:-all done}"
+    for p in "${u[@]}"; do grep -qE "$p" /tmp/bg/done 2>/dev/null || return 1; done; }
+  for _ in $(seq "${WAIT:-0}"); do finished && break; sleep 1; done
   m="^(accept_length|tokens_per_s|baseline_tokens|speedup|match|draft_ms|verify_ms|accept_rate_pos)"
   for f in /tmp/bg/*.log; do echo "== $f"; tr '\r' '\n' < "$f" | grep -E "^\[train_draft\]|Error|error|Traceback|passed|failed" | tail -4
     tr '\r' '\n' < "$f" | grep -E "step/s" | tail -1 | cut -c1-140; grep -E "$m" "$f" | tr '\n' ' '; echo; done
