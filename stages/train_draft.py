@@ -142,7 +142,8 @@ class TrainDraftStage(Stage):
             raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
         if not 0.0 <= t.reach_weight <= 1.0:
             raise ConfigError("train.reach_weight", t.reach_weight,
-                              "the loss weight taken off the TTT steps no chain reaches", "0 <= reach_weight <= 1 (0: off)")
+                              "the loss weight taken off the TTT steps no chain reaches",
+                              "0 <= reach_weight <= 1 (0: off)")
         if not t.label_temperature > 0:
             raise ConfigError("train.label_temperature", t.label_temperature,
                               "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
@@ -342,16 +343,26 @@ def label_words(f: dict) -> str:
     return "" if t == 1 else f" at temperature {t:g} (sharpened toward its greedy token)"
 
 
+# The loss levers the recipe leaves off (0), each with the card's words for it when it was on.
+LOSS_LEVERS = {
+    "round_weight": lambda w: f"the chains where the replayed greedy loop starts a round weigh {1 + w:g}",
+    "reach_weight": lambda r: f"a step no greedy chain reaches weighs {1 - r:g}",
+}
+
+
+def levers_on(f: dict) -> dict[str, float]:
+    """The loss levers that were on in the run `f` describes, with their values."""
+    return {k: f["train"][k] for k in LOSS_LEVERS if f["train"].get(k)}
+
+
 def lever_overrides(f: dict) -> str:
-    """The loss levers that were on, as the overrides that turn them on (the recipe leaves them off)."""
-    return "".join(f" train.{k}={f['train'][k]:g}" for k in ("round_weight", "reach_weight") if f["train"].get(k))
+    """The loss levers that were on, as the overrides that turn them on."""
+    return "".join(f" train.{k}={v:g}" for k, v in levers_on(f).items())
 
 
 def weight_words(f: dict) -> str:
-    """train.round_weight and train.reach_weight in the card, where they were on."""
-    w, r = f["train"].get("round_weight", 0.0), f["train"].get("reach_weight", 0.0)
-    return ((f"; the chains where the replayed greedy loop starts a round weigh {1 + w:g}" if w else "")
-            + (f"; a step no greedy chain reaches weighs {1 - r:g}" if r else ""))
+    """The loss levers that were on, in the card's words."""
+    return "".join(f"; {LOSS_LEVERS[k](v)}" for k, v in levers_on(f).items())
 
 
 def cut_words(f: dict) -> str:
