@@ -47,7 +47,8 @@ poll)  # progress of the background jobs (WAIT=seconds first; stops early once /
   cat /tmp/bg/done /tmp/bg/*.done 2>/dev/null; nvidia-smi --query-gpu=utilization.gpu,memory.used --format=csv,noheader ;;
 collect)  # every log (one archive) and the new EAGLE3 head, split under the 16 MB a file that comes back
   tar -C /tmp/bg -czf "$OUT/bg_logs.tar.gz" --exclude=runs --exclude='*.db' . 
-  for n in ${HEADS:-train_eagle3_smollm2}; do d=outputs/train/$n/head  # HEADS: the EAGLE3 runs to bring back
+  for n in ${HEADS:-train_eagle3_smollm2}; do  # HEADS: the EAGLE3 runs to bring back (RUN, or RUN/head_last)
+    d=outputs/train/$n; [[ $n == */* ]] || d=$d/head; n=${n//\//_}
     [ -d $d ] && tar -C $d -cf "$OUT/${n}_meta.tar" config.json README.md training.json && \
       split -b 15000000 $d/model.safetensors "$OUT/${n}_model.safetensors.part"; done
   for h in mtp dflash; do d=outputs/train/train_${h}_smollm2/head; [ -d $d ] && tar -C $d -cf "$OUT/${h}_meta.tar" \

@@ -42,6 +42,9 @@ train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overr
 head_evals() {  # head_evals GPU NAME PREFIX: the evals of outputs/train/NAME/head, logs PREFIX_*.log
   local gpu=$1 p=$3 head="draft.init=checkpoint draft.path=outputs/train/$2/head"
   [ "${EVALS:-all}" != rest ] && job $gpu ${p}_mt +experiment=eagle3_full eval=mt_bench $head
+  # train.ema_decay: the last step's own weights too (head_last), on MT-bench: the pair from one run
+  [ "${EVALS:-all}" != rest ] && [ -d outputs/train/$2/head_last ] && \
+    job $gpu ${p}_last_mt +experiment=eagle3_full eval=mt_bench draft.init=checkpoint draft.path=outputs/train/$2/head_last
   [ "${EVALS:-all}" = mt ] && return  # EVALS=mt: MT-bench only (the rest later, with EVALS=rest `evals NAME`)
   for ds in gsm8k humaneval alpaca; do job $gpu ${p}_$ds +experiment=eagle3_full eval.dataset=$ds eval.limit=40 $head; done
   job $gpu ${p}_none +experiment=eagle3 eval=mt_bench eval.limit=10 $head

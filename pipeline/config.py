@@ -223,6 +223,11 @@ class TrainConfig:
     # softmax(z / T). Below 1 it leans toward the target's greedy token, the one greedy drafting is scored
     # on; the held-out figures (val_loss included) always use the target's own distribution (T = 1).
     label_temperature: float = 1.0
+    # > 0: the exported head is an exponential moving average of the training weights at this decay
+    # (0.999: about the last 1000 steps; engine/train/average.py), and the held-out figures are its; the
+    # last step's own weights are exported beside it, to `head_last`, with their figures as `last_*`.
+    # 0: off, the head is the last step's weights.
+    ema_decay: float = 0.0
     attention: str = "auto"  # training forward: eager | flex (FlexAttention, CUDA only) | auto (flex where it can)
     # The training step's fused kernels: triton (one Triton kernel each way for the loss's soft
     # cross-entropy, from the label logits: kernels/soft_ce.py, and for the EAGLE3 head's RMSNorms and RoPE:

@@ -144,6 +144,9 @@ class TrainDraftStage(Stage):
             raise ConfigError("train.reach_weight", t.reach_weight,
                               "the loss weight taken off the TTT steps no chain reaches",
                               "0 <= reach_weight <= 1 (0: off)")
+        if not 0.0 <= t.ema_decay < 1.0:
+            raise ConfigError("train.ema_decay", t.ema_decay, "the decay of the exported weight average",
+                              "0 <= ema_decay < 1 (0: off; 0.999: about the last 1000 steps)")
         if not t.label_temperature > 0:
             raise ConfigError("train.label_temperature", t.label_temperature,
                               "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
@@ -175,7 +178,8 @@ class TrainDraftStage(Stage):
                 f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
                 f"{f', reach weight {t.reach_weight:g}' if t.reach_weight else ''}"
-                f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}; "
+                f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}"
+                f"{f', EMA {t.ema_decay:g}' if t.ema_decay else ''}; "
                 f"-> {train_dir(cfg, env)}")
 
     # ----------------------------------------------------------------------------------------------
@@ -212,6 +216,14 @@ class TrainDraftStage(Stage):
 
         export = out / "head"
         self._export(student, export, cfg, metrics, data, env)
+        if trainer.last_weights is not None:  # EMA: the last step's own weights too, for comparison
+            last = student.copy(env.device, torch.float32)
+            own = dict(last.named_parameters())
+            torch._foreach_copy_([own[n].data for n, p in student.named_parameters() if p.requires_grad],
+                                 trainer.last_weights)
+            last_metrics = {k: v for k, v in metrics.items() if not k.startswith(("val_", "heldout_", "last_"))}
+            last_metrics.update({k[5:]: v for k, v in metrics.items() if k.startswith("last_")})
+            self._export(last, out / "head_last", cfg, last_metrics, data, env, ema=False)
         if t.export_dir:
             dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
             shutil.rmtree(dest, ignore_errors=True)
@@ -252,8 +264,9 @@ class TrainDraftStage(Stage):
                 student.init_from_target(target)
         return student.requires_grad_(True)
 
-    def _export(self, student, path: Path, cfg, metrics, data: dict, env) -> None:
-        """data: the samples' figures (samples, answer_tokens, prompts_cut, data_s)."""
+    def _export(self, student, path: Path, cfg, metrics, data: dict, env, ema: bool = True) -> None:
+        """data: the samples' figures (samples, answer_tokens, prompts_cut, data_s). ema=False: these are
+        the last step's own weights of a run with train.ema_decay (the card and training.json say so)."""
         from pipeline.plan import DTYPES
         from pipeline.tracking import device_name
 
@@ -267,6 +280,7 @@ class TrainDraftStage(Stage):
             "prompts_cut": round(data["prompts_cut"], 4), "data_s": round(data["data_s"], 1),
             "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
+            "weights": "ema" if ema and cfg.train.ema_decay else "last",
             "algorithm": cfg.draft.algorithm, "architecture": export.architecture,
             "draft_vocab_size": getattr(export, "draft_vocab_size", env.target_args.vocab_size),
             "lm_head": "target" if export.shares_lm_head else "own",
@@ -307,7 +321,7 @@ def settings(cfg, device: torch.device) -> TrainSettings:
                          max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
                          save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
                          round_weight=t.round_weight, label_temperature=t.label_temperature,
-                         min_lr_ratio=t.min_lr_ratio, reach_weight=t.reach_weight,
+                         min_lr_ratio=t.min_lr_ratio, reach_weight=t.reach_weight, ema_decay=t.ema_decay,
                          attention=train_attention(cfg, device), kernels=train_kernels(cfg, device),
                          max_time_s=t.max_time_s, seed=cfg.seed)
 
@@ -327,7 +341,7 @@ def model_card(f: dict) -> str:
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
   {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
-  of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s).
+  of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s){average_words(f)}.
 
 ## Acceptance measured
 
@@ -350,14 +364,28 @@ LOSS_LEVERS = {
 }
 
 
-def levers_on(f: dict) -> dict[str, float]:
-    """The loss levers that were on in the run `f` describes, with their values."""
-    return {k: f["train"][k] for k in LOSS_LEVERS if f["train"].get(k)}
+# Every lever the recipe leaves off (0): the card names the ones that were on as overrides.
+LEVERS = (*LOSS_LEVERS, "ema_decay")
+
+
+def levers_on(f: dict, levers=LOSS_LEVERS) -> dict[str, float]:
+    """The levers (train.* keys) that were on in the run `f` describes, with their values."""
+    return {k: f["train"][k] for k in levers if f["train"].get(k)}
 
 
 def lever_overrides(f: dict) -> str:
-    """The loss levers that were on, as the overrides that turn them on."""
-    return "".join(f" train.{k}={v:g}" for k, v in levers_on(f).items())
+    """The levers that were on, as the overrides that turn them on."""
+    return "".join(f" train.{k}={v:g}" for k, v in levers_on(f, LEVERS).items())
+
+
+def average_words(f: dict) -> str:
+    """The card's words for the exported weights of a run with train.ema_decay ("" without it)."""
+    decay = f["train"].get("ema_decay")
+    if not decay:
+        return ""
+    if f.get("weights") == "last":
+        return f"; these are the last step's own weights (the run's head is their EMA at decay {decay:g})"
+    return f"; the weights are an exponential moving average of the training weights (decay {decay:g})"
 
 
 def weight_words(f: dict) -> str:

@@ -15,6 +15,7 @@ from safetensors import safe_open
 from conftest import compose_cfg, spread_init
 from engine.drafts.heads import Eagle3Head, eagle3_config
 from engine.model import StaticKVCache, run_steps
+from engine.train.average import WeightAverage
 from engine.train.eagle3 import (TORCH_OPS, TRITON_OPS, Batch, chain_acceptance, chain_lengths, round_weights,
                                  simulated_loop, ttt_attention_flex, ttt_forward, ttt_loss)
 from kernels.decode_attention import triton
@@ -503,6 +504,70 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     assert "at temperature 0.25" in card and "at temperature" not in (Path(soft["draft_checkpoint"]) / "README.md").read_text()
 
 
+def test_weight_average_follows_the_warmed_up_ema_and_swaps_in_and_out():
+    """WeightAverage: shadow <- shadow + (1 - d_t) (param - shadow), d_t = min(decay, (1 + t) / (10 + t)),
+    against a plain per-tensor reference; `applied` holds the average inside and gives the parameters
+    back after; the state round-trips into a fresh average."""
+    g = torch.Generator().manual_seed(0)
+    params = [torch.randn(4, 3, generator=g), torch.randn(5, generator=g)]
+    avg = WeightAverage(params, decay=0.9)
+    ref = [p.clone() for p in params]
+    for step in range(30):
+        for p in params:
+            p.add_(torch.randn(p.shape, generator=g))
+        avg.update(step)
+        d = min(0.9, (1 + step) / (10 + step))
+        ref = [r * d + p * (1 - d) for r, p in zip(ref, params)]
+    assert all(torch.allclose(s, r, atol=1e-6) for s, r in zip(avg.shadow, ref))
+    own = [p.clone() for p in params]
+    with avg.applied():
+        assert all(torch.equal(p, r) for p, r in zip(params, avg.shadow))
+    assert all(torch.equal(p, o) for p, o in zip(params, own))
+    fresh = WeightAverage(params, decay=0.9)
+    fresh.load_state_dict(avg.state_dict())
+    assert all(torch.equal(a, b) for a, b in zip(fresh.shadow, avg.shadow))
+    fresh.copy_to_params()
+    assert all(torch.equal(p, r) for p, r in zip(params, avg.shadow))
+    with pytest.raises(ValueError, match="decay"):
+        WeightAverage(params, decay=1.0)
+
+
+def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs):
+    """train.ema_decay: the head is the average (its held-out figures are the run's val_*), the last step's
+    own weights go to head_last with their figures as last_val_*; the cards say which is which; the
+    checkpoint keeps the raw weights and the average, so a resumed run averages on."""
+    common = [*TRAIN, "train.loop_eval_prompts=0", "train.ema_decay=0.9"]
+    ctx = run(compose_cfg(*common, "train.steps=30"))
+    out = Path(ctx["draft_checkpoint"]).parent
+    heads = {}
+    for name in ("head", "head_last"):
+        with safe_open(str(out / name / "model.safetensors"), "pt") as f:
+            heads[name] = {k: f.get_tensor(k) for k in f.keys()}
+    assert heads["head"].keys() == heads["head_last"].keys()
+    assert torch.equal(heads["head"]["d2t"], heads["head_last"]["d2t"])  # one vocabulary, two weight sets
+    assert not torch.equal(heads["head"]["fc.weight"], heads["head_last"]["fc.weight"])
+    state = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    with safe_open(str(out / "checkpoint" / "model.safetensors"), "pt") as f:  # the raw weights, fp32
+        assert torch.equal(f.get_tensor("fc.weight").to(torch.bfloat16), heads["head_last"]["fc.weight"])
+    assert state["ema"]["decay"] == 0.9 and len(state["ema"]["shadow"]) > 0
+    client = MlflowClient(default_tracking_uri(outputs))
+    (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
+    m = r.data.metrics
+    assert m["val_loss"] != m["last_val_loss"] and "last_val_accept_length_k3" in m
+    facts = {n: json.loads((out / n / "training.json").read_text()) for n in ("head", "head_last")}
+    assert facts["head"]["weights"] == "ema" and facts["head_last"]["weights"] == "last"
+    assert facts["head_last"]["metrics"]["val_loss"] == pytest.approx(m["last_val_loss"], abs=1e-4)
+    assert facts["head_last"]["metrics"]["train_steps"] == 30
+    card = (out / "head" / "README.md").read_text()
+    assert "train.ema_decay=0.9`" in card and "exponential moving average" in card
+    assert "last step's own weights" in (out / "head_last" / "README.md").read_text()
+
+    run(compose_cfg(*common, "train.steps=35"))  # resumes at 30: the average goes on from the saved one
+    resumed = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert resumed["step"] == 35
+    assert not torch.equal(resumed["ema"]["shadow"][0], state["ema"]["shadow"][0])
+
+
 @pytest.mark.parametrize("override, key", [
     (["draft=ngram"], "draft.algorithm"),
     (["train.heldout=1.5"], "train.heldout"),
@@ -518,6 +583,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     (["train.label_temperature=0"], "train.label_temperature"),
     (["train.kernels=fused"], "train.kernels"),
     (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
+    (["train.ema_decay=1"], "train.ema_decay"),
     (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary

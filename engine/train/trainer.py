@@ -8,6 +8,10 @@ any EAGLE3 checkpoint) and `trainer_state.pt` (optimizer, step, epoch, position 
 checkpoint is written to a temporary directory and renamed, so an interrupted save leaves the last one.
 `resume=True` continues from it: same batch order, same LR schedule.
 
+With `ema_decay` the held-out evaluations read an exponential moving average of the weights, and the run
+ends with the head holding it; the last step's own weights stay in `last_weights` (and their held-out
+figures come back prefixed `last_`), so one run compares the two.
+
 The head trains in float32 (master weights); the target runs in the run's dtype. Only the head's own
 parameters train: the token embedding is the target's and stays frozen.
 """
@@ -28,6 +32,7 @@ from tqdm.auto import tqdm
 
 from engine.drafts.base import FeatureKind
 from engine.model import StaticKVCache
+from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
 from engine.train.eagle3 import (TRITON_OPS, chain_acceptance, chain_lengths, round_weights, simulated_loop,
@@ -88,6 +93,7 @@ class TrainSettings:
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
     reach_weight: float = 0.0  # training loss: steps no greedy chain reaches weigh 1 - reach_weight (ttt_loss)
     kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, rms_norm.py, rope.py)
+    ema_decay: float = 0.0  # > 0: evaluate and end on an EMA of the weights (engine/train/average.py); 0: off
 
 
 def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
@@ -132,6 +138,8 @@ class Trainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95),
                                      fused=self.device.type == "cuda")
+        self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 else None
+        self.last_weights: Optional[list[torch.Tensor]] = None  # with ema: the last step's own weights, at the end
         self.step, self.epoch, self.index = 0, 0, 0
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
@@ -148,7 +156,8 @@ class Trainer:
         shutil.rmtree(tmp, ignore_errors=True)
         self.head.save(tmp)
         torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "epoch": self.epoch,
-                    "index": self.index, "elapsed_s": self.elapsed_s, "rng": torch.get_rng_state()}, tmp / "trainer_state.pt")
+                    "index": self.index, "elapsed_s": self.elapsed_s, "rng": torch.get_rng_state(),
+                    "ema": self.ema.state_dict() if self.ema is not None else None}, tmp / "trainer_state.pt")
         shutil.rmtree(self.ckpt_dir, ignore_errors=True)
         tmp.rename(self.ckpt_dir)
 
@@ -164,6 +173,8 @@ class Trainer:
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
+        if self.ema is not None and state.get("ema") is not None:
+            self.ema.load_state_dict(state["ema"])
         torch.set_rng_state(state["rng"].cpu())
         return True
 
@@ -183,8 +194,13 @@ class Trainer:
                                                self.s.seed + self.epoch))
         return self._order[1]
 
-    @torch.no_grad()
     def evaluate(self) -> dict[str, float]:
+        """Held-out figures of the weights the run exports: the EMA with ema_decay, else the weights."""
+        with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
+            return self._evaluate()
+
+    @torch.no_grad()
+    def _evaluate(self) -> dict[str, float]:
         """Held-out loss, per-step accuracy, and chain acceptance at eval_k drafts."""
         self.head.eval()
         k = self.s.eval_k
@@ -247,6 +263,8 @@ class Trainer:
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
             self.opt.step()
+            if self.ema is not None:
+                self.ema.update(self.step)
             self.step, self.index = self.step + 1, self.index + 1
             tokens_seen += batch.mask.sum()
             bar.update(1)
@@ -274,9 +292,13 @@ class Trainer:
                 break
         bar.close()
         metrics = self.evaluate()
+        self.save()  # the raw weights and the average: a resumed run continues from here
+        if self.ema is not None:  # end on the average; the last step's weights for comparison
+            metrics.update({f"last_{k}": v for k, v in self._evaluate().items()})
+            self.last_weights = [p.detach().clone() for p in self.params]
+            self.ema.copy_to_params()
         metrics["train_steps"] = self.step
         metrics["train_s"] = self.elapsed_s
         metrics["train_stopped_by_time"] = float(stopped_early)
         self.log(metrics, self.step)
-        self.save()
         return metrics
