@@ -6,7 +6,8 @@ The target answers the eval set's prompts greedily (batched, `--tokens` new toke
 `--limit` Magpie samples of its own (`engine.train.selfdistill.synthesize`, the training data's kind: under
 the recipe's system messages or, with `--plain`, the template's default). Each `--recipe`, a set of
 overrides of the recipe's data such as `--recipe magpie=topics_detailed`, adds a candidate's samples: how
-new its prompts are to the head. The head is then scored on every set with the trainer's held-out
+new its prompts are to the head (with passage tasks, `--recipe passages=tasks`, those also as a set of
+their own). The head is then scored on every set with the trainer's held-out
 evaluation (`Trainer.evaluate`: teacher-forced per-step accuracy, draft-vocabulary coverage, and the
 greedy loop replayed over each answer up to `--tokens`, which the eval stage's accept_length matches).
 Two more columns: the share of answer tokens outside the draft vocabulary, and the share of those already
@@ -139,6 +140,9 @@ def main() -> None:
             seed=12345, sync_every=16, system_prompts=[] if args.plain and not overrides else list(d.system_prompts)))
         print(f"{name}: median user message {statistics.median(len(tok.encode(s.user)) for s in sets[name]):g} "
               f"tokens, {cut_share(sets[name]):.2f} cut", flush=True)
+        n_tasks = round(args.limit * d.passage_share) if d.passage_tasks else 0
+        if n_tasks:  # the passage tasks (the last n_tasks samples) also as a set of their own
+            sets[f"{name} [tasks]"] = sets[name][-n_tasks:]
     everything = [s for samples in sets.values() for s in samples]
     print(f"{args.dataset}: median user message {statistics.median(len(tok.encode(p.text)) for p in prompts):g} tokens")
     by_category = collections.defaultdict(list)

@@ -89,7 +89,34 @@ def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] 
     return synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
                       d.prompt_temperature, d.prompt_top_p, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
                       sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts,
+                      passage_share=d.passage_share, passage_tasks=list(d.passage_tasks),
+                      passage_tokens=tuple(d.passage_tokens), passage_temperature=d.passage_temperature,
                       phase_s=phase_s)
+
+
+def check_passages(d) -> None:
+    """train.data's passage tasks: a share in [0, 1), templates that each take the passage, a token range."""
+    if not 0.0 <= d.passage_share < 1.0:
+        raise ConfigError("train.data.passage_share", d.passage_share, "the share of samples that are passage tasks",
+                          "0 <= passage_share < 1 (0: off)")
+    if d.passage_share and not d.passage_tasks:
+        raise ConfigError("train.data.passage_tasks", list(d.passage_tasks), "no task to ask about the passages",
+                          "templates with a {passage} slot, e.g. passages=tasks")
+    for task in d.passage_tasks:
+        try:
+            ok = "{passage}" in task and task.format(passage="") is not None
+        except (KeyError, IndexError, ValueError):
+            ok = False
+        if not ok:
+            raise ConfigError("train.data.passage_tasks", task, "not a template of the passage",
+                              "text with one {passage} slot and no other braces ({{ }} for literal ones)")
+    if d.passage_temperature < 0:
+        raise ConfigError("train.data.passage_temperature", d.passage_temperature,
+                          "the temperature the passages are sampled at", ">= 0 (0: the greedy answers)")
+    low_high = list(d.passage_tokens)
+    if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
+        raise ConfigError("train.data.passage_tokens", low_high, "the passages' length range in tokens",
+                          "[min, max] with 1 <= min <= max")
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -153,6 +180,7 @@ class TrainDraftStage(Stage):
         if not 0.0 <= t.min_lr_ratio <= 1.0:
             raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "where the cosine schedule ends, as a share of lr",
                               "0 <= min_lr_ratio <= 1")
+        check_passages(t.data)
         if not 0.0 < t.data.prompt_top_p <= 1.0:
             raise ConfigError("train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1")
         if t.lr <= 0:
@@ -173,7 +201,7 @@ class TrainDraftStage(Stage):
         t = cfg.train
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
-                f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
+                f"{steering(t.data.system_prompts)}{passage_words(t.data)}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
                 f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
@@ -338,7 +366,7 @@ def model_card(f: dict) -> str:
 - Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2{lever_overrides(f)}`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
-  (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens). No benchmark prompt set was used.
+  (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens){passage_words(f['data'], card=True)}. No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
   {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s){average_words(f)}.
@@ -391,6 +419,20 @@ def average_words(f: dict) -> str:
 def weight_words(f: dict) -> str:
     """The loss levers that were on, in the card's words."""
     return "".join(f"; {LOSS_LEVERS[k](v)}" for k, v in levers_on(f).items())
+
+
+def passage_words(d, card: bool = False) -> str:
+    """The plan's and the card's words for train.data's passage tasks ("" when off); `d`: the config, or
+    the card's dict of it."""
+    get = d.get if isinstance(d, dict) else (lambda key, default: getattr(d, key, default))
+    share, tasks = get("passage_share", 0.0), get("passage_tasks", [])
+    if not share:
+        return ""
+    if not card:
+        return f", {share:.0%} of them tasks about passages"
+    low, high = get("passage_tokens", [32, 160])
+    return (f"; {share:.0%} of the samples instead ask one of {len(tasks)} tasks (summarize, extract, rewrite, "
+            f"critique, ...) about one of the target's own complete answers of {low}-{high} tokens")
 
 
 def cut_words(f: dict) -> str:

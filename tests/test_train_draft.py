@@ -585,6 +585,12 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
     (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
     (["train.ema_decay=1"], "train.ema_decay"),
     (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
+    (["passages=tasks", "train.data.passage_share=1"], "train.data.passage_share"),
+    (["train.data.passage_share=0.25"], "train.data.passage_tasks"),  # passages=none: no task
+    (["passages=tasks", "train.data.passage_tasks=[Summarize this]"], "train.data.passage_tasks"),
+    (["passages=tasks", "train.data.passage_tasks=['{passage} {x}']"], "train.data.passage_tasks"),
+    (["passages=tasks", "train.data.passage_tokens=[64,32]"], "train.data.passage_tokens"),
+    (["passages=tasks", "train.data.passage_temperature=-1"], "train.data.passage_temperature"),
     (["draft.lm_head=tied"], "draft.lm_head"),
     (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
     (["draft.intermediate_size=0"], "draft.intermediate_size"),
@@ -622,6 +628,18 @@ def test_model_card_names_the_loss_levers_that_were_on():
     card = model_card(facts)
     assert "+experiment=train_eagle3_smollm2 train.round_weight=1 train.reach_weight=0.25`" in card
     assert "starts a round weigh 2" in card and "no greedy chain reaches weighs 0.75" in card
+
+
+def test_model_card_and_plan_name_the_passage_tasks():
+    """With passages=tasks the plan and the card say what share of the samples are tasks about passages;
+    the shipped head's own card (none) does not."""
+    facts = json.loads((SHIPPED / "training.json").read_text())
+    assert "tasks" not in model_card(facts).split("No benchmark")[0].split("Data:")[1]
+    facts["data"].update(passage_share=0.25, passage_tasks=["Summarize: {passage}"] * 16, passage_tokens=[32, 160])
+    assert "25% of the samples instead ask one of 16 tasks" in model_card(facts)
+    assert "of 32-160 tokens" in model_card(facts)
+    plan = build_plan(to_run_config(compose_cfg(*TRAIN, "passages=tasks", "device=cpu")))
+    assert "25% of them tasks about passages" in plan.describe()
 
 
 @pytest.mark.slow
