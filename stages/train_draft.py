@@ -252,6 +252,8 @@ class TrainDraftStage(Stage):
             last_metrics = {k: v for k, v in metrics.items() if not k.startswith(("val_", "heldout_", "last_"))}
             last_metrics.update({k[5:]: v for k, v in metrics.items() if k.startswith("last_")})
             self._export(last, out / "head_last", cfg, last_metrics, data, env, ema=False)
+        else:  # no average: no last-step twin (an earlier run's would be stale)
+            shutil.rmtree(out / "head_last", ignore_errors=True)
         if t.export_dir:
             dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
             shutil.rmtree(dest, ignore_errors=True)

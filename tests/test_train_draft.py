@@ -566,6 +566,8 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
     resumed = torch.load(out / "checkpoint" / "trainer_state.pt", weights_only=False)
     assert resumed["step"] == 35
     assert not torch.equal(resumed["ema"]["shadow"][0], state["ema"]["shadow"][0])
+    run(compose_cfg(*common, "train.steps=36", "train.ema_decay=0"))  # no average: no stale head_last
+    assert (out / "head").is_dir() and not (out / "head_last").exists()
 
 
 @pytest.mark.parametrize("override, key", [
