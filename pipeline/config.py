@@ -187,9 +187,10 @@ class TrainDataConfig:
     # [] = the default only. They steer the topics (Magpie); answers are always under the default.
     system_prompts: list[str] = field(default_factory=list)
     min_prompt_chars: int = 16
-    # Tasks about passages (conf/passages): this share of num_samples asks passage_tasks[i % T] (templates
+    # Tasks about passages (conf/passages): this share of num_samples asks one of passage_tasks (templates
     # with a {passage} slot) about one of the Magpie samples' complete answers of passage_tokens [min, max]
-    # tokens, answered by the target as the others are. 0: Magpie messages only.
+    # tokens (a passage met again gets the next task), answered by the target as the others are.
+    # 0: Magpie messages only.
     passage_share: float = 0.0
     passage_tasks: list[str] = field(default_factory=list)
     passage_tokens: list[int] = field(default_factory=lambda: [32, 160])

@@ -104,7 +104,8 @@ def check_passages(d) -> None:
                           "templates with a {passage} slot, e.g. passages=tasks")
     for task in d.passage_tasks:
         try:
-            ok = "{passage}" in task and task.format(passage="") is not None
+            task.format(passage="")  # any other field or a lone brace raises
+            ok = "{passage}" in task
         except (KeyError, IndexError, ValueError):
             ok = False
         if not ok:
@@ -201,7 +202,7 @@ class TrainDraftStage(Stage):
         t = cfg.train
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
         return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
-                f"{steering(t.data.system_prompts)}{passage_words(t.data)}), hold out {t.heldout:.0%}; "
+                f"{steering(t.data.system_prompts)}{passage_words(dataclasses.asdict(t.data))}), hold out {t.heldout:.0%}; "
                 f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
                 f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
                 f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
@@ -394,7 +395,7 @@ LOSS_LEVERS = {
 }
 
 
-# Every lever the recipe leaves off (0): the card names the ones that were on as overrides.
+# With the loss levers, the others the card names as overrides when they were on.
 LEVERS = (*LOSS_LEVERS, "ema_decay")
 
 
@@ -423,16 +424,15 @@ def weight_words(f: dict) -> str:
     return "".join(f"; {LOSS_LEVERS[k](v)}" for k, v in levers_on(f).items())
 
 
-def passage_words(d, card: bool = False) -> str:
-    """The plan's and the card's words for train.data's passage tasks ("" when off); `d`: the config, or
-    the card's dict of it."""
-    get = d.get if isinstance(d, dict) else (lambda key, default: getattr(d, key, default))
-    share, tasks = get("passage_share", 0.0), get("passage_tasks", [])
+def passage_words(d: dict, card: bool = False) -> str:
+    """The plan's and the card's words for train.data's passage tasks ("" when off); `d`: train.data as a
+    dict (an older card's has no passage keys)."""
+    share, tasks = d.get("passage_share", 0.0), d.get("passage_tasks", [])
     if not share:
         return ""
     if not card:
         return f", {share:.0%} of them tasks about passages"
-    low, high = get("passage_tokens", [32, 160])
+    low, high = d.get("passage_tokens", [32, 160])
     return (f"; {share:.0%} of the samples instead ask one of {len(tasks)} tasks (summarize, extract, rewrite, "
             f"critique, ...) about one of the target's own complete answers of {low}-{high} tokens")
 

@@ -67,9 +67,9 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
     `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
     `system_prompts`: the system messages the user messages are written under, row by row (the answers
     are always asked for under the template's default, as the eval asks).
-    `passage_share` of the `n` samples (rounded) are tasks about passages (step 4): `passage_tasks[i % T]`
-    over the complete answers of `passage_tokens` (min, max) tokens, answered under the default system
-    message (with fewer such answers than tasks, a passage serves several tasks, each a different one);
+    `passage_share` of the `n` samples (rounded) are tasks about passages (step 4): `passage_tasks` over
+    the complete answers of `passage_tokens` (min, max) tokens, paired by `task_messages` (a passage met
+    again gets the next task), answered under the default system message;
     `passage_temperature` > 0: the passages are answers sampled anew at that temperature (_passage_tasks).
     `phase_s`: if given, the seconds spent writing the user messages ("messages"), the answers ("answers")
     and the passage tasks' answers ("passages") are added to it (each phase ends on a host read of its
@@ -79,9 +79,9 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
                       prompt_top_p, answer_temperature, seed, min_prompt_chars, graphs, sync_every,
                       system_prompts, drop_cut, phase_s)
     if n_tasks:
-        samples += _passage_tasks(target, samples, n_tasks, passage_tasks, passage_tokens, batch_size,
-                                  max_answer_tokens, answer_temperature, seed, graphs, sync_every, phase_s,
-                                  passage_temperature)
+        samples += _passage_tasks(target, samples, n_tasks, passage_tasks, passage_tokens, passage_temperature,
+                                  batch_size, max_answer_tokens, answer_temperature, seed, graphs, sync_every,
+                                  phase_s)
     return samples
 
 
@@ -149,9 +149,9 @@ def task_messages(texts: Sequence[str], tasks: Sequence[str], n: int) -> list[st
 
 
 def _passage_tasks(target: LoadedModel, samples: Sequence[Sample], n: int, tasks: Sequence[str],
-                   tokens: tuple[int, int], batch_size: int, max_answer_tokens: int, answer_temperature: float,
-                   seed: int, graphs, sync_every: int, phase_s: Optional[dict[str, float]],
-                   passage_temperature: float = 0.0) -> list[Sample]:
+                   tokens: tuple[int, int], passage_temperature: float, batch_size: int, max_answer_tokens: int,
+                   answer_temperature: float, seed: int, graphs, sync_every: int,
+                   phase_s: Optional[dict[str, float]]) -> list[Sample]:
     """Step 4: `n` samples whose user message is a task about one of `samples`' answers (with
     `passage_temperature` > 0: about answers to the first ceil(n / 4) of `samples`' messages sampled anew
     at that temperature, texts the target would not write greedily, whose words must be copied rather
