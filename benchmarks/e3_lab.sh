@@ -22,6 +22,8 @@
 #                                               step leaves the GPU idle half the time (host-bound), so two
 #                                               trainings share it at a modest cost in steps; for override
 #                                               sets that leave the data alone (the data is read from cache)
+#                                               (DATA_OVR="passages=tasks ...": data overrides for the data
+#                                               job and every training alike)
 # Evals of a head: MT-bench (80) under full graphs, GSM8K / HumanEval / Alpaca (40 each) under full graphs,
 # MT-bench (10) eagerly; every one against the no-draft baseline of the same job, k = 5, greedy.
 # EVALS=mt: MT-bench only (the others later with `EVALS=rest ... evals NAME`, to spare device time:
@@ -29,9 +31,10 @@
 # Every job has its own Hydra run dir and a per-GPU MLflow store under /tmp/bg; each appends to /tmp/bg/done.
 set -u
 . benchmarks/jobs.sh
-DATA=""  # the recipe's own data settings, unless NUM (samples) or DB (generation batch) are given
+DATA=""  # the recipe's own data settings, unless NUM (samples), DB (generation batch) or DATA_OVR are given
 [ -n "${NUM:-}" ] && DATA="$DATA train.data.num_samples=$NUM"
 [ -n "${DB:-}" ] && DATA="$DATA train.data.batch_size=$DB"
+[ -n "${DATA_OVR:-}" ] && DATA="$DATA $DATA_OVR"  # other data overrides (e.g. passages=tasks), for share
 
 train_and_eval() {  # train_and_eval GPU NAME OVERRIDES... (DATA: the data overrides; duo clears them)
   local gpu=$1 name=$2; shift 2

@@ -306,7 +306,8 @@ class TrainDraftStage(Stage):
         shutil.rmtree(path, ignore_errors=True)
         export.save(path)
         facts = {
-            "target": cfg.model.name, "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
+            "experiment": cfg.experiment_name, "target": cfg.model.name,
+            "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
             "samples": data["samples"], "answer_tokens": data["answer_tokens"],
             "prompts_cut": round(data["prompts_cut"], 4), "data_s": round(data["data_s"], 1),
             "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
@@ -366,12 +367,12 @@ def model_card(f: dict) -> str:
 
 ## How it was trained
 
-- Stage `train_draft` of this repository (`python -m pipeline +experiment=train_eagle3_smollm2{lever_overrides(f)}`), on {f['device']}.
+- Stage `train_draft` of this repository (`python -m pipeline +experiment={card_experiment(f)}{lever_overrides(f)}`), on {f['device']}.
 - Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
   from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
   (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens){passage_words(f['data'], card=True)}. No benchmark prompt set was used.
 - {f['objective']}, loss against the target's distribution{label_words(f)} over the
-  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}, {int(m.get('train_steps', 0))} steps
+  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}{decay_words(f)}, {int(m.get('train_steps', 0))} steps
   of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s){average_words(f)}.
 
 ## Acceptance measured
@@ -395,8 +396,8 @@ LOSS_LEVERS = {
 }
 
 
-# With the loss levers, the others the card names as overrides when they were on.
-LEVERS = (*LOSS_LEVERS, "ema_decay")
+# With the loss levers, the others the card names as overrides where the run's value is not its recipe's.
+LEVERS = (*LOSS_LEVERS, "ema_decay", "weight_decay", "label_temperature", "lr", "max_time_s")
 
 
 def levers_on(f: dict, levers=LOSS_LEVERS) -> dict[str, float]:
@@ -404,9 +405,36 @@ def levers_on(f: dict, levers=LOSS_LEVERS) -> dict[str, float]:
     return {k: f["train"][k] for k in levers if f["train"].get(k)}
 
 
+def card_experiment(f: dict) -> str:
+    """The experiment the run `f` describes (a card written before training.json named it: the EAGLE3 one)."""
+    return f.get("experiment", "train_eagle3_smollm2")
+
+
+def recipe_train(experiment: str) -> dict:
+    """train.* as the experiment's recipe sets it: conf/experiment/<experiment>.yaml over the schema's
+    defaults (read as a file: a card is written inside the running Hydra app)."""
+    from omegaconf import OmegaConf
+
+    from pipeline.config import TrainConfig
+
+    values = dataclasses.asdict(TrainConfig())
+    path = REPO / "conf" / "experiment" / f"{experiment}.yaml"
+    if path.is_file():
+        values.update(OmegaConf.to_container(OmegaConf.load(path)).get("train") or {})
+    return values
+
+
 def lever_overrides(f: dict) -> str:
-    """The levers that were on, as the overrides that turn them on."""
-    return "".join(f" train.{k}={v:g}" for k, v in levers_on(f, LEVERS).items())
+    """The levers whose value in the run is not the recipe's, as the overrides that set them."""
+    recipe = recipe_train(card_experiment(f))
+    return "".join(f" train.{k}={f['train'][k]:g}" for k in LEVERS
+                   if k in f["train"] and f["train"][k] != recipe.get(k))
+
+
+def decay_words(f: dict) -> str:
+    """The card's words for AdamW's weight decay ("" without it)."""
+    wd = f["train"].get("weight_decay")
+    return f" with weight decay {wd:g} (not on norms and biases)" if wd else ""
 
 
 def average_words(f: dict) -> str:

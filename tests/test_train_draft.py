@@ -559,7 +559,9 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
     assert facts["head_last"]["metrics"]["val_loss"] == pytest.approx(m["last_val_loss"], abs=1e-4)
     assert facts["head_last"]["metrics"]["train_steps"] == 30
     card = (out / "head" / "README.md").read_text()
-    assert "train.ema_decay=0.9`" in card and "exponential moving average" in card
+    # the command: the recipe and what differs from it (the recipe's EMA is 0.999, its lr 3e-3)
+    assert "+experiment=train_eagle3_smollm2 train.ema_decay=0.9 train.lr=0.005`" in card
+    assert "exponential moving average" in card
     assert "last step's own weights" in (out / "head_last" / "README.md").read_text()
 
     run(compose_cfg(*common, "train.steps=35"))  # resumes at 30: the average goes on from the saved one
@@ -630,6 +632,24 @@ def test_model_card_names_the_loss_levers_that_were_on():
     card = model_card(facts)
     assert "+experiment=train_eagle3_smollm2 train.round_weight=1 train.reach_weight=0.25`" in card
     assert "starts a round weigh 2" in card and "no greedy chain reaches weighs 0.75" in card
+
+
+def test_model_card_command_is_the_recipe_and_what_differs_from_it():
+    """The card's command is the run's experiment with the levers whose value is not its recipe's: the
+    shipped head is the recipe's own run; turning the recipe's weight decay and EMA off shows as overrides,
+    and the card's words for them go."""
+    facts = json.loads((SHIPPED / "training.json").read_text())
+    card = model_card(facts)
+    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in (SHIPPED / "README.md").read_text()
+    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in card
+    assert "weight decay 0.1" in card and "moving average" in card
+    facts["train"].update(weight_decay=0.0, ema_decay=0.0, lr=1e-3)
+    card = model_card(facts)
+    assert "+experiment=train_eagle3_smollm2 train.ema_decay=0 train.weight_decay=0 train.lr=0.001`" in card
+    assert "weight decay" not in card and "moving average" not in card
+    facts["experiment"] = "train_mtp_smollm2"  # another recipe, its own values: lr 6e-4, 420 s, T 1, no EMA
+    assert ("(`python -m pipeline +experiment=train_mtp_smollm2 train.label_temperature=0.5 train.lr=0.001 "
+            "train.max_time_s=600`)") in model_card(facts)
 
 
 def test_model_card_and_plan_name_the_passage_tasks():

@@ -138,7 +138,8 @@ class Trainer:
         self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
                                       {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95),
                                      fused=self.device.type == "cuda")
-        self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 else None
+        # no trainable parameters (a frozen head, evaluated only: benchmarks/copy_probe.py): nothing to average
+        self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 and self.params else None
         self.last_weights: Optional[list[torch.Tensor]] = None  # with ema: the last step's own weights, at the end
         self.step, self.epoch, self.index = 0, 0, 0
         self.elapsed_s = 0.0  # training time so far, across resumes
