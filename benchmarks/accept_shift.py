@@ -35,7 +35,7 @@ from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
 from engine.train.data import VocabMap, batches
-from engine.train.selfdistill import Sample, cut_share
+from engine.train.selfdistill import Sample, cut_share, passage_task_count
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
@@ -140,7 +140,7 @@ def main() -> None:
             seed=12345, sync_every=16, system_prompts=[] if args.plain and not overrides else list(d.system_prompts)))
         print(f"{name}: median user message {statistics.median(len(tok.encode(s.user)) for s in sets[name]):g} "
               f"tokens, {cut_share(sets[name]):.2f} cut", flush=True)
-        n_tasks = round(args.limit * d.passage_share) if d.passage_tasks else 0
+        n_tasks = passage_task_count(args.limit, d.passage_share, d.passage_tasks)
         if n_tasks:  # the passage tasks (the last n_tasks samples) also as a set of their own
             sets[f"{name} [tasks]"] = sets[name][-n_tasks:]
     everything = [s for samples in sets.values() for s in samples]

@@ -400,11 +400,6 @@ LOSS_LEVERS = {
 LEVERS = (*LOSS_LEVERS, "ema_decay", "weight_decay", "label_temperature", "lr", "max_time_s")
 
 
-def levers_on(f: dict, levers=LOSS_LEVERS) -> dict[str, float]:
-    """The levers (train.* keys) that were on in the run `f` describes, with their values."""
-    return {k: f["train"][k] for k in levers if f["train"].get(k)}
-
-
 def card_experiment(f: dict) -> str:
     """The experiment the run `f` describes (a card written before training.json named it: the EAGLE3 one)."""
     return f.get("experiment", "train_eagle3_smollm2")
@@ -449,7 +444,7 @@ def average_words(f: dict) -> str:
 
 def weight_words(f: dict) -> str:
     """The loss levers that were on, in the card's words."""
-    return "".join(f"; {LOSS_LEVERS[k](v)}" for k, v in levers_on(f).items())
+    return "".join(f"; {words(f['train'][k])}" for k, words in LOSS_LEVERS.items() if f["train"].get(k))
 
 
 def passage_words(d: dict, card: bool = False) -> str:

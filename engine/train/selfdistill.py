@@ -74,7 +74,7 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
     `phase_s`: if given, the seconds spent writing the user messages ("messages"), the answers ("answers")
     and the passage tasks' answers ("passages") are added to it (each phase ends on a host read of its
     tokens, so the times are whole)."""
-    n_tasks = round(n * passage_share) if passage_tasks else 0
+    n_tasks = passage_task_count(n, passage_share, passage_tasks)
     samples = _magpie(target, n - n_tasks, batch_size, max_prompt_tokens, max_answer_tokens, prompt_temperature,
                       prompt_top_p, answer_temperature, seed, min_prompt_chars, graphs, sync_every,
                       system_prompts, drop_cut, phase_s)
@@ -83,6 +83,12 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
                                   batch_size, max_answer_tokens, answer_temperature, seed, graphs, sync_every,
                                   phase_s)
     return samples
+
+
+def passage_task_count(n: int, share: float, tasks: Sequence[str]) -> int:
+    """How many of `n` samples are passage tasks (synthesize puts them last): the share, rounded; none
+    without tasks."""
+    return round(n * share) if tasks else 0
 
 
 def _magpie(target: LoadedModel, n: int, batch_size: int, max_prompt_tokens: int, max_answer_tokens: int,
