@@ -1,44 +1,169 @@
-"""Where a run's GPU time goes, kernel by kernel: `python benchmarks/profile_step.py [overrides...]`.
+"""Where a round's time goes: `python benchmarks/profile_step.py [--prompts N] [--out DIR] [overrides...]`.
 
-Composes the pipeline config exactly as `python -m pipeline` does (same overrides), runs it under
-torch.profiler and prints the kernels by total device time with their call counts, so per-step costs
-read as total / steps. Graph replays are included (CUPTI reports the kernels a graph launches).
-Writes the table and a Chrome trace to `--out` (default: outputs/profile).
+Composes the pipeline config exactly as `python -m pipeline` does (same overrides, tracking off), runs
+the plan's stages before the last (load, aux capture, graph capture), then generates on the first N
+prompts of the eval set twice under torch.profiler: without the draft (the decode step) and with it.
+The table splits a round into its phases (engine/round.py) and the host's share:
+
+    phase     kernels / round    kernel us / round    stream us / round
+    draft     the k-step chain (device drafts; a host draft's proposal)
+    verify    the target's forward over k + 1 tokens and the acceptance
+    extend    the draft extend and the state's advance
+    host      the stream idle between rounds (the round's sync, the host's bookkeeping)
+
+Kernels come from CUPTI (graph replays included: each phase is its own replay, inside a profiler
+range of its name, and a kernel counts for the range whose device-side span it starts in); stream
+time from CUDA events at the phase boundaries (engine/phase_clock.py).
+On a CPU host the kernel columns count CPU operator calls and their time instead. Also printed: the
+accept length, the projected tokens/s (tokens per round over round time) and, with --kernels, the
+kernels by total time. Writes the table (and, with PROFILE_TRACE=1, a Chrome trace) to --out.
 """
 
 from __future__ import annotations
 
 import argparse
+import bisect
 import os
+import time
+from collections import defaultdict
 from pathlib import Path
 
 import torch
 from hydra import compose, initialize_config_dir
+from torch.autograd import DeviceType
+from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
-from pipeline.__main__ import run
+from engine.drafts.registry import make_draft
+from engine.generate import Generator
+from pipeline.config import register_configs, to_run_config
 from pipeline.paths import REPO
+from pipeline.plan import build_plan
+from stages.eval import encode_prompts, sampling_params
+
+PHASES = ("draft", "verify", "extend")
+
+
+class PhaseRanges:
+    """A generator's phase hook: each phase of a round inside a profiler range `phase:<name>`."""
+
+    def __init__(self):
+        self.open = None
+
+    def __call__(self, phase) -> None:
+        if self.open is not None:
+            self.open.__exit__(None, None, None)
+            self.open = None
+        if phase is not None:
+            self.open = record_function(f"phase:{phase}")
+            self.open.__enter__()
+
+
+def _phase_table(prof, cuda: bool) -> dict[str, tuple[int, float]]:
+    """phase -> (kernels, microseconds) summed over the run. On CUDA: the device-side copy of each
+    `phase:*` range (a GPU user annotation) and every kernel or copy that starts inside it; on CPU:
+    the operators called inside each range."""
+    totals: dict[str, list] = defaultdict(lambda: [0, 0.0])
+    events = prof.events()
+    if not cuda:
+        for evt in events:
+            if evt.name.startswith("phase:"):
+                totals[evt.name.removeprefix("phase:")][0] += len(evt.cpu_children)
+                totals[evt.name.removeprefix("phase:")][1] += sum(c.cpu_time_total for c in evt.cpu_children)
+        return {k: (n, us) for k, (n, us) in totals.items()}
+    on_device = [e for e in events if e.device_type == DeviceType.CUDA]
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("phase:"))
+                    for e in on_device if e.name.startswith("phase:"))
+    starts = [r[0] for r in ranges]
+    for e in on_device:
+        if e.name.startswith("phase:"):
+            continue
+        i = bisect.bisect_right(starts, e.time_range.start) - 1
+        if i >= 0 and e.time_range.start < ranges[i][1]:
+            totals[ranges[i][2]][0] += 1
+            totals[ranges[i][2]][1] += e.time_range.elapsed_us()
+    return {k: (n, us) for k, (n, us) in totals.items()}
+
+
+def _profile(gen: Generator, data, params, target, rng, batch: int, n: int):
+    """Generate over the first n prompts under the profiler; -> (profile, results, wall seconds)."""
+    cuda = torch.cuda.is_available()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    gen.reset_stats()
+    gen.phase_hook = PhaseRanges()
+    results, t0 = [], time.perf_counter()
+    with profile(activities=acts) as prof:
+        for i in range(0, n, batch):
+            results += gen.generate(data.encoded[i: min(i + batch, n)], params, target.tokenizer.eos_token_ids, rng)
+    gen.phase_hook = None
+    return prof, results, time.perf_counter() - t0
+
+
+def report(name: str, gen: Generator, prof, results, wall: float, cuda: bool) -> str:
+    stats, rounds = gen.stats, max(gen.stats.rounds, 1)
+    table = _phase_table(prof, cuda)
+    span = {"draft": stats.draft_s - stats.extend_s, "verify": stats.verify_s, "extend": stats.extend_s,
+            "host": stats.host_s}
+    unit = "kernels" if cuda else "cpu ops"
+    lines = [f"{name}: {rounds} rounds, {sum(len(r.tokens) for r in results)} tokens in {wall:.2f} s",
+             f"  {'phase':<8} {unit + ' / round':>16} {'us / round':>12} {'stream us / round':>18}"]
+    for phase in (*PHASES, "host"):
+        n, us = table.get(phase, (0, 0.0))
+        if phase != "host" or stats.host_s:
+            lines.append(f"  {phase:<8} {n / rounds:>16.1f} {us / rounds:>12.1f} {1e6 * span[phase] / rounds:>18.1f}")
+    round_us = 1e6 * (stats.round_s + stats.host_s) / rounds
+    accepts = [a for r in results for a in r.accepts]
+    per_round = sum(a + 1 for a in accepts) / max(len(accepts), 1)
+    lines.append(f"  round    {sum(table.get(p, (0, 0))[0] for p in PHASES) / rounds:>16.1f} "
+                 f"{sum(table.get(p, (0, 0.0))[1] for p in PHASES) / rounds:>12.1f} {round_us:>18.1f}")
+    lines.append(f"  tokens / round and row {per_round:.3f}: {1e6 * per_round / round_us:.0f} tokens/s per row "
+                 "at this round time")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "outputs" / "profile"))
-    ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts profiled per generator")
+    ap.add_argument("--kernels", type=int, default=0, help="also print the N kernels with the most time")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
+    register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = compose(config_name="config", overrides=args.overrides)
-    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    with profile(activities=acts) as prof:
-        run(cfg)
-    key = "self_device_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
-    table = prof.key_averages().table(sort_by=key, row_limit=args.rows, max_name_column_width=70)
-    print(table)
+        cfg = to_run_config(compose(config_name="config", overrides=["tracking=off", *args.overrides]))
+    plan = build_plan(cfg)
+    env, context = plan.env, {}
+    for stage in plan.stages[:-1]:  # load, aux capture, graph capture: what the final stage gets
+        inputs = {k: context[k] for k in stage.requires}
+        inputs.update({k: context[k] for k in stage.optional if k in context})
+        context.update(stage.run(cfg, inputs, env))
+    target, graphs, e = context["target"], context.get("graphs"), cfg.eval
+    data = encode_prompts(cfg, target)
+    params = sampling_params(e)
+    n, batch = min(args.prompts, len(data.encoded)), e.batch_size
+    rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
+    k = cfg.draft.num_steps if env.draft_plan is not None else 0
+    runs = [("no draft", Generator(target.model, batch, graphs=graphs))]
+    if env.draft_plan is not None:
+        draft = make_draft(env.draft_plan, context.get("draft_head"), target.model, batch, k, cfg=cfg.draft,
+                           graphs=graphs)
+        runs.append((f"{cfg.draft.algorithm} k={k}", Generator(target.model, batch, draft, k, graphs=graphs)))
+    cuda = torch.cuda.is_available()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "kernels.txt").write_text(table)
-    if os.environ.get("PROFILE_TRACE"):
-        prof.export_chrome_trace(str(out / "trace.json"))
+    text = [f"{cfg.experiment_name}: {e.dataset} x{n}, batch {batch}, {e.max_new_tokens} new tokens, graph "
+            f"{cfg.graph.target}/{cfg.graph.draft}, {torch.cuda.get_device_name() if cuda else 'cpu'}"]
+    for name, gen in runs:
+        gen.generate(data.encoded[:batch], params, target.tokenizer.eos_token_ids, rng)  # warm-up
+        prof, results, wall = _profile(gen, data, params, target, rng, batch, n)
+        text.append(report(name, gen, prof, results, wall, cuda))
+        if args.kernels:
+            key = "self_device_time_total" if cuda else "self_cpu_time_total"
+            text.append(prof.key_averages().table(sort_by=key, row_limit=args.kernels, max_name_column_width=70))
+        if os.environ.get("PROFILE_TRACE"):
+            prof.export_chrome_trace(str(out / f"trace_{name.split()[0]}.json"))
+    print("\n".join(text), flush=True)
+    (out / "rounds.txt").write_text("\n".join(text) + "\n")
 
 
 if __name__ == "__main__":

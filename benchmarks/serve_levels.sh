@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The serve load test per concurrency level, with the slots sized to the level (every round spans all
-# serve.max_batch_size slots; the graphs capture exactly that size): for each N in $LEVELS, a server
+# The serve load test per concurrency level, with the slots sized to the level (slots = clients): for
+# each N in $LEVELS, a server
 # with N slots on port 8100 (EXTRA: more overrides, e.g. draft=none), the bounded load test of
 # benchmarks/load_test.py for $DURATION s, then Ctrl-C (the server drains and logs to MLflow).
 #   bash benchmarks/serve_levels.sh NAME [OVERRIDES...]      rows appended to $OUT/serve_levels.log

@@ -25,20 +25,23 @@ so served outputs at temperature 0 are the eval outputs, token for token.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 from torch import Tensor
 
+from engine.adaptive_k import AdaptiveK, measure_round_costs
 from engine.drafts.base import Draft, FeatureKind, SpecState
 from engine.errors import ConfigError
-from engine.graphs.graph_set import GraphSet
+from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel
 from engine.phase_clock import PhaseClock
+from engine.program import run_steps
+from engine.round import allocate, round_program, round_specs
 from engine.sampling import RowSampling, SamplingParams, as_rows, sample
-from engine.verify import verify
 
 
 @dataclass
@@ -58,12 +61,18 @@ class SequenceResult:
 
 @dataclass
 class RoundStats:
-    """Accumulated over a generator's batches: rounds (draft + verify) and where their time went
-    (stream time, engine/phase_clock.py)."""
+    """Accumulated over a generator's batches: rounds and where their time went (stream time between
+    CUDA events at the phase boundaries of engine/round.py, engine/phase_clock.py)."""
 
     rounds: int = 0
-    draft_s: float = 0.0  # draft propose + draft extend
-    verify_s: float = 0.0  # target verify forwards (a decode step when there is no draft)
+    draft_s: float = 0.0  # draft chain + draft extend
+    verify_s: float = 0.0  # target verify + accept (a decode step when there is no draft)
+    extend_s: float = 0.0  # the draft extend alone (part of draft_s)
+    host_s: float = 0.0  # the stream idle between rounds of a batch: the host's sync and bookkeeping
+
+    @property
+    def round_s(self) -> float:
+        return self.draft_s + self.verify_s
 
 
 def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int, num_steps: int = 0) -> None:
@@ -99,8 +108,8 @@ class Prefill:
 class RoundResult:
     accepted: list[int]  # per row: draft tokens kept (a); 0 for rows not live
     emitted: list[list[int]]  # per row: the a + 1 tokens the round emitted ([] for rows not live)
-    bonus: Tensor  # [b] the last emitted token of every row: the next round's first input
     time: float  # perf_counter() when the tokens reached the host
+    k: int = 0  # the round's draft tokens
 
 
 def sync(device: torch.device) -> None:
@@ -112,46 +121,63 @@ def sync(device: torch.device) -> None:
 class SpecDecoder:
     """Prefill, draft prefill and draft-and-verify rounds over a static cache of `batch_size` rows.
 
-    With `graphs` the rounds (and a piecewise prefill) replay the set's runners over the set's cache,
-    falling back to eager by themselves (a batch larger than the largest capture size): the caller
-    never reads a graph buffer. Without, everything runs eagerly over a cache allocated here.
+    A round is the device program of engine/round.py over state buffers (last, lengths, live, the
+    draft's own): with `graphs` their round runner replays it (falling back to eager by itself for a
+    batch larger than the largest capture size: the caller never reads a graph buffer), without it
+    runs eagerly over buffers allocated here. The host keeps a mirror of the state (`SpecState`: the
+    histories, lengths and live flags) and pushes only what it changes itself: the live flags of rows
+    that finished, and the rows a prefill starts.
     """
 
     def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0,
                  graphs: Optional[GraphSet] = None):
         self.model, self.batch_size = model, batch_size
-        self.draft, self.k = draft, (num_steps if draft is not None else 0)
+        self.draft, self.k = draft, (num_steps if draft is not None else 0)  # k: the most drafts a round takes
         self.device = model.lm_head.weight.device
         self.rounds, self.clock = 0, PhaseClock(self.device)
-        self.round_runner = self.prefill_runner = None
-        if graphs is not None:  # the graphs replay over the set's cache: use it
+        self.runners: dict[tuple[int, bool], object] = {}  # (k, sampled) -> round runner
+        self.prefill_runner = None
+        self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
+        self.ks_used: Counter = Counter()  # rounds per k
+        device_draft = draft if draft is not None and draft.on_device else None
+        if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
             if graphs.batch_size < batch_size:
                 raise ValueError(f"graphs hold {graphs.batch_size} rows, this generator {batch_size}")
-            self.cache = graphs.cache
-            self.round_runner = graphs.get("verify" if self.k > 0 else "decode")
+            if self.k not in graphs.round_ks or (device_draft is not None and graphs.draft is not device_draft):
+                raise ValueError(f"graphs were captured for rounds of k in {graphs.round_ks} and their own draft; "
+                                 f"this generator runs k={self.k}" + (" with another draft" if device_draft else ""))
+            self.cache, self.buffers = graphs.cache, graphs.buffers
+            self.runners = {(k, s): graphs.get(round_name(k, s)) for k in graphs.round_ks if k <= self.k
+                            for s in (False, True) if graphs.get(round_name(k, s)) is not None}
             self.prefill_runner = graphs.get("prefill")
+            self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
             self.cache = model.new_cache(batch_size)
+            self.buffers = {**allocate(round_specs(self.k, None), batch_size, self.device),
+                            **(device_draft.buf if device_draft is not None else {})}
+            self.policies = ("none", "none")
+        self.device_draft = device_draft
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
+        self._programs: dict[tuple[int, int, bool], list] = {}  # (rows, k, sampled) -> the eager round program
+        self._last_end = None  # the clock mark at the end of the last round of the running batch
+        self.phase_hook = None  # called with each phase's name as it begins, then None (profilers)
+        pin = self.device.type == "cuda"
+        self._out_host = torch.empty(batch_size, self.k + 2, dtype=torch.long, pin_memory=pin)
+        self._live_host = torch.empty(batch_size, dtype=torch.bool, pin_memory=pin)
 
     @property
     def stats(self) -> RoundStats:
-        """Rounds so far and their draft / verify time (waits for the last round's draft extend)."""
-        seconds = self.clock.totals()
-        return RoundStats(self.rounds, seconds.get("draft", 0.0), seconds.get("verify", 0.0))
+        """Rounds so far and where their stream time went (settles the last round's spans)."""
+        sec = self.clock.totals()
+        extend = sec.get("extend", 0.0)
+        return RoundStats(self.rounds, sec.get("draft", 0.0) + extend, sec.get("verify", 0.0), extend,
+                          sec.get("host", 0.0))
 
     def reset_stats(self) -> None:
         self.rounds = 0
+        self.ks_used.clear()
         self.clock.reset()
-
-    def _forward(self, runner, live: dict, kv_len: int, cache) -> ForwardOutput:
-        """Through the phase's graph runner when there is one (it falls back by itself), else eager."""
-        if runner is None:
-            return self.model(live["tokens"], live["positions"], cache, valid=live["valid"], kv_len=kv_len,
-                              input_embeds=live.get("input_embeds"), logits_index=live.get("logits_index"))
-        out, _ = runner(live, kv_len, self.mode)
-        return ForwardOutput(out["logits"], out.get("hidden"), out.get("aux"), out.get("embeds"))
 
     def prefill(self, prompts: list[list[int]], prompt_embeds, cache, use_graph: bool = True) -> Prefill:
         """The target's prefill of `prompts` into `cache` (rows 0..b-1 of it: pass a row view to
@@ -175,59 +201,117 @@ class SpecDecoder:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)
         live = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": embeds,
                 "logits_index": torch.tensor(lens, device=dev) - 1}
-        out = self._forward(runner, live, width, cache)
+        if runner is None:
+            out = self.model(tokens, positions, cache, valid=valid, kv_len=width, input_embeds=embeds,
+                             logits_index=live["logits_index"])
+        else:
+            got, _ = runner(live, width, self.mode)
+            out = ForwardOutput(got["logits"], got.get("hidden"), got.get("aux"), got.get("embeds"))
         return Prefill(out, tokens, valid, embeds if given else None)
 
     def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
-        """The draft's prefill after the target's (rows: where in the batch these prompts sit)."""
+        """After the target's prefill: the round state of these rows (lengths, last = the first token,
+        live) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh batch of
+        exactly these prompts, rows 0..n-1; the rows after them are padding)."""
+        n = first.shape[0]
+        sl = rows if rows is not None else slice(0, n)
+        self._last_end = None  # a prefill is no host gap between rounds
+        lens = pre.valid.sum(1)  # [n]
+        self.buffers["last"][sl] = first
+        self.buffers["lengths"][sl] = lens
+        self.buffers["live"][sl] = True
+        if rows is None:
+            self.buffers["live"][n:] = False
         if self.draft is not None:
             self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first,
                              rows=rows)
 
-    def round(self, state: SpecState, last: Tensor, sampling: SamplingParams | RowSampling,
-              cache, generator: Optional[torch.Generator] = None) -> RoundResult:
-        """One round over every row of `state`: propose k, verify k + 1, draft extend, advance the live
-        rows' history and lengths. last [b]: each row's last emitted token (not yet in the cache)."""
-        b, k, draft, dev, clock = len(state.lengths), self.k, self.draft, self.device, self.clock
-        sampling = as_rows(sampling, generator)
-        t_round = clock.mark()
-        if draft is not None:
-            proposal = draft.propose(state, k)
-            draft_tokens, q = proposal.tokens, proposal.probs  # [b, k], [b, k, vocab] | None
-        else:
-            draft_tokens, q = last.new_empty(b, 0), None
-        t_verify = clock.mark()
-        lengths, live = state.on_device()  # [b], [b]
-        tokens = torch.cat([last[:, None], draft_tokens], 1) if k else last[:, None]  # [b, k+1]
-        steps = torch.arange(k + 1, device=dev)
-        out = self._forward(self.round_runner, {"tokens": tokens, "positions": lengths[:, None] + steps,
-                                                "valid": live[:, None].expand(b, k + 1)},
-                            max(state.lengths) + k + 1, cache)
-        accepted, bonus = verify(out.logits, draft_tokens, q, sampling)  # [b], [b]
-        if k:
-            emitted = torch.cat([draft_tokens, bonus[:, None]], 1)  # [b, k+1]
-            emitted[torch.arange(b, device=dev), accepted] = bonus
-        else:
-            emitted = bonus[:, None]
-        t_done = clock.mark()
-        host = torch.cat([accepted[:, None], emitted], 1).tolist()  # the round's one sync
+    def push_live(self, state: SpecState) -> None:
+        """The host's live flags (rows that finished or left) to the device, for the next round."""
+        b = len(state.live)
+        self._live_host[:b] = torch.tensor(state.live)
+        self.buffers["live"][:b].copy_(self._live_host[:b], non_blocking=True)
+
+    def _program(self, b: int, k: int, sampled: bool) -> list:
+        key = (b, k, sampled)
+        if key not in self._programs:
+            draft = self.device_draft
+            self._programs[key] = round_program(
+                self.model, self.cache.rows(b), draft, draft.cache.rows(b) if draft is not None else None, k,
+                sampled=sampled, target_policy=self.policies[0], draft_policy=self.policies[1])
+        return self._programs[key]
+
+    def run_round(self, b: int, sampling: RowSampling, kv_len: int, draft_tokens: Optional[Tensor] = None,
+                  on_phase=None, state: Optional[SpecState] = None, k: Optional[int] = None) -> Tensor:
+        """One round of k drafts (default: the generator's) over rows 0..b-1 of the state buffers, on the
+        device; -> out [b, k+2] (a view of the state buffer, valid until the next round). draft_tokens
+        [b, k]: a host draft's proposal; state: the host mirror, for eager steps that read it."""
+        k = self.k if k is None else k
+        sampled = not sampling.all_greedy
+        host = {"kv_len": kv_len, "sampling": sampling, "state": state}
+        if draft_tokens is not None:
+            self.buffers["draft"][:b, :k].copy_(draft_tokens)
+        runner = self.runners.get((k, sampled))
+        if runner is not None:
+            out, _ = runner({}, kv_len, self.mode, rows=b, host=host, on_phase=on_phase, clone=False)
+            return out["out"][:, : k + 2]
+        env = {name: t[:b] for name, t in self.buffers.items()}
+        run_steps(self._program(b, k, sampled), {**env, **host}, on_phase)
+        return env["out"][:, : k + 2]
+
+    @torch.inference_mode()
+    def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7) -> AdaptiveK:
+        """Measure a round of every k in 0..k over each capture size (rows that are not live: every
+        write goes to the dummy slot), then pick each round's k from those costs (engine/adaptive_k.py)."""
+        ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
+        greedy = RowSampling.uniform(SamplingParams())
+        self.buffers["live"].fill_(False)
+        costs = measure_round_costs(lambda b, k: self.run_round(b, greedy, 1, k=k), sizes, ks, self.device)
+        self.adaptive = AdaptiveK(costs, self.k, prior)
+        return self.adaptive
+
+    def round(self, state: SpecState, sampling: SamplingParams | RowSampling,
+              generator: Optional[torch.Generator] = None, rows: Optional[int] = None) -> RoundResult:
+        """One round over the first `rows` rows of `state` (default: all): propose k, verify k + 1, accept,
+        draft extend, advance the live rows' history and lengths (host mirror). k is the generator's, or
+        with adaptive k the policy's for this many rows. The round's one sync: its `out` to the host."""
+        b, clock = rows or len(state.lengths), self.clock
+        k = self.k if self.adaptive is None else self.adaptive.choose(b)
+        sampling = as_rows(sampling, generator).head(b)
+        marks: list[tuple[str, object]] = [("draft", clock.mark())]
+        if self._last_end is not None:  # the stream waited for the host since the last round
+            clock.span("host", self._last_end, marks[0][1])
+        draft_tokens = None
+        if self.draft is not None and self.device_draft is None and k:  # a host draft proposes on the host
+            draft_tokens = self.draft.propose(state, k).tokens[:b]
+        def on_phase(phase: str) -> None:
+            marks.append((phase, clock.mark()))
+            if self.phase_hook is not None:
+                self.phase_hook(phase)
+
+        out = self.run_round(b, sampling, max(state.lengths[:b]), draft_tokens, on_phase=on_phase, state=state, k=k)
+        host_out = self._out_host.view(-1)[: b * (k + 2)].view(b, k + 2)  # contiguous, pinned
+        host_out.copy_(out, non_blocking=True)
+        end = self._last_end = clock.mark()
+        if self.phase_hook is not None:
+            self.phase_hook(None)
+        sync(self.device)  # the round's one device -> host copy
         now = time.perf_counter()
         self.rounds += 1
-        clock.span("draft", t_round, t_verify)
-        clock.span("verify", t_verify, t_done)
-        clock.settle()  # this round's spans and the previous round's draft extend: all before the sync
+        for (phase, start), (_, stop) in zip(marks, marks[1:] + [("", end)]):
+            clock.span(phase, start, stop)
+        clock.settle(keep=(end,))  # the next round's host span starts at this round's end
 
-        if draft is not None and k > 0:  # the draft extend runs while the host advances the rows
-            t_commit = clock.mark()
-            draft.commit(state, _features(out, self.kind), emitted, accepted)  # before the state advances
-            clock.span("draft", t_commit, clock.mark())
         acc, new = [0] * b, [[] for _ in range(b)]
-        for i, row in enumerate(host):
+        for i, row in enumerate(host_out.tolist()):
             if state.live[i]:
                 acc[i], new[i] = row[0], row[1: row[0] + 2]
                 state.history[i] += new[i]
                 state.lengths[i] += len(new[i])
-        return RoundResult(acc, new, bonus, now)
+        self.ks_used[k] += 1
+        if self.adaptive is not None:
+            self.adaptive.observe([a for a, live in zip(acc, state.live) if live], k)
+        return RoundResult(acc, new, now, k)
 
 
 class Generator(SpecDecoder):
@@ -244,7 +328,7 @@ class Generator(SpecDecoder):
         row_ids: Optional[list[int]] = None,  # each prompt's index in the whole set (the oracle reads it)
         sync_every: int = 1,  # without a draft: steps between host looks (_decode_on_device when > 1)
     ) -> list[SequenceResult]:
-        b, k, dev = len(prompts), self.k, self.device
+        b, k = len(prompts), self.k
         if not 0 < b <= self.batch_size:
             raise ValueError(f"batch of {b} prompts; this generator holds 1..{self.batch_size}")
         lens = [len(p) for p in prompts]
@@ -255,43 +339,47 @@ class Generator(SpecDecoder):
         stop = frozenset() if params.ignore_eos else stop_ids
         sampling = RowSampling.uniform(params, generator)
         state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
-                          row_ids if row_ids is not None else list(range(b)), dev)
+                          row_ids if row_ids is not None else list(range(b)), self.device)
 
         t0 = time.perf_counter()
         pre = self.prefill(prompts, prompt_embeds, cache)
         last = sample(pre.out.logits[:, -1], sampling)  # [b]
         self.begin(state, pre, last)
         if k == 0 and sync_every > 1:
-            return self._decode_on_device(lens, last, sampling, cache, params.max_new_tokens, stop, sync_every, t0)
+            return self._decode_on_device(lens, sampling, params.max_new_tokens, stop, sync_every, t0)
 
         outs: list[list[int]] = [[] for _ in range(b)]
         accepts: list[list[int]] = [[] for _ in range(b)]
         first_t, last_t = [0.0] * b, [0.0] * b
 
-        def emit(new: list[list[int]], now: float) -> None:
+        def emit(new: list[list[int]], now: float) -> bool:
+            """Hand out new tokens; -> whether a row finished (its live flag goes to the device)."""
+            finished = False
             for i, toks in enumerate(new):
                 if not state.live[i]:
                     continue
                 for tok in toks:
                     outs[i].append(tok)
                     if tok in stop or len(outs[i]) >= params.max_new_tokens:
-                        state.live[i] = False
+                        state.live[i], finished = False, True
                         break
                 first_t[i] = first_t[i] or now
                 last_t[i] = now
+            return finished
 
         first = last.tolist()
-        emit([[t] for t in first], time.perf_counter())
+        if emit([[t] for t in first], time.perf_counter()):
+            self.push_live(state)
         for i, t in enumerate(first):
             state.history[i].append(t)
         while any(state.live):
             was_live = list(state.live)
-            r = self.round(state, last, sampling, cache)
-            emit(r.emitted, r.time)
+            r = self.round(state, sampling)
+            if emit(r.emitted, r.time):
+                self.push_live(state)
             for i in range(b):
                 if was_live[i]:
                     accepts[i].append(r.accepted[i])
-            last = r.bonus
 
         return [
             SequenceResult(
@@ -301,29 +389,27 @@ class Generator(SpecDecoder):
             for i in range(b)
         ]
 
-    def _decode_on_device(self, lens: list[int], last: Tensor, sampling: RowSampling, cache, max_new: int,
-                          stop: frozenset[int], sync_every: int, t0: float) -> list[SequenceResult]:
+    def _decode_on_device(self, lens: list[int], sampling: RowSampling, max_new: int, stop: frozenset[int],
+                          sync_every: int, t0: float) -> list[SequenceResult]:
         """Plain decoding with the bookkeeping on the device, for large batches (self-distillation).
 
         The round loop copies every step's tokens to the host and walks the rows in Python (about 2 ms a
-        step at 1024 rows on a CI core, with the device idle meanwhile). Here the step's token, the stop
-        test and the lengths stay on the device; the host looks every `sync_every` steps, only to see
-        whether every row is done, and the tokens come back once. Each step is the round loop's forward
-        and sampling call, so the tokens are the same; a row's finish time is known to within
-        `sync_every` steps.
+        step at 1024 rows on a CI core, with the device idle meanwhile). Here the stop test and the token
+        table stay on the device too; the host looks every `sync_every` steps, only to see whether every
+        row is done, and the tokens come back once. Each step is the round loop's round (k = 0), so the
+        tokens are the same; a row's finish time is known to within `sync_every` steps.
 
-        last [b]: the prefill's token. Buffers: out [b, max_new + 1] (column max_new takes the writes
-        of finished rows), count / lengths [b] (tokens emitted / tokens in the cache), live [b] bool.
+        Buffers: out [b, max_new + 1] (column max_new takes the writes of finished rows), count [b]
+        (tokens emitted); the round's state (last: the prefill's token, lengths, live) advances itself.
         """
         b, dev = len(lens), self.device
         rows = torch.arange(b, device=dev)
+        last, live = self.buffers["last"][:b], self.buffers["live"][:b]
         out = torch.zeros(b, max_new + 1, dtype=torch.long, device=dev)  # [b, max_new + 1]
         out[:, 0] = last
         count = torch.ones(b, dtype=torch.long, device=dev)  # [b]
-        lengths = torch.tensor(lens, device=dev)  # [b]: the last emitted token is not in the cache yet
         stop_ids = torch.tensor(sorted(stop), dtype=torch.long, device=dev)
-        live = ~torch.isin(last, stop_ids) & (count < max_new)  # [b]
-        no_draft = last.new_empty(b, 0)
+        live &= ~torch.isin(last, stop_ids) & (count < max_new)
         live_host = live.tolist()
         first_t = time.perf_counter()
         done_t = [first_t] * b
@@ -331,21 +417,19 @@ class Generator(SpecDecoder):
         while any(live_host) and step < max_new - 1:
             t_step = self.clock.mark()
             for _ in range(min(sync_every, max_new - 1 - step)):
-                fwd = self._forward(self.round_runner, {"tokens": last[:, None], "positions": lengths[:, None],
-                                                        "valid": live[:, None]}, longest + step + 1, cache)
-                _, bonus = verify(fwd.logits, no_draft, None, sampling)  # [b]
-                out[rows, torch.where(live, count, max_new)] = bonus
-                count, lengths = count + live, lengths + live
-                last = torch.where(live, bonus, last)
-                live = live & ~torch.isin(bonus, stop_ids) & (count < max_new)
+                was = live.clone()
+                self.run_round(b, sampling, longest + step)  # last <- each live row's token
+                out[rows, torch.where(was, count, max_new)] = last
+                count += was
+                live &= ~torch.isin(last, stop_ids) & (count < max_new)
                 step += 1
             t_end = self.clock.mark()
             now_live = live.tolist()
             now = time.perf_counter()
             self.clock.span("verify", t_step, t_end)
             self.clock.settle()
-            for i, (was, is_) in enumerate(zip(live_host, now_live)):
-                if was and not is_:
+            for i, (was_on, is_on) in enumerate(zip(live_host, now_live)):
+                if was_on and not is_on:
                     done_t[i] = now
             live_host = now_live
         self.rounds += step

@@ -25,18 +25,19 @@ transformers does, so fp32 logits match it to ~1e-6.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.program import Step, chain, run_steps
 from kernels.decode_attention import decode_attention
-from kernels.fused import add_rmsnorm, rope_cache_write, rotate_half, silu_mul
-from kernels.gemv import MAX_ROWS as GEMV_MAX_ROWS
-from kernels.gemv import add_rmsnorm_gemv, gemv, silu_mul_gemv
+from kernels.fused import add_rmsnorm, rope_cache_write, rotate_half
+from kernels.gemv import add_rmsnorm_gemv, gemv, interleave_gate_up
 
 
 @dataclass(frozen=True)
@@ -205,36 +206,51 @@ class RMSNorm(nn.Module):
 
 @dataclass
 class AttnInputs:
-    """Per-call attention metadata shared by every layer: RoPE rows, cache slots, query positions.
+    """Per-call attention metadata shared by every layer: RoPE positions, cache slots, query bounds.
 
-    The mask depends on `kv_len`, which a graph with eager attention breaks (breakable, piecewise)
-    chooses per replay; it is built by the first attention call (`mask(kv_len)`).
+    Two kernels build it (the slots and the positions of valid tokens); the fused RoPE kernel reads the
+    fp32 tables at `rope_pos` itself, and only the plain path gathers cos / sin rows (`cos`, `sin`,
+    on first use). The mask depends on `kv_len`, which a graph with eager attention breaks (breakable,
+    piecewise) chooses per replay; it is built by the first attention call (`mask(kv_len)`).
     """
 
-    cos: Tensor  # [b, 1, t, head_dim] in the activations' dtype
-    sin: Tensor
     slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
-    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0)
+    rope_pos: Tensor  # [b, t] each token's position (padding -> 0): its RoPE row
+    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0; DFlash: the block's last)
     max_kv: int  # the cache's slots (the dummy slot excluded)
-    cos32: Tensor  # [b, t, head_dim] float32 (the fused RoPE kernel's input)
-    sin32: Tensor
+    rope_cos: Tensor  # [max_pos, head_dim] float32 tables
+    rope_sin: Tensor
+    dtype: torch.dtype  # the activations'
 
     @classmethod
     def build(cls, positions: Tensor, valid: Optional[Tensor], rope_cos: Tensor, rope_sin: Tensor,
               dummy_slot: int, dtype: torch.dtype) -> "AttnInputs":
         if valid is not None:
-            slots = positions.masked_fill(~valid, dummy_slot)
-            positions = positions.masked_fill(~valid, 0)
+            slots = torch.where(valid, positions, dummy_slot)
+            positions = torch.where(valid, positions, 0)
         else:
             slots = positions
-        cos32, sin32 = rope_cos[positions], rope_sin[positions]
-        return cls(cos32.to(dtype)[:, None], sin32.to(dtype)[:, None], slots, positions, dummy_slot, cos32, sin32)
+        return cls(slots, positions, positions, dummy_slot, rope_cos, rope_sin, dtype)
+
+    @functools.cached_property
+    def cos(self) -> Tensor:
+        """[b, 1, t, head_dim] in the activations' dtype (the plain path's apply_rope)."""
+        return self.rope_cos[self.rope_pos].to(self.dtype)[:, None]
+
+    @functools.cached_property
+    def sin(self) -> Tensor:
+        return self.rope_sin[self.rope_pos].to(self.dtype)[:, None]
 
     def mask(self, kv_len: int) -> Tensor:
         """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
         kv_len = min(kv_len, self.max_kv)
         key_pos = torch.arange(kv_len, device=self.qpos.device)
         return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
+
+    def rope_write(self, qkv: Tensor, cache: StaticKVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
+        """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
+        return rope_cache_write(qkv, self.rope_cos, self.rope_sin, self.rope_pos, self.slots, cache.k[layer],
+                                cache.v[layer], heads, kv_heads)
 
 
 class Attention(nn.Module):
@@ -305,10 +321,15 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-def _gemv_rows(x: Tensor) -> bool:
-    """[b, t, h] activations with few enough rows for the GEMV kernels (decode, verify, draft steps);
-    prefill stays on cuBLAS. The choice is static per shape, so a captured graph keeps it."""
-    return x.shape[0] * x.shape[1] <= GEMV_MAX_ROWS
+ROWS_KERNEL_TOKENS = 16  # tokens per row up to which the fused path runs the rows kernels (kernels/gemv.py)
+
+
+def _rows_kernel(x: Tensor) -> bool:
+    """[b, t, h] activations of a decode, verify or draft step (t <= ROWS_KERNEL_TOKENS, any b): the
+    batch-invariant rows kernels, whose result for a row never depends on the rows beside it; prefill
+    stays on cuBLAS. A choice by tokens per row, never by the row count, so a row's logits are the
+    same in decode, in a verify and beside any other rows; static per shape, so a graph keeps it."""
+    return x.shape[1] <= ROWS_KERNEL_TOKENS
 
 
 class DecoderLayer(nn.Module):
@@ -328,13 +349,12 @@ class DecoderLayer(nn.Module):
         if not fused:
             h = x if delta is None else x + delta
             return h, att.project(norm(h), cache, a)
-        if _gemv_rows(x):  # decode / verify: norm fused into the projection's prologue
+        if _rows_kernel(x):  # decode / verify: norm fused into the projection's prologue
             h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, self.qkv_weight, self.qkv_bias)
         else:
             h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
             qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
-        return h, rope_cache_write(qkv, a.cos32, a.sin32, a.slots, cache.k[att.layer_idx], cache.v[att.layer_idx],
-                                   att.n_heads, att.n_kv)
+        return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv)
 
     def post(self, h: Tensor, o: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
         """-> (the stream after attention, the MLP output: the delta the next norm adds)."""
@@ -343,29 +363,46 @@ class DecoderLayer(nn.Module):
             h = h + self.self_attn.o_proj(o)
             return h, self.mlp(norm(h))
         o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
-        if _gemv_rows(h):  # decode / verify: three GEMVs, the norm and SwiGLU in their prologues
-            h, gu = add_rmsnorm_gemv(h, gemv(o, o_proj.weight, o_proj.bias), norm.weight, norm.variance_epsilon,
-                                     self.gate_up_weight, self.gate_up_bias)  # [b, t, h], [b, t, 2 * inter]
-            return h, silu_mul_gemv(gu, down.weight, down.bias)
+        if _rows_kernel(h):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
+            h, act = add_rmsnorm_gemv(h, gemv(o, o_proj.weight, o_proj.bias), norm.weight, norm.variance_epsilon,
+                                      self.gate_up_weight, self.gate_up_bias, swiglu=True)  # [b, t, h], [b, t, inter]
+            return h, gemv(act, down.weight, down.bias)
         h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
-        return h, down(silu_mul(F.linear(n, self.gate_up_weight, self.gate_up_bias)))
+        return h, self.mlp(n)  # prefill: cuBLAS through the gate / up views of the interleaved weight
 
     def fuse_projections(self) -> None:
         """q/k/v and gate/up weights become views of one tensor each: one matmul instead of 3 and 2."""
         att, mlp = self.self_attn, self.mlp
-        for owner, names, fused in ((att, ("q_proj", "k_proj", "v_proj"), "qkv"), (mlp, ("gate_proj", "up_proj"), "gate_up")):
-            mods = [getattr(owner, n) for n in names]
-            w = torch.cat([m.weight for m in mods]).contiguous()
-            bias = torch.cat([m.bias for m in mods]).contiguous() if mods[0].bias is not None else None
-            offset = 0
-            for m in mods:
-                rows = m.weight.shape[0]
-                m.weight = nn.Parameter(w[offset: offset + rows], requires_grad=False)
-                if bias is not None:
-                    m.bias = nn.Parameter(bias[offset: offset + rows], requires_grad=False)
-                offset += rows
-            setattr(self, f"{fused}_weight", w)
-            setattr(self, f"{fused}_bias", bias)
+        self.qkv_weight, self.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
+        self.gate_up_weight, self.gate_up_bias = fuse_gate_up(mlp)
+
+
+def fuse_linears(mods: list[nn.Linear]) -> tuple[Tensor, Optional[Tensor]]:
+    """One [sum of outputs, in] weight (and bias) for linears that read the same input; each module's
+    weight becomes a view of it (no copy kept)."""
+    w = torch.cat([m.weight for m in mods]).contiguous()
+    bias = torch.cat([m.bias for m in mods]).contiguous() if mods[0].bias is not None else None
+    offset = 0
+    for m in mods:
+        rows = m.weight.shape[0]
+        m.weight = nn.Parameter(w[offset: offset + rows], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[offset: offset + rows], requires_grad=False)
+        offset += rows
+    return w, bias
+
+
+def fuse_gate_up(mlp: "MLP") -> tuple[Tensor, Optional[Tensor]]:
+    """The MLP's gate and up rows interleaved in one weight [2I, H] (g0, u0, g1, u1, ...: the layout of
+    add_rmsnorm_gemv's SwiGLU epilogue); gate_proj / up_proj become its even / odd row views."""
+    g, u = mlp.gate_proj, mlp.up_proj
+    w = interleave_gate_up(g.weight, u.weight).contiguous()
+    bias = interleave_gate_up(g.bias, u.bias).contiguous() if g.bias is not None else None
+    for m, i in ((g, 0), (u, 1)):
+        m.weight = nn.Parameter(w[i::2], requires_grad=False)
+        if bias is not None:
+            m.bias = nn.Parameter(bias[i::2], requires_grad=False)
+    return w, bias
 
 
 class _Backbone(nn.Module):
@@ -388,30 +425,6 @@ class ForwardOutput:
     @classmethod
     def from_env(cls, env: dict) -> "ForwardOutput":
         return cls(env["logits"], env.get("hidden"), env.get("aux"), env.get("embeds"))
-
-
-@dataclass
-class Step:
-    """One piece of a forward: a capturable segment, or a break (attention) that a graph policy with
-    eager breaks runs outside the graph. `fn(env)` reads and writes named tensors in `env`."""
-
-    name: str
-    fn: Callable[[dict], None]
-    is_break: bool = False
-    meta: dict = field(default_factory=dict)
-
-
-def chain(*fns: Callable[[dict], None]) -> Callable[[dict], None]:
-    def run(env: dict) -> None:
-        for f in fns:
-            f(env)
-    return run
-
-
-def run_steps(steps: list[Step], env: dict) -> dict:
-    for s in steps:
-        s.fn(env)
-    return env
 
 
 class LlamaModel(nn.Module):
@@ -451,14 +464,15 @@ class LlamaModel(nn.Module):
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
 
     # -- forward ----------------------------------------------------------------------------------
-    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False
-                ) -> list[Step]:
-        """The forward as segments and attention breaks over an env dict (see `Step`).
+    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False,
+                greedy: bool = False) -> list[Step]:
+        """The forward as segments and attention breaks over an env dict (see `engine.program.Step`).
 
         env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
                  (embeds_input), logits_index [b] (logits_at_index)
         env out: logits [b, t or 1, vocab], hidden [b, t, h], aux [b, t, h * n_aux] or None,
-                 embeds [b, t, h] (what the first layer took)
+                 embeds [b, t, h] (what the first layer took); with `greedy`, ids [b, t or 1] (the
+                 argmax), and on the fused path no logits (the lm_head kernel takes the argmax itself)
         The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
         built with, in `Step.meta`.
         """
@@ -505,10 +519,18 @@ class LlamaModel(nn.Module):
             env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
             env["hidden"] = hidden  # [b, t, hidden]
             if logits_at_index:
-                rows = torch.arange(hidden.shape[0], device=hidden.device)
-                env["logits"] = self.lm_head(hidden[rows, env["logits_index"]][:, None])  # [b, 1, vocab]
+                h = hidden[torch.arange(hidden.shape[0], device=hidden.device), env["logits_index"]][:, None]
             else:
-                env["logits"] = self.lm_head(hidden)
+                h = hidden  # [b, t or 1, hidden]
+            if fused and _rows_kernel(h):  # the rows kernel: cuBLAS would pick its kernel by row count
+                if greedy:
+                    env["ids"] = gemv(h, self.lm_head.weight, argmax=True)  # [b, t]
+                    return
+                env["logits"] = gemv(h, self.lm_head.weight)
+            else:
+                env["logits"] = self.lm_head(h)  # [b, t or 1, vocab]
+            if greedy:
+                env["ids"] = env["logits"].argmax(-1)
 
         steps = [Step("embed+pre0", chain(start, pre(0)))]
         for i in range(n):

@@ -43,8 +43,9 @@ class PhaseClock:
     def span(self, key: str, start: Mark, end: Mark) -> None:
         self._queued.append((key, start, end))
 
-    def settle(self) -> None:
-        """Read the queued spans: call only after a sync that followed their end marks."""
+    def settle(self, keep: tuple = ()) -> None:
+        """Read the queued spans: call only after a sync that followed their end marks. `keep`: marks
+        a later span still starts from (not recycled)."""
         read = {}  # id -> event: one span's end is often the next one's start
         for key, start, end in self._queued:
             if self.cuda:
@@ -52,7 +53,8 @@ class PhaseClock:
                 read.update({id(start): start, id(end): end})
             else:
                 self.seconds[key] += end - start
-        self._free += read.values()
+        held = {id(m) for m in keep}
+        self._free += [e for i, e in read.items() if i not in held]
         self._queued.clear()
 
     def totals(self) -> dict[str, float]:

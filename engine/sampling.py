@@ -77,6 +77,16 @@ class RowSampling:
     def all_greedy(self) -> bool:
         return not self.any_sampled
 
+    def head(self, b: int) -> "RowSampling":
+        """The settings of the first b rows (a round over fewer rows than the batch holds)."""
+        if not isinstance(self.greedy, Tensor) or self.greedy.shape[0] == b:
+            return self
+        greedy = self.greedy[:b]
+        gens = tuple((i, g) for i, g in self.row_generators if i < b)
+        any_sampled = bool((~greedy).any())  # a host sync, once per change of the batch's rows
+        return RowSampling(self.temperature[:b], self.top_p[:b], greedy, any_sampled,
+                           any_sampled and bool((self.top_p[:b] < 1.0).any()), self.generator, gens)
+
     def repeat_rows(self, n: int) -> "RowSampling":
         """Each row's setting n times ([b] -> [b * n]): for [b, n, vocab] logits viewed as [b * n, vocab]."""
         rep = lambda x: x.repeat_interleave(n, 0) if isinstance(x, Tensor) else x  # noqa: E731

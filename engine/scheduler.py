@@ -7,16 +7,17 @@
              token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every other row's draft state.
              Requests waiting together join together: one right-padded prefill over a run of
              contiguous free slots (`rows=slice(i, i + m)`, up to `max_prefill_tokens` padded tokens)
-    step     one `SpecDecoder.round` over all n slots: propose -> verify -> commit, the same code eval
-             runs; free slots ride along as invalid rows (they write to the cache's dummy slot and are
-             never read); then finished and cancelled requests leave and waiting ones join
+    step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
+             commit, the same code eval runs; free slots among them ride along as invalid rows (they write
+             to the cache's dummy slot and are never read); then finished and cancelled requests leave and
+             waiting ones join. With adaptive k (engine/adaptive_k.py) the round's k follows those rows
     threads  `run()` is the engine loop, on one thread (all torch work). `submit` / `cancel` / `close`
              come from any thread (the HTTP event loop) and only touch the queue, under a lock. Tokens
              go back through each request's `sink`, called on the engine thread.
 
-The round spans all n slots: the draft keeps per-row state (KV rows, carried hidden state, next
-proposal) for the whole batch, and the graphs replay one bucket. A slot count above the largest
-capture size runs eagerly, counted by the graph runners as fallbacks.
+The draft keeps per-row state (KV rows, carried hidden state, next proposal) for every slot; a round
+replays the smallest bucket that holds its rows (requests take the lowest free slots, so a light load
+runs small rounds). Rows above the largest capture size run eagerly, counted as fallbacks.
 
 Sampling is per request (`engine.sampling.RowSampling`): greedy requests are exactly greedy in any
 batch; sampled ones use their own temperature and top-p, and a request with a `seed` draws from its
@@ -95,6 +96,8 @@ class ServeStats:
     row_rounds: int = 0  # live rows verified, summed over rounds
     accepted_tokens: int = 0  # draft tokens accepted, summed over row rounds
     accepted_at: list[int] = field(default_factory=list)  # [k]: row rounds whose draft token i was accepted
+    rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per draft tokens (adaptive k)
+    last_k: int = 0  # the last round's draft tokens
     prefills: int = 0  # joint prefills (one per group of requests joining together)
     prefill_s: float = 0.0
     round_s: float = 0.0
@@ -123,7 +126,7 @@ class Scheduler:
         self.slots: list[Optional[GenerationRequest]] = [None] * num_slots
         self.state = SpecState([[0] for _ in range(num_slots)], [0] * num_slots, [False] * num_slots,
                                list(range(num_slots)), self.device)
-        self.last = torch.zeros(num_slots, dtype=torch.long, device=self.device)  # [n] last emitted token
+        self._live_changed = True  # slots left since the last round: their live flags go to the device
         self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
         self.stats = ServeStats(accepted_at=[0] * self.k)
         self.waiting: deque[GenerationRequest] = deque()
@@ -273,6 +276,7 @@ class Scheduler:
                         self._release(i, req, "error", str(e))
                     elif req.finish_reason is None:
                         self.state.history[i], self.state.lengths[i], self.state.live[i] = [0], 0, False
+                        self._live_changed = True
                         self._finish(req, "error", str(e))
 
     def _join(self, reqs: list[GenerationRequest], start: int) -> None:
@@ -285,8 +289,7 @@ class Scheduler:
         first = sample(pre.out.logits[:, -1], sampling)  # [m]
         for j, req in enumerate(reqs):
             st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
-        self.dec.begin(st, pre, first, rows=rows)
-        self.last[rows] = first
+        self.dec.begin(st, pre, first, rows=rows)  # the slots' round state and the draft's prefill
         toks = first.tolist()  # the join's one sync
         for j, (req, tok) in enumerate(zip(reqs, toks)):
             st.history[start + j].append(tok)
@@ -299,20 +302,32 @@ class Scheduler:
             self._emit(start + j, req, [tok], now)
 
     def _row_sampling(self) -> RowSampling:
+        """Each slot's sampling up to the last occupied one (the rows a round spans), rebuilt when the
+        slots' requests change."""
         if self._sampling is None:
-            reqs = self.slots
+            reqs = self.slots[: self._round_rows()]
             self._sampling = RowSampling.per_row(
                 [r.temperature if r else 0.0 for r in reqs], [r.top_p if r else 1.0 for r in reqs],
                 [r.generator if r else None for r in reqs], self.device, self.generator)
         return self._sampling
 
+    def _round_rows(self) -> int:
+        """Rows a round spans: up to the last occupied slot (requests take the lowest free slots, so
+        under a light load a round is small; with adaptive k, its k follows)."""
+        return max(i for i, r in enumerate(self.slots) if r is not None) + 1
+
     def _step(self) -> None:
         t0, stats = time.perf_counter(), self.stats
-        r = self.dec.round(self.state, self.last, self._row_sampling(), self.cache)
-        self.last = r.bonus
+        if self._live_changed:
+            self.dec.push_live(self.state)
+            self._live_changed = False
+        rows = self._round_rows()
+        r = self.dec.round(self.state, self._row_sampling(), rows=rows)
         stats.rounds += 1
         stats.round_s += time.perf_counter() - t0
-        for i, req in enumerate(self.slots):
+        stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
+        stats.last_k = r.k
+        for i, req in enumerate(self.slots[:rows]):
             if req is None:
                 continue
             a = r.accepted[i]
@@ -350,6 +365,7 @@ class Scheduler:
         st = self.state
         self.slots[i], self._sampling = None, None
         st.history[i], st.lengths[i], st.live[i] = [0], 0, False
+        self._live_changed = True
         self._finish(req, reason, error, tokens or [])
 
     def _finish(self, req: GenerationRequest, reason: str, error: Optional[str] = None,

@@ -8,6 +8,7 @@ HTTP layer observes per request.
     specpipe_requests_rejected_total{status}         answered 4xx/5xx before reaching the engine
     specpipe_prompt_tokens_total, specpipe_generation_tokens_total
     specpipe_rounds_total, specpipe_verify_rows_total   draft-and-verify rounds; live rows they verified
+    specpipe_rounds_by_draft_tokens_total{k}, specpipe_draft_tokens   rounds per k; the last round's k
     specpipe_accept_length                           tokens per verify round and row, bonus included
     specpipe_accept_rate{position}                   fraction of row rounds whose draft token i was kept
     specpipe_graph_replays_total{phase}, specpipe_graph_fallbacks_total{phase}   (fallback: ran eagerly)
@@ -46,6 +47,12 @@ class _EngineCollector(Collector):
                                   value=st.rounds)
         yield CounterMetricFamily("specpipe_verify_rows", "Live rows verified, summed over rounds",
                                   value=st.row_rounds)
+        by_k = CounterMetricFamily("specpipe_rounds_by_draft_tokens", "Rounds per draft tokens k (adaptive k "
+                                   "picks k from the load)", labels=["k"])
+        for k, n in sorted(st.rounds_by_k.items()):
+            by_k.add_metric([str(k)], n)
+        yield by_k
+        yield GaugeMetricFamily("specpipe_draft_tokens", "The last round's draft tokens k", value=st.last_k)
         yield GaugeMetricFamily("specpipe_accept_length", "Tokens emitted per verify round and row, bonus "
                                 "included", value=st.accept_length if st.row_rounds else 0.0)
         rate = GaugeMetricFamily("specpipe_accept_rate", "Fraction of row rounds whose draft token at this "

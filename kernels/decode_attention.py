@@ -10,35 +10,43 @@
 Flash-decoding: two kernels, split-KV then combine.
 
 1. `_split_kernel`, grid (batch, kv_heads * row_blocks, num_splits). The query rows that read a kv
-   head, GROUP = heads / kv_heads query heads x t tokens, are tiled in blocks of ROWS (a power of two,
-   16..MAX_ROWS, tl.dot's minimum 16): decode and verify fit one block, so each K / V block is read once
-   for all of them; a long t (prefill) takes several blocks, and t is a runtime argument, so prompt
-   lengths do not recompile. A program walks the cache in blocks of BLOCK_N slots, split s
-   taking blocks s, s + num_splits, s + 2 * num_splits, ... up to the largest live length among its
-   rows, loads each K / V block once for all rows (q @ k^T and p @ v as tl.dot, fp32 accumulation)
-   and masks per row (slot <= qpos[b, i]). It keeps an online softmax per row and writes its
-   partial result: the normalised output and its log-sum-exp (log2 domain), into fp32 workspaces
+   head, GROUP = heads / kv_heads query heads x t tokens, are tiled in blocks of ROWS: 16 (tl.dot's
+   minimum) for t <= SMALL_T (decode, verify, draft steps), MAX_ROWS = 64 for longer t (prefill); t is
+   a runtime argument, so prompt lengths do not recompile. A program walks the cache in blocks of
+   BLOCK_N slots, split s taking blocks s, s + num_splits, s + 2 * num_splits, ... up to the largest
+   live length among its rows, loads each K / V block once for all its rows (q @ k^T and p @ v as
+   tl.dot, fp32 accumulation) and masks per row (slot <= qpos[b, i]). It keeps an online softmax per
+   row and writes its partial result: the normalised output and its log-sum-exp (log2 domain), into
+   fp32 workspaces
        o_part [batch, heads, t, num_splits, head_dim],  lse_part [batch, heads, t, num_splits]
    A split that saw no live slot for a row writes o = 0, lse = -inf.
 2. `_combine_kernel`, grid (batch, heads, t): out = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s -
    lse_max), in q's dtype. Splits with lse = -inf weigh 0; split 0 always sees slot 0.
+With a single split (a cache of one block, or num_splits=1) the split kernel writes the final output
+itself (DIRECT): one launch, no workspace, no combine.
 
-Inside a CUDA graph capture, num_splits comes from the cache size and the batch (`num_splits_for`:
-about two programs per SM, at most MAX_SPLITS, at most one per block of the cache), never from the
-live length, and the loop
+num_splits comes from the cache size alone (`num_splits_for`: one per block of the cache, at most
+MAX_SPLITS), never from the live length, the batch, or whether a CUDA graph is being captured; the loop
 bounds are read on the device from qpos. So the grid is fixed for a given cache, and a CUDA graph
 captured once stays valid as sequences grow; the work still follows the live length (splits past it
 only write their empty partials). Interleaving the blocks over splits, rather than giving each split
 a contiguous chunk of the cache, keeps the splits busy when the live prefix is short.
 
+Batch invariance: a (batch row, head, query) output is bitwise the same whether the query is a decode
+(t = 1), one of a verify's k + 1 tokens, or beside other batch rows, eager or captured. Batch rows are
+separate programs; the split count, and with it which split reads which block, depends on the cache
+only; decode and verify share ROWS = 16 (one binary: t and the row-block count are not specialised
+on), so a row's scores, softmax and p @ v run on the same tile shapes and layouts whichever tile
+position it has; and the blocks a tile reads past a row's own live length (up to the tile's largest)
+are masked to p = 0, which adds exact zeros and rescales by exactly 1. A row's output never depends
+on the other rows of its tile. (Prefill's ROWS = 64 is another binary: a prompt's attention need not
+match its decode bits.) The price: an eager call on a cache of several blocks is two launches (split
+and combine), where a single split used to be one.
+
 On an H200 (SmolLM2-135M: 9 heads on 3 kv heads, head_dim 64, bf16, a 2049-slot cache, batch 1,
 timed in a CUDA graph) a call takes 4.3 us at 300 live slots and 4.5 us at 2000, against 7.8 us and
 42 us for one program per (row, head, token) walking the prefix serially: at batch 1 it is about
 two launches' latency (the combine alone is 1.5 us), nearly flat in the live length.
-
-Eagerly (no capture: graph policy none, or the eager attention breaks of breakable / piecewise) the
-cost is the launches, not the GPU time, so an eager call takes one split, and the split kernel writes
-the final output itself (DIRECT): one launch, no workspace, no combine.
 
 `decode_attention_reference` is the plain-torch definition the kernels are tested against (under
 TRITON_INTERPRET=1 on CPU, and on the GPU).
@@ -61,7 +69,8 @@ except ImportError:  # CPU builds without triton: the reference path only
     triton = None
 
 MAX_SPLITS = 32
-MAX_ROWS = 64  # query rows per split program; longer t (prefill) is tiled over programs
+SMALL_T = 16  # t up to this (decode, verify, draft steps) takes row tiles of 16, longer t (prefill) of MAX_ROWS
+MAX_ROWS = 64  # query rows per split program for long t; longer t is tiled over programs
 _LOG2E = 1.4426950408889634
 
 
@@ -76,7 +85,7 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor) ->
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["T", "ROW_BLOCKS"])  # decode (t = 1) runs the same binary as a verify
     def _split_kernel(
         Q, K, V, QPOS, O_PART, LSE_PART, OUT, qk_scale,
         s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_pb, s_pt,
@@ -158,11 +167,11 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter: an H100 / H200's count, so CPU tests see the GPU's split counts
 
 
-def num_splits_for(batch: int, row_tiles: int, slots: int, block_n: int, device: torch.device) -> int:
-    """Splits per (batch row, kv head, row block) tile: from the cache size and the number of tiles
-    (batch x kv heads x row blocks), never the live length."""
-    fill = triton.cdiv(2 * _num_sms(device), batch * row_tiles)  # programs to cover the SMs twice
-    return max(1, min(MAX_SPLITS, triton.cdiv(slots, block_n), fill))
+def num_splits_for(slots: int, block_n: int) -> int:
+    """Splits per (batch row, kv head, row block) tile: one per block of the cache, at most MAX_SPLITS. From
+    the cache size alone: not the live length (a captured graph stays valid), not the batch or capture
+    (a row's result is the same in any batch, eager or replayed)."""
+    return max(1, min(MAX_SPLITS, triton.cdiv(slots, block_n)))
 
 
 def decode_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int = 64,
@@ -180,11 +189,11 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int
     # 3.9), so there the operands, already rounded to the cache's dtype, are multiplied in fp32
     interpret = os.environ.get("TRITON_INTERPRET") == "1"
     dot_dtype = tl.float32 if interpret or k.dtype == torch.float32 else _TL_DTYPES[k.dtype]
-    rows = min(MAX_ROWS, max(16, triton.next_power_of_2(group * t)))  # query rows per program
-    row_blocks = triton.cdiv(group * t, rows)  # > 1 only for long t (prefill)
-    if num_splits is None:  # eager calls are bound by launches: one split, no combine kernel
-        capturing = q.is_cuda and torch.cuda.is_current_stream_capturing()
-        num_splits = num_splits_for(b, kv_heads * row_blocks, slots, block_n, q.device) if capturing else 1
+    # one tile shape for every decode / verify / draft step (see the module docstring); prefill's own
+    rows = 16 if t <= SMALL_T else MAX_ROWS  # query rows per program
+    row_blocks = triton.cdiv(group * t, rows)
+    if num_splits is None:
+        num_splits = num_splits_for(slots, block_n)
     out = torch.empty_like(q)  # q's layout: the caller's transpose(1, 2).reshape is then free
     direct = num_splits == 1
     o_part = lse_part = out  # unused placeholders when direct

@@ -3,13 +3,13 @@
     add_rmsnorm(x, delta, weight, eps) -> (h, y)      h = x + delta (the residual stream, fp32 sum
                                                        rounded to x's dtype); y = weight * rmsnorm(h)
         x, delta [rows, hidden]; delta may be None (then h = x)
-    rope_cache_write(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads) -> q
-        qkv [b, t, (heads + 2 * kv_heads) * d], one fused projection; cos/sin [b, t, d] (fp32);
-        RoPE on q and k (half-rotation layout), k and v written at cache[b, :, slots[b, t]];
-        returns q [b, heads, t, d]
-    silu_mul(gu) -> silu(gu[..., :I]) * gu[..., I:]      gu [rows, 2 * I]
+    rope_cache_write(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads) -> q
+        qkv [b, t, (heads + 2 * kv_heads) * d], one fused projection; cos/sin [max_pos, d] (fp32 tables,
+        read at positions [b, t] inside the kernel: no gathered copies); RoPE on q and k (half-rotation
+        layout), k and v written at cache[b, :, slots[b, t]]; returns q [b, heads, t, d]
 
-Each replaces 6-14 small PyTorch kernels per call; math in fp32, results rounded to the input dtype
+(SwiGLU is the gate / up projection's epilogue: kernels/gemv.py.) Each replaces 6-14 small PyTorch
+kernels per call; math in fp32, results rounded to the input dtype
 (as transformers rounds RMSNorm's normalised value before the weight). The `*_reference` functions
 are the plain-torch definitions they are tested against (TRITON_INTERPRET=1 on CPU, and on the GPU).
 """
@@ -38,9 +38,11 @@ def rotate_half(x: Tensor) -> Tensor:  # RoPE's half rotation: [x1, x2] -> [-x2,
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rope_cache_write_reference(qkv, cos, sin, slots, k_cache, v_cache, heads: int, kv_heads: int) -> Tensor:
+def rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads: int,
+                               kv_heads: int) -> Tensor:
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
+    cos, sin = cos[positions], sin[positions]  # [b, t, d]
     q, k, v = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
     q = q.view(b, t, heads, d).transpose(1, 2)  # [b, heads, t, d]
     k = k.view(b, t, kv_heads, d).transpose(1, 2)
@@ -78,8 +80,8 @@ if triton is not None:
         tl.store(Y + row * n_cols + cols, (w * n).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_cache_kernel(QKV, COS, SIN, SLOTS, KC, VC, QO,
-                           s_qkv_b, s_qkv_t, s_cs_b, s_cs_t, s_sl_b, s_kc_b, s_kc_h, s_kc_s,
+    def _rope_cache_kernel(QKV, COS, SIN, POS, SLOTS, KC, VC, QO,
+                           s_qkv_b, s_qkv_t, s_cs, s_pos_b, s_sl_b, s_kc_b, s_kc_h, s_kc_s,
                            s_qo_b, s_qo_h, s_qo_t,
                            HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
                            NH: tl.constexpr, NKV: tl.constexpr):
@@ -88,8 +90,9 @@ if triton is not None:
         b, t = tl.program_id(0), tl.program_id(1)
         half = tl.arange(0, D // 2)[None, :]
         h = tl.arange(0, NH)[:, None]  # q heads, then k heads
-        cs = COS + b * s_cs_b + t * s_cs_t
-        sn = SIN + b * s_cs_b + t * s_cs_t
+        pos = tl.load(POS + b * s_pos_b + t)
+        cs = COS + pos * s_cs  # this token's row of the tables
+        sn = SIN + pos * s_cs
         c1, c2 = tl.load(cs + half), tl.load(cs + D // 2 + half)
         s1, s2 = tl.load(sn + half), tl.load(sn + D // 2 + half)
         row = QKV + b * s_qkv_b + t * s_qkv_t
@@ -113,15 +116,6 @@ if triton is not None:
         v = tl.load(row + (HEADS + KV_HEADS + vh) * D + full, mask=is_v, other=0.0)
         tl.store(VC + b * s_kc_b + vh * s_kc_h + slot * s_kc_s + full, v.to(VC.dtype.element_ty), mask=is_v)
 
-    @triton.jit
-    def _silu_mul_kernel(GU, OUT, n_cols, BLOCK: tl.constexpr):
-        row, blk = tl.program_id(0), tl.program_id(1)
-        cols = blk * BLOCK + tl.arange(0, BLOCK)
-        m = cols < n_cols
-        g = tl.load(GU + row * 2 * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        u = tl.load(GU + row * 2 * n_cols + n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(OUT + row * n_cols + cols, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=m)
-
 
 def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> tuple[Tensor, Tensor]:
     if triton is None:
@@ -136,31 +130,22 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> 
     return h.view(shape), y.view(shape)
 
 
-def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, k_cache: Tensor, v_cache: Tensor,
-                     heads: int, kv_heads: int) -> Tensor:
+def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor,
+                     v_cache: Tensor, heads: int, kv_heads: int) -> Tensor:
     if triton is None:
-        return rope_cache_write_reference(qkv, cos, sin, slots, k_cache, v_cache, heads, kv_heads)
+        return rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
-    qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+    qkv = qkv.contiguous()
+    assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == d
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
+    assert positions.stride(-1) == 1 and slots.stride(-1) == 1
     q = torch.empty(b, heads, t, d, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(b, t)](
-        qkv, cos, sin, slots, k_cache, v_cache, q,
-        qkv.stride(0), qkv.stride(1), cos.stride(0), cos.stride(1), slots.stride(0),
+        qkv, cos, sin, positions, slots, k_cache, v_cache, q,
+        qkv.stride(0), qkv.stride(1), cos.stride(0), positions.stride(0), slots.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
         HEADS=heads, KV_HEADS=kv_heads, D=d, NH=triton.next_power_of_2(heads + kv_heads),
         NKV=triton.next_power_of_2(kv_heads),
     )
     return q
-
-
-def silu_mul(gu: Tensor) -> Tensor:
-    if triton is None:
-        return silu_mul_reference(gu)
-    shape, n = gu.shape, gu.shape[-1] // 2
-    g2 = gu.reshape(-1, 2 * n).contiguous()
-    out = torch.empty(g2.shape[0], n, dtype=gu.dtype, device=gu.device)
-    block = 1024
-    _silu_mul_kernel[(g2.shape[0], triton.cdiv(n, block))](g2, out, n, BLOCK=block)
-    return out.view(*shape[:-1], n)

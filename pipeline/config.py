@@ -72,8 +72,9 @@ class ModelConfig:
     # reads each row's live prefix, also inside a CUDA graph), auto (triton on CUDA, sdpa on CPU).
     attention: str = "auto"
     # Fused Triton kernels for RMSNorm (+ residual add), RoPE + KV-cache write and SwiGLU, with fused
-    # q/k/v and gate/up projections, and GEMVs with those ops in their prologues for <= 16 rows
-    # (decode, verify). null: on exactly when the attention kernel is.
+    # q/k/v and gate/up projections, and batch-invariant row kernels with those ops in their prologues
+    # for decode, verify and draft steps (<= 16 tokens per row, any batch). null: on exactly when the
+    # attention kernel is.
     fused: Optional[bool] = None
     random: RandomArchConfig = field(default_factory=RandomArchConfig)
 
@@ -150,6 +151,9 @@ class EvalConfig:
     # Also run the no-draft baseline on the same prompts (speedup, match_baseline).
     # null: on when a draft is configured.
     baseline: Optional[bool] = None
+    # Each round's draft tokens from the load (engine/adaptive_k.py; needs graphs), draft.num_steps at
+    # most; off: every round drafts draft.num_steps (a benchmark's fixed k).
+    adaptive_k: bool = False
 
 
 @dataclass
@@ -159,10 +163,13 @@ class ServeConfig:
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
     port: int = 8000  # 0: any free port (printed when the server is up)
     model_name: Optional[str] = None  # the id served at /v1/models and checked in requests; null: model.name
-    # Slots: rows of the target's static KV cache, of the draft's and of the graphs' buffers. Every
-    # round runs all of them (free slots ride along as padding rows); null graph.max_batch_size
-    # captures exactly this many.
+    # Slots: rows of the target's static KV cache, of the draft's and of the graphs' buffers. A round
+    # spans the slots up to the last occupied one (free slots among them ride along as padding rows).
     max_batch_size: int = 8
+    # Each round's draft tokens follow the live rows (engine/adaptive_k.py: k = 0..draft.num_steps from
+    # the measured round cost at each capture size and the running acceptance; needs graphs); off: a
+    # fixed draft.num_steps.
+    adaptive_k: bool = True
     max_queue: int = 64  # requests waiting for a slot (beyond the free ones); one more answers 429
     max_prefill_tokens: int = 8192  # requests joining together prefill as one batch of up to this many padded tokens
     default_max_tokens: int = 256  # a request without max_tokens (cut to what the context leaves)

@@ -11,6 +11,7 @@ memory pool). Logs `capture_s`, `graph_mem_mb` (totals and `.<phase>`).
 
 from __future__ import annotations
 
+from engine.drafts.registry import DRAFTS, make_draft
 from engine.errors import ConfigError
 from engine.graphs.backends import NEEDS_CUDA, POLICIES
 from engine.graphs.graph_set import GraphSet
@@ -19,12 +20,12 @@ from stages.base import Stage, StageEnv, register_stage
 
 
 def capture_sizes(cfg) -> list[int]:
-    """graph.capture_sizes, else 1, 2, 4, ... up to the cache's rows; under task=serve every round
-    spans all serve.max_batch_size slots (engine/scheduler.py), so that one size is all it needs."""
+    """graph.capture_sizes, else 1, 2, 4, ... up to the cache's rows (a server's round spans its slots
+    up to the last occupied one: under a light load a small bucket replays)."""
     g = cfg.graph
     if g.capture_sizes:
         return sorted(set(g.capture_sizes))
-    return [cfg.serve.max_batch_size] if cfg.task == "serve" else default_sizes(max_batch(cfg))
+    return default_sizes(max_batch(cfg))
 
 
 def run_batch(cfg) -> tuple[str, int]:
@@ -36,6 +37,27 @@ def run_batch(cfg) -> tuple[str, int]:
 
 def max_batch(cfg) -> int:
     return cfg.graph.max_batch_size or run_batch(cfg)[1]
+
+
+def samples(cfg) -> bool:
+    """The run draws tokens (rounds with rejection sampling are captured too): a server, or an eval
+    with temperature > 0."""
+    return cfg.task == "serve" or (cfg.task == "eval" and cfg.eval.temperature > 0)
+
+
+def adaptive_k(cfg) -> bool:
+    """Rounds pick their draft tokens from the load (engine/adaptive_k.py)."""
+    if cfg.draft.algorithm == "none":
+        return False
+    return cfg.serve.adaptive_k if cfg.task == "serve" else cfg.task == "eval" and cfg.eval.adaptive_k
+
+
+def round_ks(cfg, k: int) -> list[int]:
+    """Draft tokens per round of the rounds to capture: the draft's k; 0 (the plain decode step) for an
+    eval's no-draft baseline; every k in 0..k with adaptive k."""
+    if adaptive_k(cfg):
+        return list(range(k + 1))
+    return sorted({k, 0}) if cfg.task == "eval" and cfg.eval.baseline is not False else [k]
 
 
 def uses_graphs(cfg) -> bool:
@@ -80,22 +102,27 @@ class CaptureGraphsStage(Stage):
         k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
         sizes = capture_sizes(cfg)
         line = (f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
-                f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), largest first, one memory pool")
+                f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), rounds of k in {round_ks(cfg, k)}"
+                f"{' (adaptive k)' if adaptive_k(cfg) else ''}, largest first, one memory pool")
         if cfg.graph.target == "piecewise":
             line += f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens"
         return line
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
-        plan, head = env.draft_plan, inputs["draft_head"]
-        if head is not None and head.embed is not inputs["target"].model.model.embed_tokens:
+        plan, head, target = env.draft_plan, inputs["draft_head"], inputs["target"].model
+        if head is not None and head.embed is not target.model.embed_tokens:
             raise RuntimeError("the draft head does not share the target's embedding: capturing its graphs now "
                                "would bake in memory that is not the target's")
         k = cfg.draft.num_steps if plan is not None else 0
+        batch = max_batch(cfg)
+        draft = None  # a device draft: its caches and state buffers are what the rounds replay over
+        if plan is not None and DRAFTS[plan.algorithm].head is not None:
+            draft = make_draft(plan, head, target, batch, k, cfg=cfg.draft)
         graphs = GraphSet(
-            inputs["target"].model, head, max_batch(cfg), k, cfg.graph.target,
-            cfg.graph.draft if plan is not None else "none", capture_sizes(cfg),
-            [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
-            features=plan is not None and plan.features.value != "none",
+            target, draft, batch, k, cfg.graph.target, cfg.graph.draft if plan is not None else "none",
+            capture_sizes(cfg), [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
+            features=plan is not None and plan.features.value != "none", sampled=samples(cfg),
+            round_ks=round_ks(cfg, k),
         ).capture()
         m = graphs.metrics()
         if env.tracker is not None:

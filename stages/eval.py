@@ -10,9 +10,14 @@ Metrics (names from the design):
     tokens_per_s, ttft_ms, tpot_ms, generated_tokens, peak_mem_mb
     accept_length            mean tokens emitted per verify round, bonus included
     accept_rate_pos_<i>      fraction of verify rounds whose draft token i was accepted
-    draft_ms, verify_ms      mean time per draft phase (propose + extend) and per verify forward: stream
-                             time between CUDA events, read at the round's own sync (engine/phase_clock.py)
+    draft_ms, verify_ms      mean time per round of the draft (chain + extend) and of the verify (forward +
+                             accept): stream time between CUDA events at the phase boundaries, read at the
+                             round's own sync (engine/phase_clock.py); extend_ms: the extend alone
+    host_ms                  mean stream idle between two rounds of a batch (the host's sync and bookkeeping)
+    k_mean                   mean draft tokens per round (draft.num_steps, or with eval.adaptive_k what
+                             the load chose; adaptive_k.b<rows>: its choice per capture size at the start)
     baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
+    baseline_step_ms, baseline_host_ms                  its decode step and the idle between steps
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 
 Artifacts: `results.jsonl` (one line per prompt) and the summary printed at the end.
@@ -141,9 +146,11 @@ def throughput_metrics(records: list[EvalRecord], wall: float) -> dict[str, floa
 def draft_metrics(records: list[EvalRecord], gen: Generator, k: int) -> dict[str, float]:
     accepts = [a for r in records for a in r.result.accepts]
     stats = gen.stats
+    rounds = max(stats.rounds, 1)
     out = {"accept_length": _mean(a + 1 for a in accepts), "verify_rounds": len(accepts),
-           "draft_ms": 1e3 * stats.draft_s / max(stats.rounds, 1),
-           "verify_ms": 1e3 * stats.verify_s / max(stats.rounds, 1)}
+           "k_mean": sum(kk * n for kk, n in gen.ks_used.items()) / max(sum(gen.ks_used.values()), 1),
+           "draft_ms": 1e3 * stats.draft_s / rounds, "verify_ms": 1e3 * stats.verify_s / rounds,
+           "extend_ms": 1e3 * stats.extend_s / rounds, "host_ms": 1e3 * stats.host_s / rounds}
     out.update({f"accept_rate_pos_{i}": _mean(a > i for a in accepts) for i in range(k)})
     return out
 
@@ -166,6 +173,8 @@ class EvalStage(Stage):
             ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
             ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
             ("eval.top_p", e.top_p, 0 < e.top_p <= 1, "in (0, 1]"),
+            ("eval.adaptive_k", e.adaptive_k, not e.adaptive_k or env.draft_plan is not None,
+             "false without a draft (k is 0)"),
         ]:
             if not ok:
                 raise ConfigError(key, value, "out of range", valid)
@@ -208,15 +217,22 @@ class EvalStage(Stage):
         if baseline_on(cfg):
             base_gen = Generator(target.model, e.batch_size, graphs=graphs)
             self._warmup(base_gen, data, target, rng, e)
+            base_gen.reset_stats()
             baseline, wall = generate_all(base_gen, data, params, target, rng, e.batch_size, "baseline")
             metrics["baseline_tokens_per_s"] = throughput_metrics(baseline, wall)["tokens_per_s"]
+            steps = base_gen.stats
+            metrics["baseline_step_ms"] = 1e3 * steps.verify_s / max(steps.rounds, 1)
+            metrics["baseline_host_ms"] = 1e3 * steps.host_s / max(steps.rounds, 1)
             del base_gen
 
         plan, k = env.draft_plan, cfg.draft.num_steps
-        draft = make_draft(plan, inputs["draft_head"], target.model, e.batch_size, params, rng,
+        draft = make_draft(plan, inputs["draft_head"], target.model, e.batch_size, k,
                            references=[r.result.tokens for r in baseline] if baseline else None,
                            prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft, graphs=graphs)
         gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
+        if e.adaptive_k and plan is not None:
+            table = gen.enable_adaptive_k(graphs.sizes if graphs is not None else [e.batch_size]).table()
+            metrics.update({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
         if plan is None or plan.algorithm != "oracle":
             self._warmup(gen, data, target, rng, e)
         gen.reset_stats()

@@ -27,7 +27,6 @@ from engine.errors import ConfigError
 from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
 from engine.openai_server import ApiLimits, OpenAIApp, OpenAIServer
-from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, ServeStats
 from stages.base import Stage, StageEnv, register_stage
 
@@ -48,6 +47,8 @@ def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
     if stats.first_submit is not None and stats.last_finish is not None and stats.last_finish > stats.first_submit:
         out["tokens_per_s"] = stats.generated_tokens / (stats.last_finish - stats.first_submit)
+    if stats.rounds:
+        out["k_mean"] = sum(k * n for k, n in stats.rounds_by_k.items()) / stats.rounds
     if stats.row_rounds:
         out["accept_length"] = stats.accept_length
         out.update({f"accept_rate_pos_{i}": r for i, r in enumerate(stats.accept_rates())})
@@ -107,9 +108,14 @@ class ServeStage(Stage):
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
         rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
         k = draft_tokens(cfg)
-        draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, SamplingParams(), None,
-                           cfg=cfg.draft, graphs=graphs)
+        draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft,
+                           graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
+        if s.adaptive_k and k > 0:
+            table = decoder.enable_adaptive_k(graphs.sizes if graphs is not None else [s.max_batch_size]).table()
+            print(f"[serve] adaptive k (rows -> draft tokens at the start): {table}", flush=True)
+            if env.tracker is not None:
+                env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
         scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
         limits = ApiLimits(model_name(cfg), target.model.args.vocab_size, cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
                            s.default_temperature)

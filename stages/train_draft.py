@@ -80,7 +80,8 @@ def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]
     """The self-distillation's decode graphs (`policy` of `data_graph`; none: eager) over `batch_size` rows."""
     if policy == "none":
         return None
-    return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False).capture()
+    return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False,
+                    sampled=True).capture()
 
 
 def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
@@ -337,7 +338,7 @@ def loop_acceptance(plan, student, target, prompts, k: int, max_new_tokens: int,
     head = student.copy(env.device, target.lm_head.weight.dtype).eval()
     params = SamplingParams(max_new_tokens=max_new_tokens)
     batch = min(16, len(prompts))
-    gen = Generator(target, batch, make_draft(plan, head, target, batch, params, None), k)
+    gen = Generator(target, batch, make_draft(plan, head, target, batch, k), k)
     accepts = []
     for i in range(0, len(prompts), batch):
         for r in gen.generate([p.prompt_ids for p in prompts[i: i + batch]], params, stop_ids):

@@ -14,14 +14,15 @@ from safetensors import safe_open
 
 from conftest import compose_cfg, spread_init
 from test_model import _prompts, pair
-from test_speculative import AUX, oracle_prefix
-from engine.drafts.base import Proposal, SpecState
+from test_graphs import poison
+from test_speculative import AUX, oracle_prefix, tap
+from engine.drafts.base import SpecState
 from engine.drafts.dflash import DFlashDraft
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet
-from engine.model import run_steps
+from engine.graphs.graph_set import GraphSet, round_name
+from engine.program import run_steps
 from engine.sampling import SamplingParams
 from engine.train.dflash import dflash_forward
 from engine.train.eagle3 import Batch
@@ -55,30 +56,25 @@ def make_head(target, device="cpu", std=0.1, seed=0, **kw):
 
 
 def generator(target, plan, head, batch, params, graphs=None):
-    draft = make_draft(plan, head, target, batch, params, None, graphs=graphs)
+    draft = make_draft(plan, head, target, batch, K, graphs=graphs)
     return Generator(target, batch, draft, K, graphs=graphs)
 
 
 class Recorder:
-    """Wraps a DFlashDraft: records every block's logits, and (with references) replaces the proposed
-    tokens by the target's own up to a random depth per row, so acceptance is partial and uneven."""
+    """Taps a DFlashDraft's proposal (attach before a GraphSet captures it): records every block's logits,
+    and (with references) replaces the proposed tokens by the target's own up to a random depth per row,
+    so acceptance is partial and uneven."""
 
     def __init__(self, draft: DFlashDraft, references=None, prompt_lens=None, seed=0):
-        self.draft, self.logits = draft, []
-        self.references, self.prompt_lens = references, prompt_lens
-        self.g = torch.Generator().manual_seed(seed)
-        inner, propose = draft._block_logits, draft.propose
+        self.logits = []
+        g = torch.Generator().manual_seed(seed)
 
-        def record(*args):
-            self.logits.append(inner(*args))
-            return self.logits[-1]
+        def record(env, k):
+            self.logits.append(env["b.logits"].clone())
+            if references is not None:
+                env["draft"][:, :k] = oracle_prefix(env["draft"][:, :k], env["state"], references, prompt_lens, g, k)
 
-        draft._block_logits = record
-        if references is not None:
-            draft.propose = lambda state, k: self._oracle(state, propose(state, k), k)
-
-    def _oracle(self, state, prop, k):
-        return Proposal(oracle_prefix(prop.tokens, state, self.references, self.prompt_lens, self.g, k))
+        tap(draft, "propose", record)
 
 
 def run_batches(gen, prompts, params, batch):
@@ -100,20 +96,20 @@ def _lossless(policy, batch, kernel=False):
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
+    draft = make_draft(plan, head, target, batch, K)
+    rec = Recorder(draft, base, [len(p) for p in prompts])
     graphs = None
     if policy != "none":
-        graphs = GraphSet(target, head, batch, K, policy, policy, [s for s in (1, 2, 4) if s <= batch], [16],
+        graphs = GraphSet(target, draft, batch, K, policy, policy, [s for s in (1, 2, 4) if s <= batch], [16],
                           features=True).capture()
-    gen = generator(target, plan, head, batch, params, graphs)
-    rec = Recorder(gen.draft, base, [len(p) for p in prompts])
+    gen = Generator(target, batch, draft, K, graphs=graphs)
     res = run_batches(gen, prompts, params, batch)
     assert [r.tokens for r in res] == base
     accepts = [a for r in res for a in r.accepts]
     assert len(set(accepts)) >= 3  # partial acceptance of several depths: commits of several widths
     if graphs is not None:
-        stats = graphs.stats()
-        assert stats["draft_block"].replays > 0 and stats["draft_context"].replays > 0
-        assert stats["draft_block"].fallbacks == 0
+        stats = graphs.stats()[round_name(K)]
+        assert stats.replays > 0 and stats.fallbacks == 0
     return rec.logits, target, plan, head, prompts, params, base
 
 
@@ -160,11 +156,11 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     gen = generator(target, plan, head, 3, params)
     draft = gen.draft
     Recorder(draft, base, [len(p) for p in prompts])
-    fresh = DFlashDraft(head, 1, params, None)
-    commit, checked = draft.commit, []
+    fresh = DFlashDraft(head, 1, K)
+    checked = []
 
-    def commit_and_check(state, feats, emitted, accepted):
-        commit(state, feats, emitted, accepted)
+    def check(env, k):
+        state, emitted, accepted = env["state"], env["emitted"], env["accepted"]
         hists = [h + emitted[i, : int(accepted[i]) + 1].tolist() for i, h in enumerate(state.history)]
         after = SpecState(hists, [len(h) - 1 for h in hists], list(state.live), state.row_ids, "cpu")
         nxt = DFlashDraft.propose(draft, after, K)  # the block the next round will run (writes only block slots)
@@ -180,20 +176,20 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
             assert torch.equal(nxt.tokens[i], fresh.propose(one, K).tokens[0])
             checked.append(int(accepted[i]))
 
-    draft.commit = commit_and_check
+    tap(draft, "commit", check)
     res = gen.generate(prompts, params)
     assert [r.tokens for r in res] == base
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
 
 
 def draft_logits(draft, state, last_token=None):
-    """The running draft's next block logits [b, k, vocab], eagerly over its cache (with `last_token`:
-    the block's last mask replaced by that token)."""
-    dev = draft.bonus.device
+    """The running draft's next block logits [b, k, vocab], eagerly over its cache: the block starts with
+    each row's last emitted token (with `last_token`: the block's last mask replaced by that token)."""
+    dev = draft.head.fc.weight.device
     lengths = torch.tensor(state.lengths, device=dev)
     b = len(state.lengths)
     tokens = torch.full((b, BLOCK), draft.head.mask_token_id, device=dev)
-    tokens[:, 0] = draft.bonus[:b]
+    tokens[:, 0] = torch.tensor([h[-1] for h in state.history], device=dev)
     if last_token is not None:
         tokens[:, -1] = last_token
     env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
@@ -218,12 +214,14 @@ def test_begin_on_row_slices_equals_whole_batch(target):
     plan, head = make_head(target)
     prompts = _prompts(3, seed=21)
     params = SamplingParams(max_new_tokens=8)
-    whole, parts = DFlashDraft(head, 3, params, None), DFlashDraft(head, 3, params, None)
+    whole, parts = DFlashDraft(head, 3, K), DFlashDraft(head, 3, K)
     whole.begin(None, *_prefill(target, prompts)[:3], None, _prefill(target, prompts)[3])
     for sl in (slice(0, 2), slice(2, 3)):
         feats, ids, valid, first = _prefill(target, prompts[sl])
         parts.begin(None, feats, ids, valid, None, first, rows=sl)
-    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu")
+    firsts = _prefill(target, prompts)[3].tolist()
+    state = SpecState([list(p) + [f] for p, f in zip(prompts, firsts)], [len(p) for p in prompts], [True] * 3,
+                      [0, 1, 2], "cpu")
     torch.testing.assert_close(draft_logits(whole, state), draft_logits(parts, state), atol=1e-5, rtol=1e-5)
     assert torch.equal(whole.propose(state, K).tokens, parts.propose(state, K).tokens)
 
@@ -238,28 +236,20 @@ def test_fallback_with_poisoned_buffers_equals_eager(policy):
     target = target.to(device)
     target.init_buffers(torch.device(device))
     plan, head = make_head(target, device)
-    gs = GraphSet(target, head, 4, K, policy, policy, [1, 2], [16], features=True).capture()
-    for name in ("draft_block", "draft_context"):
-        runner = gs.get(name)
-        for buf in runner.buffers.values():
-            if buf.is_floating_point():
-                buf.fill_(float("nan"))
-        for _, env in runner.captured.values():
-            for v in env.values():
-                if torch.is_tensor(v) and v.is_floating_point():
-                    v.fill_(float("nan"))
     prompts = _prompts(4, seed=31)
     params = SamplingParams(max_new_tokens=13, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
+    draft = make_draft(plan, head, target, 4, K)
+    got = Recorder(draft, base, [len(p) for p in prompts])
+    gs = GraphSet(target, draft, 4, K, policy, policy, [1, 2], [16], features=True).capture()
+    poison(gs.get(round_name(K)))
     eager = generator(target, plan, head, 4, params)
     want = Recorder(eager.draft, base, [len(p) for p in prompts])
     eager.generate(prompts, params, row_ids=[0, 1, 2, 3])
-    gen = generator(target, plan, head, 4, params, gs)
-    got = Recorder(gen.draft, base, [len(p) for p in prompts])
+    gen = Generator(target, 4, draft, K, graphs=gs)
     assert [r.tokens for r in gen.generate(prompts, params, row_ids=[0, 1, 2, 3])] == base  # 4 rows > 2
-    stats = gs.stats()
-    assert stats["draft_block"].replays == 0 and stats["draft_block"].fallbacks == len(got.logits) > 0
-    assert stats["draft_context"].replays == 0 and stats["draft_context"].fallbacks > 0
+    stats = gs.stats()[round_name(K)]
+    assert stats.replays == 0 and stats.fallbacks == len(got.logits) > 0
     for a, b in zip(got.logits, want.logits):
         assert torch.isfinite(a).all()
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
@@ -395,10 +385,11 @@ def test_triton_attention_reads_the_whole_block():
     target.init_buffers(torch.device(device))
     plan, head = make_head(target, device)
     prompts = _prompts(3, seed=41)
-    draft = DFlashDraft(head, 3, SamplingParams(max_new_tokens=8), None)
+    draft = DFlashDraft(head, 3, K)
     feats, ids, valid, first = _prefill(target, prompts)
     draft.begin(None, feats, ids, valid, None, first)
-    state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * 3, [0, 1, 2], device)
+    state = SpecState([list(p) + [f] for p, f in zip(prompts, first.tolist())], [len(p) for p in prompts],
+                      [True] * 3, [0, 1, 2], device)
     sdpa = draft_logits(draft, state)
     head.attention_kernel = True
     try:

@@ -109,7 +109,7 @@ def test_eagle3_checkpoint_round_trip(tmp_path):
     # A loaded head drafts (target ids through d2t) and the output stays the target's.
     target.set_aux_layers(plan.aux.input_of)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
-    draft = make_draft(plan, head, target, 2, params, None)
+    draft = make_draft(plan, head, target, 2, 3)
     prompts = _prompts(2)
     assert draft.embed.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # shared storage
     assert [r.tokens for r in Generator(target, 2, draft, 3).generate(prompts, params)] == \

@@ -11,9 +11,9 @@ from test_model import _prompts, pair
 from test_speculative import AUX
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet
+from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
-from engine.model import Step
+from engine.program import Step
 from engine.sampling import SamplingParams
 from pipeline.config import DraftConfig, to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -28,25 +28,42 @@ def setup(algorithm="none", policy="debug", draft_policy=None, k=3, sizes=(1, 2)
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
-    plan = head = None
+    plan = head = draft = None
     if algorithm != "none":
         cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=k,
                           aux_layer_ids=AUX if algorithm == "eagle3" else None)
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())
         head = load_head(plan, target, 0, torch.device(device), torch.float32)
+        if head is not None:
+            draft = make_draft(plan, head, target, batch, k, cfg=cfg)
     else:
         k = 0
-    gs = GraphSet(target, head, batch, k, target_policy or policy, draft_policy or policy, list(sizes),
-                  list(prefill), features=plan is not None and plan.features.value != "none").capture()
+    gs = GraphSet(target, draft, batch, k, target_policy or policy, draft_policy or policy, list(sizes),
+                  list(prefill), features=plan is not None and plan.features.value != "none",
+                  round_ks=sorted({0, k})).capture()
     return target, plan, head, gs, k
 
 
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
     cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
-    draft = make_draft(plan, head, target, batch, params, None, references=references,
+    draft = make_draft(plan, head, target, batch, k, references=references,
                        prompt_lens=[len(p) for p in prompts] if prompts else None, cfg=cfg, graphs=gs)
     return Generator(target, batch, draft, k, graphs=gs)
+
+
+def decode_runner(target, policy, sizes, batch, device):
+    """A target-only runner (the mechanics every runner shares: buckets, padding, slicing, fallback),
+    over a cache of its own: [B, 1] decode buckets of the target's program."""
+    cache = target.new_cache(batch)
+    runner = GraphRunner("decode", policy, lambda b: target.program(cache.rows(b)),
+                         {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0),
+                          "valid": InputSpec((), torch.bool, False)},
+                         {M.NULL: ("logits",), M.FULL: ("logits", "hidden", "aux", "embeds")}, M.NULL,
+                         [(b, 1) for b in sizes], torch.device(device), target.max_seq_len,
+                         lambda: {"aux_layer_ids": target.aux_layer_ids},
+                         torch.cuda.graph_pool_handle() if policy != "debug" else None)
+    return runner.capture(), cache
 
 
 def eager_forward(target, live, kv_len):
@@ -59,6 +76,16 @@ def live_batch(b, t=4, start=0, seed=0, device="cpu"):
     live = {"tokens": torch.randint(0, 256, (b, t), generator=g),
             "positions": torch.arange(start, start + t).expand(b, t), "valid": torch.ones(b, t, dtype=torch.bool)}
     return {k: v.to(device) for k, v in live.items()}
+
+
+def poison(runner) -> None:
+    """NaN into every floating tensor the runner's graphs own (the state buffers excepted)."""
+    state = {t.data_ptr() for t in runner.buffers.values()}
+    with torch.inference_mode():
+        for _, env in runner.captured.values():
+            for v in env.values():
+                if torch.is_tensor(v) and v.is_floating_point() and v.data_ptr() not in state:
+                    v.fill_(float("nan"))
 
 
 # ------------------------------------------------------------------------------------------ hazards
@@ -77,18 +104,17 @@ def test_hazard_1_aux_capture_after_graph_capture(outputs, monkeypatch):
     gs = GraphSet(target, None, 2, 0, "debug", "none", [1, 2], [16], features=False).capture()
     target.set_aux_layers([1, 2])
     with pytest.raises(GraphStateError, match="aux_layer_ids"):
-        gs.get("decode")(live_batch(1, 1), 8)
+        gs.get(round_name(0))({}, 8, rows=1)
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_2_reading_buffers_when_graph_did_not_run(policy):
     device = "cuda" if policy != "debug" else "cpu"
-    target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(1, 2), batch=4)
-    runner = gs.get("decode")
-    for _, env in runner.captured.values():  # poison every static tensor the graphs own
-        for v in env.values():
-            if torch.is_tensor(v) and v.is_floating_point():
-                v.fill_(float("nan"))
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    runner, _ = decode_runner(target, policy, (1, 2), 4, device)
+    poison(runner)
     live = live_batch(4, 1, start=3, device=device)  # 4 rows > largest size 2
     out, ran = runner(live, 8, M.NULL)
     assert not ran and runner.stats.fallbacks == 1
@@ -99,24 +125,46 @@ def test_hazard_2_reading_buffers_when_graph_did_not_run(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_3_padded_rows_do_not_leak(policy):
     device = "cuda" if policy != "debug" else "cpu"
-    target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(4,), batch=4)
-    runner = gs.get("decode")
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    runner, cache = decode_runner(target, policy, (4,), 4, device)
     runner.buffers["tokens"].fill_(255)  # garbage in the padding rows' inputs
     runner.buffers["positions"].fill_(7)
-    gs.cache.k[:, 3].fill_(123.0)  # row 3 is padding in a batch of 3: it must stay untouched
+    cache.k[:, 3].fill_(123.0)  # row 3 is padding in a batch of 3: it must stay untouched
     live = live_batch(3, 1, start=0, device=device)
     out, ran = runner(live, 1, M.NULL)
     assert ran and out["logits"].shape[0] == 3  # sliced to the live rows
     ref = eager_forward(target, live, 1).logits
     assert torch.allclose(out["logits"], ref, atol=1e-4)
-    assert (gs.cache.k[:, 3, :, : target.max_seq_len] == 123.0).all()  # only the dummy slot was written
+    assert (cache.k[:, 3, :, : target.max_seq_len] == 123.0).all()  # only the dummy slot was written
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+def test_hazard_3_a_round_writes_no_padding_row(policy):
+    """A round over 3 live rows in a bucket of 4: the padding row writes only dummy slots, its state
+    stays inert, and the live rows' output equals the eager round's."""
+    device = "cuda" if policy != "debug" else "cpu"
+    target, plan, head, gs, k = setup("eagle3", policy=policy, device=device, sizes=(4,), batch=4)
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    gs.cache.k[:, 3].fill_(123.0)
+    gs.draft.cache.k[:, 3].fill_(123.0)
+    prompts = _prompts(3, seed=5)
+    got = [r.tokens for r in spec_generator(target, plan, head, gs, k, 4, params).generate(prompts, params)]
+    assert got == [r.tokens for r in Generator(target, 3).generate(prompts, params)]
+    assert gs.stats()[round_name(k)].replays > 0
+    assert (gs.cache.k[:, 3, :, : target.max_seq_len] == 123.0).all()
+    assert (gs.draft.cache.k[:, 3, :, : target.max_seq_len] == 123.0).all()
+    assert int(gs.buffers["lengths"][3]) == 0 and not bool(gs.buffers["live"][3])
 
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_4_stale_static_buffers(policy):
     device = "cuda" if policy != "debug" else "cpu"
-    target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(4,), batch=4)
-    runner = gs.get("decode")
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    runner, _ = decode_runner(target, policy, (4,), 4, device)
     a = live_batch(4, 1, seed=1, device=device)
     runner(a, 1, M.NULL)
     b = live_batch(2, 1, seed=2, device=device)  # smaller: rows 2, 3 hold A's inputs
@@ -127,8 +175,10 @@ def test_hazard_4_stale_static_buffers(policy):
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_5_outputs_not_overwritten_by_next_replay(policy):
     device = "cuda" if policy != "debug" else "cpu"
-    target, _, _, gs, _ = setup(policy=policy, device=device, sizes=(2,), batch=2)
-    runner = gs.get("decode")
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    runner, _ = decode_runner(target, policy, (2,), 2, device)
     step_n = live_batch(2, 1, seed=3, device=device)
     out_n, _ = runner(step_n, 1, M.NULL)
     kept = out_n["logits"]
@@ -141,11 +191,11 @@ def test_hazard_7_draft_graphs_before_weight_sharing():
     # A head whose embedding is a copy (not yet shared) when its graphs are captured ...
     copy = torch.nn.Embedding.from_pretrained(target.model.embed_tokens.weight.clone())
     head.embed_ref = [copy]
-    gs2 = GraphSet(target, head, 2, k, "debug", "debug", [2], [16], features=True).capture()
+    draft = make_draft(plan, head, target, 2, k)
+    gs2 = GraphSet(target, draft, 2, k, "debug", "debug", [2], [16], features=True).capture()
     head.bind(target)  # ... then shared: the graphs point at the copy's memory
-    live = {**live_batch(2, 1), "hidden": torch.zeros(2, 1, head.args.hidden_size)}
     with pytest.raises(GraphStateError, match="embed_ptr"):
-        gs2.get("draft_step")(live, 4, M.LAST)
+        gs2.get(round_name(k))({}, 4, rows=2)
     # The capture stage refuses a head that does not share the target's embedding.
     from stages.capture_graphs import CaptureGraphsStage
 
@@ -218,7 +268,7 @@ def test_hazard_10_capture_sizes_not_covering_verify_batches(outputs):
     ctx = run(compose_cfg("model=tiny", "+experiment=ngram", "graph=debug", "graph.capture_sizes=[1,2]",
                           "eval.batch_size=4", "eval.limit=4", "eval.max_new_tokens=8", "device=cpu", "tracking=off"))
     m = ctx["eval_results"]["metrics"]
-    assert m["graph_fallbacks.verify"] > 0 and m["graph_replays.verify"] == 0 and m["match_baseline"] == 1.0
+    assert m["graph_fallbacks.round_k3"] > 0 and m["graph_replays.round_k3"] == 0 and m["match_baseline"] == 1.0
 
 
 def test_cuda_policy_on_a_cpu_host_names_the_fix(outputs):
@@ -233,6 +283,8 @@ def test_cuda_policy_on_a_cpu_host_names_the_fix(outputs):
 @pytest.mark.parametrize("algorithm", ["none", "eagle3", "eagle", "multi_layer_eagle", "ngram", "oracle"])
 @pytest.mark.parametrize("policy", POLICIES + (["bcg"] if CUDA else []))
 def test_every_policy_equals_eager(algorithm, policy):
+    """Batches of 2 replay the round's graphs, batches of 3 fall back (above the largest capture size 2)
+    after the graphs' own tensors were poisoned with NaN: both equal the eager baseline (hazard 2)."""
     device = "cuda" if policy != "debug" else "cpu"
     kw = dict(policy="full", draft_policy="breakable") if policy == "bcg" else dict(policy=policy)
     target, plan, head, gs, k = setup(algorithm, device=device, sizes=(1, 2), batch=4, **kw)
@@ -243,8 +295,32 @@ def test_every_policy_equals_eager(algorithm, policy):
            [r.tokens for r in eager.generate(prompts[2:], params)]
     gen = spec_generator(target, plan, head, gs, k, 4, params, references=base, prompts=prompts)
     got = [r.tokens for r in gen.generate(prompts[:2], params, row_ids=[0, 1])]  # captured bucket 2
+    poison(gs.get(round_name(k)))
     got += [r.tokens for r in gen.generate(prompts[2:], params, row_ids=[2, 3, 4])]  # 3 rows: eager fallback
     assert got == base
-    stats = gs.stats()
-    phase = "verify" if k else "decode"
-    assert stats[phase].replays > 0 and stats[phase].fallbacks > 0
+    stats = gs.stats()[round_name(k)]
+    assert stats.replays > 0 and stats.fallbacks > 0
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle"])
+def test_hazard_12_a_replay_after_a_fallback_reads_what_the_fallback_wrote(algorithm):
+    """Rounds alternate between the graph and the eager fallback within one generation: the chain's
+    first token and carried hidden state come from the state buffers, which the fallback writes too."""
+    target, plan, head, gs, k = setup(algorithm, sizes=(2,), batch=2)
+    runner = gs.get(round_name(k))
+    prompts = _prompts(2, seed=22)
+    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
+    base = [r.tokens for r in Generator(target, 2).generate(prompts, params)]
+    gen = spec_generator(target, plan, head, gs, k, 2, params)
+    inner, buckets, calls = gen.run_round, runner.buckets, []
+
+    def alternate(*a, **kw):
+        calls.append(1)
+        runner.buckets = buckets if len(calls) % 2 else []  # even rounds: no bucket, the eager fallback
+        if not len(calls) % 2:
+            poison(runner)
+        return inner(*a, **kw)
+
+    gen.run_round = alternate
+    assert [r.tokens for r in gen.generate(prompts, params)] == base
+    assert runner.stats.replays > 1 and runner.stats.fallbacks > 1

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
 import torch
 
 from kernels import decode_attention as da
-from kernels import soft_ce
+from kernels import fused, gemv, rms_norm, rope, soft_ce  # noqa: F401  (imported under TRITON_INTERPRET: see below)
 
 pytestmark = pytest.mark.skipif(da.triton is None, reason="triton is not installed")
 DEVICES = ["cuda"] if torch.cuda.is_available() else (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -83,8 +84,10 @@ def test_decode_attention_split_kv_head_dim_64(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_decode_attention_long_t_is_tiled_over_row_blocks(device):
-    """A prefill-length t (GROUP x t = 3 x 40 = 120 rows > MAX_ROWS) runs as several row blocks per kv
-    head, with t a runtime argument: a causal prefill and a second length without a new compile."""
+    """A prefill-length t (GROUP x t = 3 x 40 = 120 rows > MAX_ROWS = 64, the tile for t > SMALL_T) runs
+    as several row blocks per kv head, with t a runtime argument: a causal prefill and a second length
+    without a new compile. One split (DIRECT): the split path is the same code at any t, tested above
+    at small t, and a prefill-length combine is slow to interpret."""
     g = torch.Generator().manual_seed(3)
     for t in (40, 37):
         q = torch.randn(2, 9, t, 16, generator=g).to(device)
@@ -93,19 +96,46 @@ def test_decode_attention_long_t_is_tiled_over_row_blocks(device):
         qpos = torch.arange(t).expand(2, t).clone().to(device)
         qpos[1, t // 2:] = 0  # right padding of a shorter prompt
         ref = da.decode_attention_reference(q, k, v, qpos)
-        got = da.decode_attention(q, k, v, qpos, block_n=16)
+        got = da.decode_attention(q, k, v, qpos, block_n=16, num_splits=1)
         assert (got - ref).abs().max() < 2e-5, t
 
 
 def test_decode_attention_num_splits_from_cache_size_only():
-    """The grid depends on batch, kv heads and the cache size (a captured graph replays it as
-    sequences grow): programs for twice the SMs, capped by MAX_SPLITS and by the cache's blocks."""
-    cpu = torch.device("cpu")  # counted as 132 SMs
-    assert da.num_splits_for(1, 3, 2049, 64, cpu) == da.MAX_SPLITS == 32
-    assert da.num_splits_for(8, 3, 2049, 64, cpu) == 11  # 24 (row, kv head) pairs x 11 splits >= 2 x 132
-    assert da.num_splits_for(64, 3, 2049, 64, cpu) == 2
-    assert da.num_splits_for(128, 3, 2049, 64, cpu) == 1
-    assert da.num_splits_for(1, 3, 100, 64, cpu) == 2  # no more splits than blocks
+    """The grid depends on the cache size only (a captured graph replays it as sequences grow, and a
+    row's split, hence its bits, is the same in any batch, eager or captured): one split per block of
+    the cache, at most MAX_SPLITS."""
+    assert list(inspect.signature(da.num_splits_for).parameters) == ["slots", "block_n"]
+    assert da.num_splits_for(2049, 64) == da.MAX_SPLITS == 32
+    assert da.num_splits_for(1025, 64) == 17
+    assert da.num_splits_for(100, 64) == 2  # no more splits than blocks
+    assert da.num_splits_for(64, 64) == 1  # one block: DIRECT, no combine
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_row_is_independent_of_batch_and_t(device, dtype):
+    """A (batch row, query)'s output is bitwise the same computed as a decode (t = 1, batch 1, with NaN
+    past its prefix), as one of a verify's 6 queries (same qpos), and beside 3 other batch rows of other
+    lengths: the split count comes from the cache, and decode and verify share one row tile shape.
+    GROUP 3 as SmolLM2's (a verify's 18 rows per kv head span two row tiles of 16); 128 slots in blocks
+    of 32 (the default rule: 4 splits), row 1's live lengths 71..76 ending inside a block."""
+    g = torch.Generator().manual_seed(4)
+    b, heads, kv_heads, t, d, slots = 4, 6, 2, 6, 32, 128
+    q = torch.randn(b, heads, t, d, generator=g).to(device, dtype)
+    k = torch.randn(b, kv_heads, slots, d, generator=g).to(device, dtype)
+    v = torch.randn(b, kv_heads, slots, d, generator=g).to(device, dtype)
+    qpos = (torch.tensor([7, 70, 20, 100])[:, None] + torch.arange(t)[None]).to(device)
+    batch = da.decode_attention(q, k, v, qpos, block_n=32)  # [4, 6, 6, 32]
+    alone = da.decode_attention(q[1:2], k[1:2], v[1:2], qpos[1:2], block_n=32)  # the verify alone
+    assert torch.equal(batch[1:2], alone)
+    for i in (0, 4):  # queries as decode steps: nothing past a query's own position is written yet
+        k1, v1 = k[1:2].clone(), v[1:2].clone()
+        k1[:, :, int(qpos[1, i]) + 1:] = float("nan")
+        v1[:, :, int(qpos[1, i]) + 1:] = float("nan")
+        step = da.decode_attention(q[1:2, :, i:i + 1].contiguous(), k1, v1, qpos[1:2, i:i + 1], block_n=32)
+        assert torch.equal(step, batch[1:2, :, i:i + 1]), i
+    ref = da.decode_attention_reference(q.float(), k.float(), v.float(), qpos)
+    assert (batch.float() - ref).abs().max() < (2e-5 if dtype == torch.float32 else 2e-2)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -143,6 +173,8 @@ def test_model_with_the_kernel_equals_sdpa(device):
 
 
 def test_triton_kernels_need_cuda(outputs, monkeypatch):
+    """(triton.jit picks the interpreter when a module is imported: every kernel module this file tests is
+    imported at the top, so the plan built here without TRITON_INTERPRET cannot import one compiled.)"""
     if torch.cuda.is_available():
         pytest.skip("checks the error on a host without CUDA")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
@@ -182,23 +214,16 @@ def test_rope_cache_write_matches_reference(device, heads, kv, d):
     g = torch.Generator().manual_seed(3)
     b, t, slots = 2, 3, 40
     qkv = torch.randn(b, t, (heads + 2 * kv) * d, generator=g).to(device)
-    ang = torch.rand(b, t, d // 2, generator=g).to(device) * 6
+    ang = torch.rand(slots + 1, d // 2, generator=g).to(device) * 6  # tables over positions 0..40
     cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
     slot = torch.tensor([[5, 6, 40], [0, 1, 2]], device=device)  # 40: the dummy slot
+    pos = torch.tensor([[5, 6, 0], [17, 1, 33]], device=device)  # RoPE rows need not be the slots
     caches = [torch.zeros(b, kv, slots + 1, d, device=device) for _ in range(4)]
-    q = fused.rope_cache_write(qkv, cos, sin, slot, caches[0], caches[1], heads, kv)
-    rq = fused.rope_cache_write_reference(qkv, cos, sin, slot, caches[2], caches[3], heads, kv)
+    q = fused.rope_cache_write(qkv, cos, sin, pos, slot, caches[0], caches[1], heads, kv)
+    rq = fused.rope_cache_write_reference(qkv, cos, sin, pos, slot, caches[2], caches[3], heads, kv)
     assert torch.allclose(q, rq, atol=1e-5)
     assert torch.allclose(caches[0], caches[2], atol=1e-5) and torch.allclose(caches[1], caches[3], atol=1e-6)
     assert caches[0].abs().sum() > 0
-
-
-@pytest.mark.parametrize("device", DEVICES)
-def test_silu_mul_matches_reference(device):
-    from kernels import fused
-
-    gu = torch.randn(4, 2, 2 * 1536, generator=torch.Generator().manual_seed(4)).to(device)
-    assert torch.allclose(fused.silu_mul(gu), fused.silu_mul_reference(gu), atol=1e-6)
 
 
 @pytest.mark.parametrize("device", DEVICES)

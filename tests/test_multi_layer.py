@@ -1,8 +1,8 @@
-"""Issue 6: multi-layer EAGLE (MTP-style). Lossless greedy at batch 1 and 4 under none and debug (full,
+"""Multi-layer EAGLE (MTP-style). Lossless greedy at batch 1 and 4 under none and debug (full,
 breakable and bcg in tests/test_graphs.py on a GPU); proposals equal the teacher-forced training
 forward after every partial acceptance; hazard 6 (each module its own KV pool, in prefill and in
-decode, eager and through the graph runners); the seed-002 fallback (batch above the largest capture
-size, NaN-poisoned buffers: output equals eager); the plan's checks; a test-sized train_draft run."""
+decode, eager and through the round's runner); the seed-002 fallback (batch above the largest capture
+size, NaN-poisoned graph tensors: output equals eager); the plan's checks; a test-sized train_draft run."""
 
 from __future__ import annotations
 
@@ -10,14 +10,14 @@ import pytest
 import torch
 
 from conftest import compose_cfg
-from test_graphs import CUDA, POLICIES, setup, spec_generator
+from test_graphs import CUDA, POLICIES, poison, setup, spec_generator
 from test_model import _prompts, pair
-from test_speculative import oracle_prefix, run_all
-from engine.drafts.base import Proposal
-from engine.drafts.multi_layer import MultiLayerDraft, StepCaches
+from test_speculative import oracle_prefix, run_all, tap
+from engine.drafts.multi_layer import StepCaches
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
+from engine.graphs.graph_set import GraphSet, round_name
 from engine.sampling import SamplingParams
 from engine.train.eagle3 import Batch
 from engine.train.multi_layer import multi_layer_forward
@@ -43,7 +43,7 @@ def _head(target, k=K, seed=0):
 
 
 def _generator(target, plan, head, batch, params, k=K):
-    draft = make_draft(plan, head, target, batch, params, None, cfg=DraftConfig(num_steps=k))
+    draft = make_draft(plan, head, target, batch, k, cfg=DraftConfig(num_steps=k))
     return Generator(target, batch, draft, k)
 
 
@@ -68,57 +68,60 @@ def _teacher_forced_proposal(target, head, seq: list[int], k: int) -> list[int]:
     return [int(logits[i][0, n - 1 + i].argmax()) for i in range(k)]
 
 
-class PartialOracleMTP(MultiLayerDraft):
-    """Real MTP proposals, then replaced by the target's own tokens up to a random depth per row (partial,
-    per-row acceptance); before replacing, each row's proposal is checked against the training forward."""
+def _partial_run(target, head, plan, prompts, caches=None, graphs: bool = False):
+    """Real MTP proposals, each row's checked against the training forward, then replaced by the target's
+    own tokens up to a random depth per row (partial, per-row acceptance). graphs: through the round's
+    runner (debug backend) instead of the eager round."""
+    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
+    b = len(prompts)
+    base = [r.tokens for r in Generator(target, b).generate(prompts, params)]
+    draft = make_draft(plan, head, target, b, K, cfg=DraftConfig(num_steps=K))
+    if caches is not None:
+        draft.caches = caches
+    checked, g = [], torch.Generator().manual_seed(0)
 
-    def __init__(self, inner: MultiLayerDraft, target, references, prompt_lens, seed=0):
-        self.__dict__.update(inner.__dict__)
-        self.target, self.references, self.prompt_lens = target, references, prompt_lens
-        self.g = torch.Generator().manual_seed(seed)
-        self.checked = 0
-
-    def propose(self, state, k):
-        prop = super().propose(state, k)
+    def check_then_replace(env, k):
+        state, tokens = env["state"], env["draft"][:, :k]
         live = [i for i in range(len(state.live)) if state.live[i]]
         for i in live:
-            drafts = prop.tokens[i].tolist()
-            assert drafts == _teacher_forced_proposal(self.target, self.head, state.history[i] + drafts[:-1], k)
-            self.checked += 1
-        return Proposal(oracle_prefix(prop.tokens, state, self.references, self.prompt_lens, self.g, k, live))
+            drafts = tokens[i].tolist()
+            assert drafts == _teacher_forced_proposal(target, head, state.history[i] + drafts[:-1], k)
+            checked.append(i)
+        env["draft"][:, :k] = oracle_prefix(tokens, state, base, [len(p) for p in prompts], g, k, live)
 
-
-def _partial_run(target, head, plan, prompts, caches=None):
-    params = SamplingParams(max_new_tokens=21, ignore_eos=True)
-    base = [r.tokens for r in Generator(target, len(prompts)).generate(prompts, params)]
-    gen = _generator(target, plan, head, len(prompts), params)
-    if caches is not None:
-        gen.draft.caches = caches
-    draft = PartialOracleMTP(gen.draft, target, base, [len(p) for p in prompts])
-    gen.draft = draft
+    tap(draft, "propose", check_then_replace)
+    gs = None
+    if graphs:
+        gs = GraphSet(target, draft, b, K, "debug", "debug", [b], [16], features=True).capture()
+    gen = Generator(target, b, draft, K, graphs=gs)
     res = gen.generate(prompts, params)
-    return res, base, draft
+    if gs is not None:
+        assert gs.stats()[round_name(K)].replays > 0
+    return res, base, checked
 
 
-def test_proposals_equal_the_training_forward_after_partial_acceptance(target):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_proposals_equal_the_training_forward_after_partial_acceptance(target, graphs):
     """After prefill and after every commit of a partial acceptance (different per row), each proposal
     equals the teacher-forced forward over the accepted history plus the drafts: no stale slot, no
-    hidden state from the wrong position, and inference matches what training optimises."""
+    hidden state from the wrong position, and inference matches what training optimises. Eagerly and
+    through the round's graph runner."""
     prompts = _prompts(3, seed=12)
     plan, head = _head(target)
-    res, base, draft = _partial_run(target, head, plan, prompts)
+    res, base, checked = _partial_run(target, head, plan, prompts, graphs=graphs)
     assert [r.tokens for r in res] == base
     accepts = {a for r in res for a in r.accepts}
-    assert draft.checked >= 12 and len(accepts) >= 3  # partial acceptances of several depths checked
+    assert len(checked) >= 12 and len(accepts) >= 3  # partial acceptances of several depths checked
 
 
-def test_hazard_6_modules_sharing_one_pool_are_caught(target):
+@pytest.mark.parametrize("graphs", [False, True])
+def test_hazard_6_modules_sharing_one_pool_are_caught(target, graphs):
     """The seed-003 bug (every step reading and writing the first runner's pool) breaks the check above."""
     prompts = _prompts(2, seed=12)
     plan, head = _head(target)
     shared = head.new_cache(len(prompts))
     with pytest.raises(AssertionError):
-        _partial_run(target, head, plan, prompts, caches=StepCaches([shared[0]] * K))
+        _partial_run(target, head, plan, prompts, caches=StepCaches([shared[0]] * K), graphs=graphs)
 
 
 def _changed(before: list[torch.Tensor], caches: StepCaches) -> list[int]:
@@ -144,26 +147,6 @@ def test_hazard_6_each_module_writes_only_its_own_pool_in_prefill_and_decode(tar
             assert _changed(before, caches) == [i], (kind, i)
 
 
-def test_hazard_6_graph_runners_each_replay_over_their_module_pool():
-    """Through the runners (debug backend): mtp_step{i} and mtp_extend{i} write pool i only, and all of
-    them replay over one shared buffer set."""
-    target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2), batch=2)
-    h = head.args.hidden_size
-    names = [f"mtp_extend{i}" for i in range(k)] + [f"mtp_step{i}" for i in range(1, k)]
-    assert set(gs.runners) >= set(names)
-    tokens_buf = gs.get("mtp_extend0").buffers["tokens"]
-    assert all(gs.get(n).buffers["tokens"] is tokens_buf for n in names)  # one buffer set
-    for name in names:
-        i = int(name[-1])
-        t = gs.get(name).buckets[0][1]
-        before = [c.k.clone() for c in gs.draft_cache.caches]
-        live = {"tokens": torch.randint(0, 256, (2, t)), "hidden": torch.randn(2, t, h),
-                "positions": torch.arange(5, 5 + t).expand(2, t), "valid": torch.ones(2, t, dtype=torch.bool),
-                "logits_index": torch.zeros(2, dtype=torch.long)}
-        _, ran = gs.get(name)(live, 5 + t)
-        assert ran and _changed(before, gs.draft_cache) == [i], name
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", POLICIES + (["bcg"] if CUDA else []))
 def test_graph_policies_are_lossless_and_count_replays(policy, batch):
@@ -176,9 +159,8 @@ def test_graph_policies_are_lossless_and_count_replays(policy, batch):
     base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
     gen = spec_generator(target, plan, head, gs, k, batch, params)
     assert [r.tokens for r in run_all(gen, prompts, params, batch)] == base
-    stats = gs.stats()
-    assert stats["mtp_extend1"].replays > 0 and stats["mtp_step2"].replays > 0
-    assert all(s.fallbacks == 0 for s in stats.values())
+    stats = gs.stats()[round_name(k)]
+    assert stats.replays > 0 and stats.fallbacks == 0
 
 
 def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
@@ -186,23 +168,16 @@ def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
     the hidden-state pool update included, takes the eager outputs: NaN in every static tensor the
     graphs own changes nothing."""
     target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2), batch=4)
-    for name, runner in gs.runners.items():
-        if name.startswith("mtp"):
-            for _, env in runner.captured.values():
-                for v in env.values():
-                    if torch.is_tensor(v) and v.is_floating_point():
-                        v.fill_(float("nan"))
-            for buf in runner.buffers.values():
-                if buf.is_floating_point():
-                    buf.fill_(float("nan"))
+    for runner in gs.runners.values():
+        poison(runner)
     prompts = _prompts(4, seed=8)
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
     gen = spec_generator(target, plan, head, gs, k, 4, params)
     assert [r.tokens for r in gen.generate(prompts, params)] == base
     assert torch.isfinite(gen.draft.pool).all()
-    stats = gs.stats()
-    assert stats["mtp_extend0"].fallbacks > 0 and stats["mtp_extend0"].replays == 0
+    stats = gs.stats()[round_name(k)]
+    assert stats.fallbacks > 0 and stats.replays == 0
 
 
 @pytest.mark.parametrize("overrides, key", [

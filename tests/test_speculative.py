@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from test_model import _prompts, pair
-from engine.drafts.base import Proposal
-from engine.drafts.feature import FeatureDraft
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
+from engine.program import Step
 from engine.sampling import SamplingParams
 from engine.verify import verify_sampling
 from pipeline.config import DraftConfig
@@ -23,13 +22,13 @@ def target():
     return pair()[1]
 
 
-def build(target, algorithm, batch, params, references=None, prompts=None, k=3, gen=None, **kw):
+def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
     cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=k,
                       aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None, **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
-    draft = make_draft(plan, head, target, batch, params, gen, references=references,
+    draft = make_draft(plan, head, target, batch, k, references=references,
                        prompt_lens=[len(p) for p in prompts] if prompts else None, cfg=cfg)
     return Generator(target, batch, draft, k)
 
@@ -73,18 +72,18 @@ def test_uneven_acceptance_stop_token_and_length_inside_a_block(target):
     assert len(set(per_row)) > 1 and max(per_row) > 0  # rows accept differently, some accept drafts
 
 
-class PartialOracle(FeatureDraft):
-    """EAGLE3 drafting whose proposals are then replaced by the target's own tokens up to a random
-    depth per row, so acceptance is partial and different per row while the draft state is the real one."""
+def tap(draft, phase: str, fn) -> None:
+    """A host step at the end of the draft's steps of `phase` (propose | commit), a break under every
+    graph policy: fn(env, k) sees the round's env (env["state"]: the host mirror, not yet advanced).
+    Attach before the round is built (before a GraphSet captures it); at capture time it is skipped."""
+    inner = getattr(draft, f"{phase}_steps")
 
-    def __init__(self, inner: FeatureDraft, references, prompt_lens, seed=0):
-        self.__dict__.update(inner.__dict__)
-        self.references, self.prompt_lens = references, prompt_lens
-        self.g = torch.Generator().manual_seed(seed)
+    def hook(env, k):
+        if env.get("state") is not None:
+            fn(env, k)
 
-    def propose(self, state, k):
-        return Proposal(oracle_prefix(super().propose(state, k).tokens, state, self.references, self.prompt_lens,
-                                      self.g, k))
+    setattr(draft, f"{phase}_steps", lambda cache, k: inner(cache, k) + [
+        Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)])
 
 
 def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
@@ -100,6 +99,17 @@ def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
     return tokens
 
 
+def partial_oracle(draft, references, prompt_lens, seed=0) -> None:
+    """The draft's proposals, replaced after its chain by the target's own tokens up to a random depth
+    per row: acceptance is partial and different per row while the draft state is the real one."""
+    g = torch.Generator().manual_seed(seed)
+
+    def prefix(env, k):
+        env["draft"][:, :k] = oracle_prefix(env["draft"][:, :k], env["state"], references, prompt_lens, g, k)
+
+    tap(draft, "propose", prefix)
+
+
 def test_draft_state_consistent_after_partial_acceptance(target):
     """After every draft extend, the draft's state (hidden, next proposal) equals a fresh draft
     prefill over the same accepted history: partial acceptance leaves no stale draft KV behind."""
@@ -107,14 +117,14 @@ def test_draft_state_consistent_after_partial_acceptance(target):
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     gen = build(target, "eagle3", 3, params)
-    draft = PartialOracle(gen.draft, base, [len(p) for p in prompts])
-    gen.draft = draft
+    draft = gen.draft
+    partial_oracle(draft, base, [len(p) for p in prompts])
     fresh = build(target, "eagle3", 1, params).draft
     fresh.head = draft.head
     checked = []
 
-    def commit_and_check(state, feats, emitted, accepted):
-        FeatureDraft.commit(draft, state, feats, emitted, accepted)
+    def check(env, k):
+        state, emitted, accepted = env["state"], env["emitted"], env["accepted"]
         for i in range(len(prompts)):
             if not state.live[i]:
                 continue
@@ -127,7 +137,7 @@ def test_draft_state_consistent_after_partial_acceptance(target):
             assert int(fresh.next[0]) == int(draft.next[i])
             checked.append(int(accepted[i]))
 
-    draft.commit = commit_and_check
+    tap(draft, "commit", check)
     res = gen.generate(prompts, params)
     assert [r.tokens for r in res] == base
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
@@ -156,7 +166,7 @@ def test_rejection_sampling_rule_is_exact():
 @pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash", "ngram"])
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     """Token frequencies at positions 1..3 over many sequences: with a draft = without one (rejection
-    sampling on the draft's own q; for DFlash q_i of a block position does not depend on d_1..d_{i-1})."""
+    sampling against the draft's greedy proposals, q one-hot)."""
     from engine.model import LlamaModel, ModelArgs
     from engine.model import init_normal_
 
@@ -166,7 +176,7 @@ def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     n, prompt = 3000, [1, 2, 3]
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
     plain = Generator(tgt, n).generate([prompt] * n, params, generator=torch.Generator().manual_seed(0))
-    gen = build(tgt, algorithm, n, params, k=2, gen=torch.Generator().manual_seed(5))
+    gen = build(tgt, algorithm, n, params, k=2)
     if hasattr(gen.draft, "head"):
         init_normal_(gen.draft.head, seed=9, std=0.5)  # a draft distribution far from the target's
     spec = gen.generate([prompt] * n, params, generator=torch.Generator().manual_seed(1))
@@ -187,8 +197,7 @@ def test_input_embeds_prompt_equals_token_prompt(target):
     def traced(prompt_list, prompt_embeds):
         gen = build(target, "eagle3", 2, params)
         seen = []
-        inner = gen.draft.propose
-        gen.draft.propose = lambda state, k: seen.append(inner(state, k).tokens.clone()) or Proposal(seen[-1])
+        tap(gen.draft, "propose", lambda env, k: seen.append(env["draft"][:, :k].clone()))
         return gen.generate(prompt_list, params, prompt_embeds=prompt_embeds), seen
 
     ref, ref_props = traced(prompts, None)
@@ -243,8 +252,11 @@ def test_round_stats_count_every_round_and_reset(target):
     results = gen.generate(_prompts(2), params)
     stats = gen.stats
     assert stats.rounds == len(results[0].accepts) > 0  # both rows live to max_new_tokens
-    assert stats.draft_s > 0 and stats.verify_s > 0
-    assert gen.clock.totals() == {"draft": stats.draft_s, "verify": stats.verify_s}  # nothing left queued
+    assert stats.draft_s > stats.extend_s > 0 and stats.verify_s > 0 and stats.host_s > 0
+    totals = gen.clock.totals()  # nothing left queued: the stats are every span
+    assert totals.keys() == {"draft", "verify", "extend", "host"}
+    assert (totals["draft"] + totals["extend"], totals["verify"], totals["host"]) == \
+        (stats.draft_s, stats.verify_s, stats.host_s)
     gen.reset_stats()
     assert gen.stats.rounds == 0 and gen.stats.draft_s == gen.stats.verify_s == 0.0
     plain = Generator(target, 2)

@@ -3,17 +3,32 @@
 Round structure (chain drafting, k = num_steps), per sequence with `L` tokens in the target cache and
 its last emitted token `x_L` not yet in it:
 
-    propose(state, k)   -> draft tokens d_1..d_k               [batch, k] (+ their probs [batch, k, vocab])
+    propose             -> draft tokens d_1..d_k               [batch, k]
     target verify       on [x_L, d_1..d_k] at positions L..L+k   -> features [batch, k+1, F]
     accept a of them; emit d_1..d_a and the bonus token
-    commit(state, ...)  the draft catches up on the a+1 verified positions (its "draft extend")
+    commit              the draft catches up on the a+1 verified positions (its "draft extend")
+
+Two kinds of draft:
+
+    host drafts    (n-gram, oracle) read the token history on the host: `propose(state, k)` returns the
+                   tokens, which the round copies in
+    device drafts  (`DeviceDraft`: EAGLE3, EAGLE, multi-layer EAGLE, DFlash) are programs inside the
+                   round (engine/round.py): `propose_steps` (the k-step chain) and `commit_steps` (the
+                   extend) over the round's env, their state in buffers of `batch_size` rows
+                   (`state_specs`, `buf`) that a captured round replays over. Proposals are greedy
+                   (argmax): the chain needs no random numbers, and rejection sampling against a
+                   one-hot q stays lossless. `propose` / `commit` run the same steps eagerly, alone.
 
 `begin` is the draft's prefill after the target's. With `rows=slice(i, j)` it prefills rows i..j-1 of a
 batch of `batch_size` rows and leaves every other row's draft state (KV cache, carried hidden
 states, pending proposal) as it was: requests join a running batch between rounds this way
-(continuous batching). `rows=None` starts a fresh batch made of exactly these prompts. Drafts that read target features declare which
-(`FeatureKind`): `aux` (EAGLE3: concatenated aux layers) or `final` (EAGLE: the final normed hidden
-state); `none` for weightless drafts (n-gram, oracle).
+(continuous batching). `rows=None` starts a fresh batch made of exactly these prompts. Drafts that read
+target features declare which (`FeatureKind`): `aux` (EAGLE3: concatenated aux layers) or `final`
+(EAGLE: the final normed hidden state); `none` for weightless drafts (n-gram, oracle).
+
+The round env a device draft's steps read (engine/round.py): lengths [b], live [b], last [b] (x_L),
+kv_len (host: the longest live length), the draft's own buffers' rows; propose writes draft [b, k];
+commit reads emitted [b, k+1], accepted [b] and the verify's features (t.aux or t.hidden).
 """
 
 from __future__ import annotations
@@ -24,6 +39,8 @@ from typing import Optional
 
 import torch
 from torch import Tensor
+
+from engine.program import run_steps
 
 
 class FeatureKind(str, enum.Enum):
@@ -68,35 +85,11 @@ class Proposal:
     probs: Optional[Tensor] = None  # [b, k, vocab] draft distribution; None: deterministic (one-hot)
 
 
-def put_rows(state: Optional[Tensor], value: Optional[Tensor], rows: Optional[slice], batch_size: int,
-             dim: int = 0) -> Optional[Tensor]:
-    """Per-row draft state (a carried hidden state, a pending proposal) after a prefill or commit:
-    `value` itself when rows=None (a fresh batch of exactly these rows), else `state` with `value`
-    written into `rows` along the batch dim `dim` of a batch_size-row tensor (zero-filled when the
-    state is missing or not that big yet; the other rows keep theirs)."""
-    if rows is None or value is None:
-        return value
-    if state is None or state.shape[dim] != batch_size:
-        shape = list(value.shape)
-        shape[dim] = batch_size
-        state = value.new_zeros(shape)
-    state[(slice(None),) * dim + (rows,)] = value
-    return state
-
-
-def cache_and_runners(head, batch_size: int, graphs, phases: list[str]) -> tuple[object, list]:
-    """A head-based draft's KV cache and graph runners: with a graph set, the set's draft cache (its
-    graphs replay over those addresses) and the runners of `phases` (None where not captured);
-    without, a cache of its own and no runners (every forward eager)."""
-    if graphs is not None and graphs.draft_cache is not None:
-        return graphs.draft_cache, [graphs.get(name) for name in phases]
-    return head.new_cache(batch_size), [None] * len(phases)
-
-
 class Draft:
-    """Base class: weightless drafts override `propose` only."""
+    """Base class: host drafts override `propose` only."""
 
     features: FeatureKind = FeatureKind.none
+    on_device = False  # its propose / commit are steps of the round program
 
     def begin(self, state: SpecState, feats: Optional[Tensor], prompt_tokens: Tensor, valid: Tensor,
               input_embeds: Optional[Tensor], first: Tensor, rows: Optional[slice] = None) -> None:
@@ -107,7 +100,67 @@ class Draft:
     def propose(self, state: SpecState, k: int) -> Proposal:
         raise NotImplementedError
 
+
+class DeviceDraft(Draft):
+    """A draft whose round work is device programs over state buffers of `batch_size` rows.
+
+    Subclasses set `head` and define `state_specs`, `propose_steps`, `commit_steps` and `begin`.
+    """
+
+    on_device = True
+    head: torch.nn.Module
+    batch_size: int
+
+    def __init__(self, head, batch_size: int, k: int):
+        self.head, self.batch_size, self.k = head, batch_size, k
+        if head.target_ref and head.target_ref[0].fused and not head.fused:
+            head.use_fused_kernels()  # the target's fused kernels for the draft's layers too
+        self.cache = head.new_cache(batch_size)
+        dev = next(head.parameters()).device
+        self.buf: dict[str, Tensor] = {name: torch.zeros((batch_size, *s.tail), dtype=s.dtype, device=dev)
+                                       for name, s in self.state_specs(k).items()}
+
+    @property
+    def attention_kernel(self) -> bool:
+        return self.head.attention_kernel
+
+    def graph_meta(self) -> dict:
+        return self.head.graph_meta()
+
+    def state_specs(self, k: int) -> dict:
+        """name -> engine.graphs.runner.InputSpec (per row, state) of the draft's own buffers."""
+        return {}
+
+    def propose_steps(self, cache, k: int) -> list:
+        raise NotImplementedError
+
+    def commit_steps(self, cache, k: int) -> list:
+        raise NotImplementedError
+
+    # -- alone, eagerly (tests, tools): the same steps over an env built from the host state ----------
+    def _env(self, state: SpecState) -> dict:
+        b = len(state.lengths)
+        lengths, live = state.on_device()
+        last = torch.tensor([h[-1] for h in state.history], device=lengths.device)
+        return {"lengths": lengths, "live": live, "last": last, "kv_len": max(state.lengths),
+                **{name: t[:b] for name, t in self.buf.items()}}
+
+    def propose(self, state: SpecState, k: int) -> Proposal:
+        env = self._env(state)
+        env["draft"] = torch.zeros(len(state.lengths), k, dtype=torch.long, device=env["lengths"].device)
+        run_steps(self.propose_steps(self.cache.rows(len(state.lengths)), k), env)
+        return Proposal(env["draft"])
+
     def commit(self, state: SpecState, feats: Optional[Tensor], emitted: Tensor, accepted: Tensor) -> None:
-        """Draft extend, called before `state` advances (state.lengths[r] = L, the verify's first
-        position). emitted [b, k+1]: d_1..d_a then the bonus at index a (the rest is garbage);
-        accepted [b] = a; feats [b, k+1, F] at positions L..L+k."""
+        """Draft extend, before `state` advances (state.lengths[r] = L, the verify's first position).
+        emitted [b, k+1]: d_1..d_a then the bonus at index a (the rest is garbage); accepted [b] = a;
+        feats [b, k+1, F] at positions L..L+k."""
+        env = self._env(state)
+        key = "t.aux" if self.features == FeatureKind.aux else "t.hidden"
+        env.update({key: feats, "emitted": emitted, "accepted": accepted})
+        run_steps(self.commit_steps(self.cache.rows(len(state.lengths)), emitted.shape[1] - 1), env)
+
+
+def write_rows(buf: Tensor, value: Tensor, rows: Optional[slice]) -> None:
+    """A draft state buffer's rows after a prefill: `rows`, or the first n (a fresh batch of n rows)."""
+    buf[rows if rows is not None else slice(0, value.shape[0])] = value

@@ -26,8 +26,8 @@ Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + 
     Block queries attend over slots 0..L+B-1: every query of a row gets qpos = L + B - 1 (the slot
     bound that `AttnInputs.mask` and the Triton kernel read) while RoPE uses its own position.
 
-Graph phases (`graph_phases`): `draft_block` [B_rows, B] (attention breaks between segments, logits out)
-and `draft_context` [B_rows, k + 1] (one segment, nothing out: it only writes the cache).
+In the round (engine/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
+context write over the k + 1 verified positions [b, k + 1] (phase extend, no attention).
 
 Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both are the target's):
 
@@ -41,17 +41,16 @@ Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both a
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
+from engine.drafts.base import DeviceDraft, FeatureKind
 from engine.drafts.heads import _Head
-from engine.graphs.graph_set import DraftPhase, InputSpec
-from engine.graphs.runner import CaptureHiddenMode
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, chain, run_steps
-from engine.sampling import SamplingParams, draft_draw
+from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
+from engine.program import Step, chain, merge_runs, run_steps, scoped
+from kernels.gemv import add_rmsnorm_gemv
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -96,6 +95,11 @@ class DFlashHead(_Head):
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.init_buffers()
 
+    def use_fused_kernels(self) -> None:
+        for layer in self.layers:
+            layer.fuse_projections()
+        self.fused = True
+
     # -- storage ------------------------------------------------------------------------------------
     @property
     def cache_slots(self) -> int:
@@ -135,7 +139,8 @@ class DFlashHead(_Head):
         """The block forward as segments and attention breaks, like the target's program.
 
         env in:  tokens [b, B] = [x_L, m, ..., m], positions [b, B] = L..L+B-1, valid [b, B], kv_len
-        env out: logits [b, num_drafts, vocab] at block indices 1..num_drafts
+        env out: ids [b, num_drafts] (the greedy drafts) at block indices 1..num_drafts, and on the
+                 unfused path the logits behind them [b, num_drafts, vocab]
         """
         layers, n, kernel = self.layers, len(self.layers), self.attention_kernel
 
@@ -148,9 +153,11 @@ class DFlashHead(_Head):
             env["attn"] = dataclasses.replace(a, qpos=last.masked_fill(a.slots == cache.dummy_slot, 0))
             env["x"], env["delta"] = x, None
 
+        fused = self.fused
+
         def pre(i):
             def fn(env):
-                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], False)
+                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
             return fn
 
         def attend(i):
@@ -163,12 +170,17 @@ class DFlashHead(_Head):
 
         def post(i):
             def fn(env):
-                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], False)
+                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
             return fn
 
         def finish(env):
-            h = self.norm(env["x"] + env["delta"])  # [b, B, hidden]
-            env["logits"] = self.lm_head(h[:, 1: num_drafts + 1])  # [b, k, vocab]
+            x, delta = env["x"][:, 1: num_drafts + 1], env["delta"][:, 1: num_drafts + 1]  # [b, k, hidden]
+            if fused:  # + residual, norm, lm_head and argmax in one kernel: no logits
+                env["ids"] = add_rmsnorm_gemv(x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight,
+                                              argmax=True)[1]  # [b, k]
+                return
+            env["logits"] = self.lm_head(self.norm(x + delta))  # [b, k, vocab]
+            env["ids"] = env["logits"].argmax(-1)
 
         meta = self.graph_meta()
         steps = [Step("dflash_embed+pre0", chain(start, pre(0)), meta=meta)]
@@ -176,15 +188,6 @@ class DFlashHead(_Head):
             steps.append(Step(f"dflash_attn{i}", attend(i), is_break=True, meta=meta))
             steps.append(Step(f"dflash_post{i}", chain(post(i), pre(i + 1) if i + 1 < n else finish), meta=meta))
         return steps
-
-    def graph_phases(self, k: int) -> list[DraftPhase]:
-        """draft_block [rows, B] (logits of k drafts) and draft_context [rows, k + 1] (cache writes only)."""
-        logits = {m: ("logits",) for m in CaptureHiddenMode}
-        nothing = {m: () for m in CaptureHiddenMode}
-        feats = {"feats": InputSpec((self.feature_width,), self.fc.weight.dtype)}
-        return [DraftPhase("draft_block", self.block_size, CaptureHiddenMode.NULL, {}, logits,
-                           lambda rows: self.block_program(rows, k)),
-                DraftPhase("draft_context", k + 1, CaptureHiddenMode.NULL, feats, nothing, self.context_program)]
 
     # -- model card (stages/train_draft.py) ----------------------------------------------------------
     def card_summary(self, f: dict) -> str:
@@ -200,70 +203,53 @@ class DFlashHead(_Head):
                 f"block positions 1..{f['train']['ttt_steps']}")
 
 
-class DFlashDraft(Draft):
-    """The draft loop: `begin`/`commit` write context k/v, `propose` runs one block forward.
+class DFlashDraft(DeviceDraft):
+    """The draft loop: `begin` and the extend write context k/v, the proposal runs one block forward.
 
-    State per row: the context cache holds positions 0..L-1, and `bonus` [batch] is x_L, the last
-    emitted token (not yet in the target cache): the first token of the next block.
+    State per row: the context cache holds positions 0..L-1; the next block starts with x_L, the round's
+    `last` (the bonus token): the draft keeps no buffers of its own. Round env keys: b.* (the block
+    program), x.* (the context write).
     """
 
     features = FeatureKind.aux
 
-    def __init__(self, head: DFlashHead, batch_size: int, params: SamplingParams,
-                 generator: Optional[torch.Generator], graphs=None):
-        self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
-        self.cache, (self.block_runner, self.context_runner) = cache_and_runners(
-            head, batch_size, graphs, ["draft_block", "draft_context"])
-        self.bonus: Optional[Tensor] = None  # [b] target ids
-
-    # -- forwards: through a phase's runner when there is one (it falls back by itself), else eager ---
-    def _write_context(self, feats: Tensor, positions: Tensor, valid: Tensor, runner=None,
-                       rows: Optional[slice] = None) -> None:
-        env = {"feats": feats, "positions": positions, "valid": valid}  # no tokens: the context has none
-        if runner is not None:
-            runner(env, 0, CaptureHiddenMode.NULL)
-            return
-        run_steps(self.head.context_program(self.cache.rows(rows if rows is not None else feats.shape[0])), env)
-
-    def _block_logits(self, tokens: Tensor, positions: Tensor, valid: Tensor, kv_len: int, k: int) -> Tensor:
-        """-> logits [b, k, vocab]; the block phase's graphs were built for k = draft.num_steps."""
-        env = {"tokens": tokens, "positions": positions, "valid": valid}
-        if self.block_runner is not None:
-            logits = self.block_runner(env, kv_len, CaptureHiddenMode.NULL)[0]["logits"]
-            if logits.shape[1] != k:
-                raise ValueError(f"the draft_block graphs propose {logits.shape[1]} tokens, this round asks {k}")
-            return logits
-        env["kv_len"] = kv_len
-        return run_steps(self.head.block_program(self.cache.rows(tokens.shape[0]), k), env)["logits"]
+    def __init__(self, head: DFlashHead, batch_size: int, k: int):
+        if not 1 <= k < head.block_size:
+            raise ValueError(f"draft.num_steps={k}: a DFlash block of {head.block_size} tokens proposes "
+                             f"1..{head.block_size - 1}")
+        super().__init__(head, batch_size, k)
 
     # -- the Draft interface ------------------------------------------------------------------------
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
         """Context k/v of the prompt positions 0..T-1 (the draft reads no prompt token: only features)."""
         b, t = prompt_tokens.shape
         positions = torch.arange(t, device=first.device).expand(b, t)
-        self._write_context(feats, positions, valid, rows=rows)
-        self.bonus = put_rows(self.bonus, first.clone(), rows, self.batch_size)
+        cache = self.cache.rows(rows if rows is not None else b)
+        run_steps(self.head.context_program(cache), {"feats": feats, "positions": positions, "valid": valid})
 
-    def propose(self, state: SpecState, k: int) -> Proposal:
+    def propose_steps(self, cache, k: int) -> list[Step]:
         B = self.head.block_size
-        if not 1 <= k < B:
-            raise ValueError(f"draft.num_steps={k}: a DFlash block of {B} tokens proposes 1..{B - 1}")
-        lengths, live = state.on_device()  # [b], [b]
-        b = lengths.shape[0]
-        offsets = torch.arange(B, device=lengths.device)
-        tokens = torch.full((b, B), self.head.mask_token_id, dtype=torch.long, device=lengths.device)
-        tokens[:, 0] = self.bonus[:b]
-        positions = lengths[:, None] + offsets  # [b, B]: L..L+B-1
-        logits = self._block_logits(tokens, positions, live[:, None].expand(b, B), max(state.lengths) + B, k)
-        drafts, probs = draft_draw(logits, self.params, self.generator)
-        return Proposal(drafts, probs)
 
-    def commit(self, state, feats, emitted, accepted) -> None:
-        """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot);
-        the bonus at index a becomes the next block's first token."""
-        b, width = emitted.shape
-        steps = torch.arange(width, device=emitted.device)
-        lengths, live = state.on_device()
-        valid = (steps[None] <= accepted[:, None]) & live[:, None]  # [b, k+1]
-        self._write_context(feats, lengths[:, None] + steps, valid, runner=self.context_runner)
-        self.bonus = emitted.gather(1, accepted[:, None])[:, 0]
+        def bind(env):
+            last, lengths = env["last"], env["lengths"]  # [b], [b]
+            b = last.shape[0]
+            offsets = torch.arange(B, device=last.device)
+            tokens = torch.cat([last[:, None], last.new_full((b, B - 1), self.head.mask_token_id)], 1)  # [b, B]
+            env.update({"b.tokens": tokens, "b.positions": lengths[:, None] + offsets,
+                        "b.valid": env["live"][:, None].expand(b, B)})
+
+        def pick(env):
+            env["draft"][:, :k].copy_(env["b.ids"])  # [b, k]
+
+        return [Step("block_in", bind), *scoped("b.", merge_runs(self.head.block_program(cache, k)), B),
+                Step("block_pick", pick)]
+
+    def commit_steps(self, cache, k: int) -> list[Step]:
+        """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot)."""
+        def bind(env):
+            accepted, lengths = env["accepted"], env["lengths"]
+            steps = torch.arange(k + 1, device=accepted.device)
+            env.update({"x.feats": env["t.aux"], "x.positions": lengths[:, None] + steps,
+                        "x.valid": (steps[None] <= accepted[:, None]) & env["live"][:, None]})
+
+        return [Step("context_in", bind), *scoped("x.", self.head.context_program(cache))]

@@ -1,72 +1,40 @@
 """`FeatureDraft`: the draft loop shared by the EAGLE-family heads (EAGLE3, EAGLE).
 
-State per row, after `begin` or `commit`: the draft has processed positions 0..L-1 (L = tokens in the
-target cache), and holds `hidden` (its output at L-1) and `next` (its first proposal, d_1).
+State per row, after `begin` or a round's extend: the draft has processed positions 0..L-1 (L =
+tokens in the target cache), and holds `d_hidden` (its output at L-1) and `d_next` (its first
+proposal, d_1, a target id).
 
     begin    pairs (f_j, x_{j+1}) for prompt positions j = 0..L-1 (x_L: the target's first token);
              reuses the target's input embeddings for prompt positions when the prompt came as embeds
-    propose  d_1 = next; step i = 1..k-1 at position L+i-1 on (h, d_i) -> d_{i+1}
+    propose  d_1 = d_next; step i = 1..k-1 at position L+i-1 on (h, d_i) -> d_{i+1}   (phase draft)
     commit   pairs (f_j, x_{j+1}) for the verified positions j = L..L+a (x: accepted tokens, then
-             the bonus); overwrites the draft cache where the proposal steps wrote
+             the bonus); overwrites the draft cache where the proposal steps wrote      (phase extend)
+
+Tensors in the round's env (engine/round.py), b rows:
+    d_hidden [b, hidden]   d_next [b]        the draft's state buffers
+    c.tok [b], c.h [b, hidden]               the chain's running token and hidden state
+    s{i}.*, e.*                              step i's and the extend's head program (scoped keys)
 """
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
-from engine.graphs.runner import CaptureHiddenMode
-from engine.model import run_steps
-from engine.sampling import SamplingParams, draft_draw
+from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
+from engine.graphs.runner import InputSpec
+from engine.program import Step, merge_runs, run_steps, scoped
 
 
-class FeatureDraft(Draft):
-    def __init__(self, head, batch_size: int, params: SamplingParams, generator: Optional[torch.Generator],
-                 features: FeatureKind, graphs=None):
-        self.head, self.params, self.generator, self.batch_size = head, params, generator, batch_size
+class FeatureDraft(DeviceDraft):
+    def __init__(self, head, batch_size: int, k: int, features: FeatureKind):
         self.features = features
-        self.cache, (self.step_runner, self.extend_runner) = cache_and_runners(
-            head, batch_size, graphs, ["draft_step", "draft_extend"])
-        self.hidden: Optional[Tensor] = None  # [b, hidden]
-        self.next: Optional[Tensor] = None  # [b] target ids
-        self.next_probs: Optional[Tensor] = None  # [b, vocab] or None (greedy)
+        super().__init__(head, batch_size, k)
 
-    @property
-    def embed(self) -> torch.nn.Embedding:
-        return self.head.embed
-
-    def _forward(self, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Optional[Tensor], kv_len: int,
-                 embeds: Optional[Tensor] = None, runner=None, rows: Optional[slice] = None) -> tuple[Tensor, Tensor]:
-        """-> out_hidden [b, t, hidden], logits [b, t, draft vocab]; through `runner` when given (the
-        whole batch), else eagerly over the cache rows `rows` (default: the first b)."""
-        env = {"tokens": tokens, "hidden": hidden, "positions": positions, "valid": valid, "kv_len": kv_len,
-               "input_embeds": embeds}
-        if runner is not None and embeds is None:
-            b, t = tokens.shape
-            env["valid"] = valid.expand(b, t) if valid is not None else torch.ones_like(tokens, dtype=torch.bool)
-            out, _ = runner(env, kv_len, CaptureHiddenMode.FULL if t > 1 else CaptureHiddenMode.LAST)
-            return out["out_hidden"], out["logits"]
-        cache = self.cache.rows(rows if rows is not None else tokens.shape[0])
-        run_steps(self.head.program(cache, embeds_input=embeds is not None), env)
-        return env["out_hidden"], env["logits"]
-
-    def _pick(self, logits: Tensor) -> tuple[Tensor, Optional[Tensor]]:
-        """logits [b, draft_vocab] -> target token ids [b], target-vocab probs [b, vocab] (sampling only)."""
-        ids, q = draft_draw(logits, self.params, self.generator)
-        return self.head.to_target(ids), None if q is None else self.head.probs_to_target(q)
-
-    def _take(self, h: Tensor, logits: Tensor, idx: Tensor, rows: Optional[slice] = None) -> None:
-        """Carry each row's hidden state and next proposal from index idx [b] of a forward's outputs;
-        with `rows`, into those rows of the batch's state (the rest keep theirs)."""
-        r = torch.arange(h.shape[0], device=h.device)
-        hidden = h[r, idx]  # [b, hidden]
-        nxt, probs = self._pick(logits[r, idx])
-        n = self.batch_size
-        self.hidden = put_rows(self.hidden, hidden, rows, n)
-        self.next, self.next_probs = put_rows(self.next, nxt, rows, n), put_rows(self.next_probs, probs, rows, n)
+    def state_specs(self, k: int) -> dict[str, InputSpec]:
+        dtype = next(self.head.parameters()).dtype
+        return {"d_hidden": InputSpec((self.head.args.hidden_size,), dtype, None, per_row=True, state=True),
+                "d_next": InputSpec((), torch.long, None, per_row=True, state=True)}
 
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
         b, t = prompt_tokens.shape
@@ -77,32 +45,68 @@ class FeatureDraft(Draft):
         embeds = None
         if input_embeds is not None:  # the multimodal path: reuse the target's embeddings
             embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
-            embeds[r, last] = self.embed(first)
+            embeds[r, last] = self.head.embed(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        h, logits = self._forward(shifted, feats, positions, valid, t, embeds, rows=rows)
-        self._take(h, logits, last, rows)
+        env = {"tokens": shifted, "hidden": feats, "positions": positions, "valid": valid, "kv_len": t,
+               "input_embeds": embeds}
+        cache = self.cache.rows(rows if rows is not None else b)
+        run_steps(self.head.program(cache, embeds_input=embeds is not None), env)
+        write_rows(self.buf["d_hidden"], env["out_hidden"][r, last], rows)
+        write_rows(self.buf["d_next"], env["ids"][r, last], rows)
 
-    def propose(self, state: SpecState, k: int) -> Proposal:
-        lengths, live = state.on_device()
-        live = live[:, None]
-        tokens, probs = [self.next], [self.next_probs]
-        h, tok = self.hidden, self.next
-        for i in range(1, k):
-            h_all, logits = self._forward(tok[:, None], h[:, None], (lengths + i - 1)[:, None], live,
-                                          max(state.lengths) + i, runner=self.step_runner)
-            h = h_all[:, 0]
-            tok, p = self._pick(logits[:, 0])
-            tokens.append(tok)
-            probs.append(p)
-        return Proposal(torch.stack(tokens, 1), None if self.params.greedy else torch.stack(probs, 1))
+    def propose_steps(self, cache, k: int) -> list[Step]:
+        def first(env):
+            env["draft"][:, 0].copy_(env["d_next"])
+            env["c.tok"], env["c.h"] = env["d_next"], env["d_hidden"]
 
-    def commit(self, state, feats, emitted, accepted) -> None:
-        b, width = emitted.shape
-        dev = emitted.device
-        steps = torch.arange(width, device=dev)
-        lengths, live = state.on_device()
-        valid = (steps[None] <= accepted[:, None]) & live[:, None]
-        positions = lengths[:, None] + steps[None]  # L..L+k
-        h, logits = self._forward(emitted, feats, positions, valid, max(state.lengths) + width,
-                                  runner=self.extend_runner)
-        self._take(h, logits, accepted)
+        def bind(i):
+            def fn(env):
+                live = env["live"][:, None]  # [b, 1]
+                env.update({f"s{i}.tokens": env["c.tok"][:, None], f"s{i}.hidden": env["c.h"][:, None],
+                            f"s{i}.positions": (env["lengths"] + i - 1)[:, None], f"s{i}.valid": live})
+            return fn
+
+        def pick(i):
+            def fn(env):
+                tok = env[f"s{i}.ids"][:, 0]  # [b] target ids
+                env["draft"][:, i].copy_(tok)
+                env["c.tok"], env["c.h"] = tok, env[f"s{i}.out_hidden"][:, 0]
+            return fn
+
+        steps = [Step("chain0", first)]
+        for i in range(1, k):  # step i at position L+i-1: kv_len covers it
+            steps += [Step(f"bind{i}", bind(i)), *scoped(f"s{i}.", merge_runs(self.head.program(cache)), i),
+                      Step(f"pick{i}", pick(i))]
+        return steps
+
+    def commit_steps(self, cache, k: int) -> list[Step]:
+        kind = self.features
+
+        def bind(env):
+            emitted, accepted, live = env["emitted"], env["accepted"], env["live"]  # [b, k+1], [b], [b]
+            steps = torch.arange(k + 1, device=emitted.device)
+            feats = env["t.aux"] if kind == FeatureKind.aux else env["t.hidden"]
+            env.update({"e.tokens": emitted, "e.hidden": feats, "e.positions": env["lengths"][:, None] + steps,
+                        "e.valid": (steps[None] <= accepted[:, None]) & live[:, None]})
+
+        def take(env):
+            idx = env["accepted"]
+            r = torch.arange(idx.shape[0], device=idx.device)
+            env["d_hidden"].copy_(env["e.out_hidden"][r, idx])
+            env["d_next"].copy_(env["e.ids"][r, idx])
+
+        return [Step("extend_in", bind), *scoped("e.", merge_runs(self.head.program(cache)), k + 1),
+                Step("extend_take", take)]
+
+    @property
+    def embed(self) -> torch.nn.Embedding:
+        return self.head.embed
+
+    # -- the state, as views -------------------------------------------------------------------------
+    @property
+    def hidden(self) -> Tensor:
+        return self.buf["d_hidden"]
+
+    @property
+    def next(self) -> Tensor:
+        return self.buf["d_next"]

@@ -38,9 +38,10 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from engine.errors import ConfigError
-from engine.graphs.graph_set import DraftPhase, InputSpec
-from engine.graphs.runner import CaptureHiddenMode as M
-from engine.model import MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, Step, rope_tables
+from engine.model import (MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, fuse_gate_up, fuse_linears,
+                          rope_tables)
+from engine.program import Step
+from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
@@ -66,6 +67,7 @@ class _Head(nn.Module):
         self.target_ref: list[nn.Module] = []  # the target itself (lists keep them out of state_dict)
         self.target_lm_head: list[nn.Linear] = []  # the target's lm_head (set by bind())
         self.attention_kernel = False  # follows the target's choice in bind()
+        self.fused = False  # the fused Triton path (use_fused_kernels; inference drafts on a fused target)
 
     @property
     def lm_head(self) -> nn.Linear:
@@ -120,18 +122,39 @@ class _Head(nn.Module):
         head.init_buffers(device)
         return head.bind(self.target_ref[0]) if self.target_ref else head
 
+    def use_fused_kernels(self) -> None:
+        """The fused Triton path (kernels/gemv.py, kernels/fused.py), as the target's: projections that
+        read one input become one weight (views, in place: for inference heads, never a trained one)."""
+        att = self.attention
+        self.qkv_weight, self.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
+        self.gate_up_weight, self.gate_up_bias = fuse_gate_up(self.mlp_module)
+        self.fused = True
+
+    def _embed_rows(self, env: dict, embeds: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
+        """(table, row index) for a fused prologue: the given embeddings, or the target's embedding
+        table gathered by token id inside the kernel."""
+        return (embeds, None) if embeds is not None else (self.embed.weight, env["tokens"])
+
+    def _attend_fused(self, qkv: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        """qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd) and v written at a.slots."""
+        att = self.attention
+        return a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
+
     def program(self, cache: StaticKVCache, *, embeds_input: bool = False) -> list[Step]:
         """One draft forward as steps (segment, attention break, segment) over an env dict.
 
         env in:  tokens [b, t], hidden [b, t, F or hidden], positions [b, t], valid [b, t], kv_len,
                  input_embeds [b, t, hidden] (embeds_input)
-        env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), logits [b, t, draft vocab]
+        env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), ids [b, t] (the greedy
+                 proposal, target ids), logits [b, t, draft vocab] (unfused path only: the fused one
+                 takes the argmax inside the lm_head kernel and writes no logits)
         """
+        dtype = next(self.parameters()).dtype
+
         def start(env):
-            e = env["input_embeds"] if embeds_input else self.embed(env["tokens"])  # [b, t, hidden]
             env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                           cache.dummy_slot, e.dtype)
-            self.pre(env, e, cache)
+                                           cache.dummy_slot, dtype)
+            self.pre(env, env["input_embeds"] if embeds_input else None, cache)
 
         def attend(env):
             env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
@@ -141,23 +164,9 @@ class _Head(nn.Module):
         return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
                 Step("draft_post", self.post, meta=meta)]
 
-    def graph_phases(self, k: int) -> list[DraftPhase]:
-        """draft_step [B, 1] (k > 1: the chain's steps after the first, LAST) and draft_extend
-        [B, k+1] (the commit over verified positions, FULL), both over this head's program."""
-        out = {M.NULL: ("logits",), M.LAST: ("logits", "out_hidden"), M.FULL: ("logits", "out_hidden")}
-        dtype = next(self.parameters()).dtype
-        step = DraftPhase("draft_step", 1, M.LAST, {"hidden": InputSpec((self.args.hidden_size,), dtype)}, out,
-                          self.program)
-        extend = DraftPhase("draft_extend", k + 1, M.FULL, {"hidden": InputSpec((self.feature_width,), dtype)},
-                            out, self.program)
-        return ([step] if k > 1 else []) + [extend]
-
-    # Draft-vocabulary mapping; identity for heads that predict over the target vocabulary.
     def to_target(self, draft_ids: Tensor) -> Tensor:
+        """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""
         return draft_ids
-
-    def probs_to_target(self, q: Tensor) -> Tensor:
-        return q
 
     def save(self, path: str | Path) -> None:
         path = Path(path)
@@ -205,18 +214,39 @@ class Eagle3Head(_Head):
         """Width of the target features the draft extend takes: n_aux x target hidden."""
         return self.fc.in_features
 
-    def pre(self, env: dict, embeds: Tensor, cache) -> None:
-        hidden = env["hidden"]
+    @property
+    def mlp_module(self) -> MLP:
+        return self.midlayer.mlp
+
+    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
+        hidden, m, eps = env["hidden"], self.midlayer, self.args.rms_norm_eps
+        if self.fused:  # fc, then the embedding gather, both norms and q/k/v in one kernel
+            g = gemv(hidden, self.fc.weight) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, H]
+            table, rows = self._embed_rows(env, embeds)
+            qkv = cat_rmsnorm_gemv(table, g, m.input_layernorm.weight, m.hidden_norm.weight, eps, self.qkv_weight,
+                                   self.qkv_bias, index1=rows)  # [b, t, (heads + 2 kv) * d]
+            env["g"], env["q"] = g, self._attend_fused(qkv, cache, env["attn"])
+            return
+        embeds = embeds if embeds is not None else self.embed(env["tokens"])  # [b, t, H]
         g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
-        m = self.midlayer
         x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2 * hidden]
         env["g"], env["q"] = g, m.self_attn.project(x, cache, env["attn"])
 
     def post(self, env: dict) -> None:
-        m = self.midlayer
+        m, eps = self.midlayer, self.args.rms_norm_eps
+        if self.fused:  # o_proj; + residual, norm, gate_up, SwiGLU; down; + residual, norm, lm_head, argmax
+            o = m.self_attn.o_proj
+            h, act = add_rmsnorm_gemv(env["g"], gemv(env["o"], o.weight, o.bias), m.post_attention_layernorm.weight,
+                                      eps, self.gate_up_weight, self.gate_up_bias, swiglu=True)
+            mlp = gemv(act, m.mlp.down_proj.weight, m.mlp.down_proj.bias)
+            env["out_hidden"], env["ids"] = add_rmsnorm_gemv(
+                h, mlp, self.norm.weight, eps, self.lm_head.weight, argmax=True,
+                offsets=None if self.shares_lm_head else self.d2t)  # [b, t, hidden], [b, t] target ids
+            return
         h = env["g"] + m.self_attn.o_proj(env["o"])
         h = h + m.mlp(m.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
+        env["ids"] = self.to_target(env["logits"].argmax(-1))
 
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm, and the own lm_head's rows (of the draft vocabulary set
@@ -248,12 +278,6 @@ class Eagle3Head(_Head):
     def card_objective(self, f: dict) -> str:
         return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
 
-    def probs_to_target(self, q: Tensor) -> Tensor:  # [b, draft_vocab] -> [b, vocab]
-        if self.shares_lm_head:
-            return q
-        out = q.new_zeros(*q.shape[:-1], self.args.vocab_size)
-        ids = torch.arange(self.draft_vocab_size, device=q.device)
-        return out.index_copy_(-1, self.to_target(ids), q)
 
 
 class EagleHead(_Head):
@@ -278,15 +302,34 @@ class EagleHead(_Head):
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state
 
-    def pre(self, env: dict, embeds: Tensor, cache) -> None:
+    @property
+    def mlp_module(self) -> MLP:
+        return self.layers[0].mlp
+
+    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
+        if self.fused:  # the embedding gather and fc in one kernel, then q/k/v
+            table, rows = self._embed_rows(env, embeds)
+            x = cat_rmsnorm_gemv(table, env["hidden"], None, None, 0.0, self.fc.weight, self.fc.bias, index1=rows,
+                                 norm=False)  # [b, t, hidden]
+            env["g"], env["q"] = x, self._attend_fused(gemv(x, self.qkv_weight, self.qkv_bias), cache, env["attn"])
+            return
+        embeds = embeds if embeds is not None else self.embed(env["tokens"])
         x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE
         env["g"], env["q"] = x, self.attention.project(x, cache, env["attn"])
 
     def post(self, env: dict) -> None:
         layer = self.layers[0]
+        if self.fused:
+            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
+            h, act = add_rmsnorm_gemv(env["g"], gemv(env["o"], o.weight, o.bias), layer.post_attention_layernorm.weight,
+                                      self.args.rms_norm_eps, self.gate_up_weight, self.gate_up_bias, swiglu=True)
+            h = h + gemv(act, down.weight, down.bias)  # [b, t, hidden]
+            env["out_hidden"], env["ids"] = h, gemv(h, self.lm_head.weight, argmax=True)  # no final norm in EAGLE
+            return
         h = env["g"] + layer.self_attn.o_proj(env["o"])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(h)
+        env["ids"] = env["logits"].argmax(-1)
 
 
 # ------------------------------------------------------------------------------------- configs

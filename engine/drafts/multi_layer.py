@@ -38,17 +38,17 @@ Checkpoint (`architectures: ["LlamaForCausalLMMultiLayerEagle"]`, DeepSeek-V3 MT
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import Draft, FeatureKind, Proposal, SpecState, cache_and_runners, put_rows
+from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
 from engine.drafts.heads import _Head, eagle_config
-from engine.graphs.graph_set import DraftPhase, InputSpec
-from engine.graphs.runner import CaptureHiddenMode as M
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache, Step, run_steps
-from engine.sampling import SamplingParams, draft_draw
+from engine.graphs.runner import InputSpec
+from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
+from engine.program import Step, merge_runs, run_steps, scoped
+from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv
 
 ARCHITECTURE = "LlamaForCausalLMMultiLayerEagle"
 
@@ -96,6 +96,11 @@ class MultiLayerEagleHead(_Head):
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state
 
+    def use_fused_kernels(self) -> None:
+        for mod in self.layers:
+            mod.fuse_projections()
+        self.fused = True
+
     def new_cache(self, batch_size: int) -> StepCaches:
         return StepCaches([super(MultiLayerEagleHead, self).new_cache(batch_size) for _ in self.layers])
 
@@ -104,53 +109,50 @@ class MultiLayerEagleHead(_Head):
 
         env in:  tokens [b, t], hidden [b, t, H], positions [b, t], valid [b, t], kv_len,
                  logits_index [b] (logits="index")
-        env out: out_hidden [b, t, H]; logits [b, 1, vocab] at the last position ("last") or at
-                 logits_index ("index"), [b, t, vocab] ("all"), absent ("none")
+        env out: out_hidden [b, t, H]; ids [b, 1] (the greedy token) at the last position ("last") or
+                 at logits_index ("index"), [b, t] ("all"), absent ("none"); on the unfused path also
+                 the logits behind them ([b, 1 or t, vocab])
         """
-        mod, cache = self.layers[i], caches[i]
+        mod, cache, fused, eps = self.layers[i], caches[i], self.fused, self.args.rms_norm_eps
+        dtype = next(self.parameters()).dtype
 
         def start(env):
-            e = self.embed(env["tokens"])  # [b, t, H]
             env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                           cache.dummy_slot, e.dtype)
-            env["x"], env["q"] = mod.pre(mod.fuse_input(e, env["hidden"]), None, cache, env["attn"], False)
+                                           cache.dummy_slot, dtype)
+            if fused:  # the embedding gather, both norms and eh_proj in one kernel
+                x = cat_rmsnorm_gemv(self.embed.weight, env["hidden"], mod.enorm.weight, mod.hnorm.weight, eps,
+                                     mod.eh_proj.weight, index1=env["tokens"])
+            else:
+                x = mod.fuse_input(self.embed(env["tokens"]), env["hidden"])  # [b, t, H]
+            env["x"], env["q"] = mod.pre(x, None, cache, env["attn"], fused)
 
         def attend(env):
             env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
             env["o"] = mod.self_attn.attend(env["q"], cache, env["mask"], env["attn"])
 
-        def post(env):
-            h, delta = mod.post(env["x"], env["o"], False)
-            h = h + delta  # [b, t, H]
-            env["out_hidden"] = h
+        def pick(env, x):
+            """x [b, t, ...] -> the rows the logits mode asks for: [b, 1 or t, ...]."""
             if logits == "last":
-                h = h[:, -1:]
-            elif logits == "index":
-                h = h[torch.arange(h.shape[0], device=h.device), env["logits_index"]][:, None]
+                return x[:, -1:]
+            if logits == "index":
+                return x[torch.arange(x.shape[0], device=x.device), env["logits_index"]][:, None]
+            return x
+
+        def post(env):
+            h, delta = mod.post(env["x"], env["o"], fused)
+            if logits != "none" and fused:  # + residual, the head's norm, lm_head and argmax in one kernel
+                env["out_hidden"], ids = add_rmsnorm_gemv(h, delta, mod.shared_head.norm.weight, eps,
+                                                          self.lm_head.weight, argmax=True)
+                env["ids"] = pick(env, ids)
+                return
+            env["out_hidden"] = h = h + delta  # [b, t, H]
             if logits != "none":
-                env["logits"] = self.lm_head(mod.shared_head.norm(h))
+                env["logits"] = self.lm_head(mod.shared_head.norm(pick(env, h)))
+                env["ids"] = env["logits"].argmax(-1)
 
         meta = self.graph_meta()
         return [Step(f"mtp{i}_pre", start, meta=meta), Step(f"mtp{i}_attn", attend, is_break=True, meta=meta),
                 Step(f"mtp{i}_post", post, meta=meta)]
-
-    def graph_phases(self, k: int) -> list[DraftPhase]:
-        """mtp_extend{i} [B, k+1] for every module (the commit; module 0 also gives the next d_1) and
-        mtp_step{i} [B, i] for modules 1..k-1 (the proposal windows), all over one buffer set."""
-        dtype = next(self.parameters()).dtype
-        hidden = {"hidden": InputSpec((self.args.hidden_size,), dtype)}
-        both = {M.NULL: ("logits",), M.LAST: ("logits", "out_hidden"), M.FULL: ("logits", "out_hidden")}
-        only_h = {m: ("out_hidden",) for m in M}
-        phases = [DraftPhase("mtp_extend0", k + 1, M.FULL, {**hidden, "logits_index": InputSpec((), torch.long,
-                                                                                                 per_row=True)},
-                             both, lambda c: self.module_program(0, c, "index"))]
-        phases += [DraftPhase(f"mtp_extend{i}", k + 1, M.FULL, hidden, only_h,
-                              lambda c, i=i: self.module_program(i, c, "none"), shares="mtp_extend0")
-                   for i in range(1, k)]
-        phases += [DraftPhase(f"mtp_step{i}", i, M.FULL, hidden, both,
-                              lambda c, i=i: self.module_program(i, c, "last"), shares="mtp_extend0")
-                   for i in range(1, k)]
-        return phases
 
     def card_summary(self, f: dict) -> str:
         return (f"A multi-layer EAGLE (MTP-style) draft of {self.num_modules} modules (`{self.architecture}`: per module "
@@ -167,43 +169,45 @@ def multi_layer_config(target: ModelArgs, num_modules: int) -> dict:
             "tie_word_embeddings": True}
 
 
-class MultiLayerDraft(Draft):
-    """The draft loop of `MultiLayerEagleHead` (see the module docstring for the cache discipline)."""
+class MultiLayerDraft(DeviceDraft):
+    """The draft loop of `MultiLayerEagleHead` (see the module docstring for the cache discipline).
+
+    State buffers: d_pool [b, k, H] (module i's output at its last committed position), d_next [b] (d_1).
+    Round env keys: m{i}.* (module i's program in the proposal), c{i}.* (in the commit), c.win [b, i, H]
+    (the proposal's last window outputs), c.pool{i} [b, H] (this commit's new pool entries).
+    """
 
     features = FeatureKind.final
 
-    def __init__(self, head: MultiLayerEagleHead, k: int, batch_size: int, params: SamplingParams,
-                 generator: Optional[torch.Generator], graphs=None):
+    def __init__(self, head: MultiLayerEagleHead, k: int, batch_size: int):
         if k > head.num_modules:
             raise ValueError(f"k={k} drafts need {k} modules; the head has {head.num_modules}")
-        self.head, self.k, self.batch_size, self.params, self.generator = head, k, batch_size, params, generator
-        names = [f"mtp_extend{i}" for i in range(k)] + [f"mtp_step{i}" for i in range(1, k)]
-        self.caches, runners = cache_and_runners(head, batch_size, graphs, names)  # one KV pool per module
-        self.extends: dict[int, Any] = dict(enumerate(runners[:k]))
-        self.steps: dict[int, Any] = dict(enumerate(runners[k:], start=1))
-        self.pool: Optional[Tensor] = None  # [k, b, H]: module i's output at its last committed position
-        self.next: Optional[Tensor] = None  # [b] d_1 (target ids)
-        self.next_probs: Optional[Tensor] = None  # [b, vocab] (sampling)
+        super().__init__(head, batch_size, k)
 
-    # -- one module forward ---------------------------------------------------------------------
-    def _run(self, i: int, tokens: Tensor, hidden: Tensor, positions: Tensor, valid: Tensor, kv_len: int,
-             logits: str, runner=None, rows: Optional[slice] = None, logits_index: Optional[Tensor] = None) -> dict:
-        """Module i over [b, t] tokens -> {"out_hidden": [b, t, H], "logits": ...}. Through `runner`
-        when given (it falls back to eager by itself and returns the eager outputs then: no consumer
-        reads a graph's buffers); else eagerly over the pools' rows `rows` (default: the first b)."""
-        env = {"tokens": tokens, "hidden": hidden, "positions": positions.clamp(min=0), "valid": valid,
-               "kv_len": kv_len, "logits_index": logits_index}
-        if runner is not None:
-            out, _ = runner(env, kv_len, M.FULL)
-            return out
-        caches = self.caches.rows(rows if rows is not None else tokens.shape[0])
-        return run_steps(self.head.module_program(i, caches, logits), env)
+    @property
+    def caches(self) -> StepCaches:  # one KV pool per module
+        return self.cache
 
-    def _store(self, pool: Tensor, nxt: Tensor, probs: Optional[Tensor], rows: Optional[slice]) -> None:
-        """pool [k, n, H], next [n] for the whole batch (rows=None) or into rows of it."""
-        n = self.batch_size
-        self.pool = put_rows(self.pool, pool, rows, n, dim=1)
-        self.next, self.next_probs = put_rows(self.next, nxt, rows, n), put_rows(self.next_probs, probs, rows, n)
+    @caches.setter
+    def caches(self, value: StepCaches) -> None:
+        self.cache = value
+
+    @property
+    def pool(self) -> Tensor:
+        """[k, b, H]: module i's output at its last committed position (a view of d_pool)."""
+        return self.buf["d_pool"].transpose(0, 1)
+
+    @property
+    def next(self) -> Tensor:
+        return self.buf["d_next"]
+
+    def state_specs(self, k: int) -> dict[str, InputSpec]:
+        dtype = next(self.head.parameters()).dtype
+        return {"d_pool": InputSpec((k, self.head.args.hidden_size), dtype, None, per_row=True, state=True),
+                "d_next": InputSpec((), torch.long, None, per_row=True, state=True)}
+
+    def _module(self, i: int, prefix: str, caches: StepCaches, logits: str, kv_offset: int) -> list[Step]:
+        return scoped(prefix, merge_runs(self.head.module_program(i, caches, logits)), kv_offset)
 
     # -- the Draft interface ------------------------------------------------------------------------
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
@@ -214,58 +218,75 @@ class MultiLayerDraft(Draft):
         seq = torch.cat([prompt_tokens, prompt_tokens.new_zeros(n, self.k)], 1)  # [n, t + k]: x_0..x_L, filler
         seq[r, lens] = first
         positions = torch.arange(t, device=dev).expand(n, t)
-        hidden, pool, nxt, probs = feats, [], None, None
+        caches = self.cache.rows(rows if rows is not None else n)
+        hidden, pool = feats, []
         for i in range(self.k):
-            tokens = seq[:, i + 1: i + 1 + t]  # x_{p+i+1}
-            ok = positions <= (lens - 1 - i)[:, None]  # [n, t] module i's committed positions
             last = (lens - 1 - i).clamp(min=0)
-            out = self._run(i, tokens, hidden, positions, ok, t, "index" if i == 0 else "none", rows=rows,
-                            logits_index=last)
-            hidden = out["out_hidden"]  # [n, t, H]
+            env = {"tokens": seq[:, i + 1: i + 1 + t], "hidden": hidden, "positions": positions, "kv_len": t,
+                   "valid": positions <= (lens - 1 - i)[:, None], "logits_index": last}  # x_{p+i+1}
+            run_steps(self.head.module_program(i, caches, "index" if i == 0 else "none"), env)
+            hidden = env["out_hidden"]  # [n, t, H]
             pool.append(hidden[r, last])
             if i == 0:
-                nxt, probs = draft_draw(out["logits"][:, 0], self.params, self.generator)
-        self._store(torch.stack(pool), nxt, probs, rows)
+                write_rows(self.buf["d_next"], env["ids"][:, 0], rows)
+        write_rows(self.buf["d_pool"], torch.stack(pool, 1), rows)
 
-    def propose(self, state: SpecState, k: int) -> Proposal:
-        lengths, live = state.on_device()  # [b], [b]
-        tokens, probs = [self.next], [self.next_probs]
-        window: Optional[Tensor] = None  # [b, i-1, H] module i-1's window outputs
+    def propose_steps(self, caches: StepCaches, k: int) -> list[Step]:
+        """Module i = 1..k-1 over the window L-i..L-1 on d_1..d_i -> d_{i+1} at its last position."""
+        def first(env):
+            env["draft"][:, 0].copy_(env["d_next"])
+
+        def bind(i):
+            def fn(env):
+                lengths, pool = env["lengths"], env["d_pool"]  # [b], [b, k, H]
+                positions = (lengths - i)[:, None] + torch.arange(i, device=lengths.device)  # [b, i]
+                head = pool[:, i - 1: i]  # [b, 1, H] module i-1 at L-i
+                hidden = head if i == 1 else torch.cat([head, env["c.win"]], 1)  # [b, i, H]
+                env.update({f"m{i}.tokens": env["draft"][:, :i], f"m{i}.hidden": hidden,
+                            f"m{i}.positions": positions.clamp(min=0),
+                            f"m{i}.valid": (positions >= 0) & env["live"][:, None]})
+            return fn
+
+        def pick(i):
+            def fn(env):
+                env["draft"][:, i].copy_(env[f"m{i}.ids"][:, -1])
+                env["c.win"] = env[f"m{i}.out_hidden"]  # [b, i, H]
+            return fn
+
+        steps = [Step("mtp_first", first)]
         for i in range(1, k):
-            steps = torch.arange(i, device=lengths.device)
-            positions = (lengths - i)[:, None] + steps  # [b, i]: L-i..L-1
-            hidden = self.pool[i - 1][:, None] if window is None else torch.cat([self.pool[i - 1][:, None], window], 1)
-            valid = (positions >= 0) & live[:, None]
-            out = self._run(i, torch.stack(tokens, 1), hidden, positions, valid, max(state.lengths),
-                            "last", runner=self.steps.get(i))
-            window = out["out_hidden"]  # [b, i, H]
-            tok, p = draft_draw(out["logits"][:, -1], self.params, self.generator)
-            tokens.append(tok)
-            probs.append(p)
-        return Proposal(torch.stack(tokens, 1), None if self.params.greedy else torch.stack(probs, 1))
+            steps += [Step(f"mtp_bind{i}", bind(i)), *self._module(i, f"m{i}.", caches, "last", 0),
+                      Step(f"mtp_pick{i}", pick(i))]
+        return steps
 
-    def commit(self, state, feats, emitted, accepted) -> None:
-        b, width = emitted.shape  # width = k + 1
-        dev = emitted.device
-        steps = torch.arange(width, device=dev)
-        lengths, live = state.on_device()
-        r = torch.arange(b, device=dev)
-        kv_len = max(state.lengths) + width
-        hidden, pool, prev = feats, [], None
-        for i in range(self.k):
-            positions = (lengths - i)[:, None] + steps  # [b, k+1]: L-i..L-i+k
-            valid = (steps[None] <= accepted[:, None]) & live[:, None] & (positions >= 0)
-            if i > 0:  # module i-1 at L-i (before this commit), then its commit outputs at L-i+1..
-                hidden = torch.cat([self.pool[i - 1][:, None], prev[:, : width - 1]], 1)
-            out = self._run(i, emitted, hidden, positions, valid, kv_len, "index" if i == 0 else "none",
-                            runner=self.extends.get(i), logits_index=accepted)
-            prev = out["out_hidden"]  # [b, k+1, H]
-            pool.append(prev[r, accepted])
-            if i == 0:
-                self.next, self.next_probs = draft_draw(out["logits"][:, 0], self.params, self.generator)
-        self.pool = torch.stack(pool)
+    def commit_steps(self, caches: StepCaches, k: int) -> list[Step]:
+        """Module i re-runs positions L-i..L-i+k on the emitted tokens, rows valid up to index a."""
+        def bind(i):
+            def fn(env):
+                emitted, accepted, lengths = env["emitted"], env["accepted"], env["lengths"]
+                steps = torch.arange(k + 1, device=emitted.device)
+                positions = (lengths - i)[:, None] + steps  # [b, k+1]: L-i..L-i+k
+                if i == 0:
+                    hidden = env["t.hidden"]  # the target's final hidden states at L..L+k
+                else:  # module i-1 at L-i (before this commit), then its commit outputs at L-i+1..
+                    hidden = torch.cat([env["d_pool"][:, i - 1: i], env[f"c{i - 1}.out_hidden"][:, :k]], 1)
+                valid = (steps[None] <= accepted[:, None]) & env["live"][:, None] & (positions >= 0)
+                env.update({f"c{i}.tokens": emitted, f"c{i}.hidden": hidden, f"c{i}.positions": positions.clamp(min=0),
+                            f"c{i}.valid": valid, f"c{i}.logits_index": accepted})
+            return fn
+
+        def take(env):
+            idx = env["accepted"]
+            r = torch.arange(idx.shape[0], device=idx.device)
+            env["d_pool"][:, :k].copy_(torch.stack([env[f"c{i}.out_hidden"][r, idx] for i in range(k)], 1))
+            env["d_next"].copy_(env["c0.ids"][:, 0])
+
+        steps: list[Step] = []
+        for i in range(k):
+            steps += [Step(f"mtp_commit_in{i}", bind(i)),
+                      *self._module(i, f"c{i}.", caches, "index" if i == 0 else "none", k + 1)]
+        return steps + [Step("mtp_take", take)]
 
 
 def make_multi_layer(plan, head, ctx) -> MultiLayerDraft:
-    return MultiLayerDraft(head, ctx.cfg.num_steps if ctx.cfg is not None else head.num_modules, ctx.batch_size,
-                           ctx.params, ctx.generator, ctx.graphs)
+    return MultiLayerDraft(head, ctx.k, ctx.batch_size)

@@ -64,10 +64,8 @@ class DraftContext:
 
     target: LlamaModel
     batch_size: int
-    params: Any  # engine.sampling.SamplingParams
-    generator: Optional[torch.Generator]
+    k: int  # draft tokens per round (draft.num_steps)
     cfg: Any = None  # pipeline.config.DraftConfig
-    graphs: Any = None  # engine.graphs.graph_set.GraphSet (the draft's runners and cache), or None
     references: Optional[list[list[int]]] = None  # the baseline's outputs (oracle)
     prompt_lens: Optional[list[int]] = None
 
@@ -251,11 +249,11 @@ def _plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
 
 
 def _make_dflash(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
-    return DFlashDraft(head, ctx.batch_size, ctx.params, ctx.generator, ctx.graphs)
+    return DFlashDraft(head, ctx.batch_size, ctx.k)
 
 
 def _make_feature(plan: DraftPlan, head, ctx: DraftContext) -> Draft:
-    return FeatureDraft(head, ctx.batch_size, ctx.params, ctx.generator, plan.features, ctx.graphs)
+    return FeatureDraft(head, ctx.batch_size, ctx.k, plan.features)
 
 
 def _plan_ngram(cfg, target: ModelArgs) -> DraftPlan:
@@ -307,10 +305,14 @@ def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, 
     return head.bind(target)
 
 
-def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: int, params, generator,
+def make_draft(plan: Optional[DraftPlan], head, target: LlamaModel, batch_size: int, k: int, *,
                references: Optional[list[list[int]]] = None, prompt_lens: Optional[list[int]] = None,
                cfg=None, graphs=None) -> Optional[Draft]:
+    """The run's Draft object. With a graph set that holds a device draft (its caches and state buffers
+    are what the round's graphs replay over), that one."""
     if plan is None:
         return None
-    ctx = DraftContext(target, batch_size, params, generator, cfg, graphs, references, prompt_lens)
+    if graphs is not None and graphs.draft is not None:
+        return graphs.draft
+    ctx = DraftContext(target, batch_size, k, cfg, references, prompt_lens)
     return DRAFTS[plan.algorithm].make(plan, head, ctx)

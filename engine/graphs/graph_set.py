@@ -1,31 +1,37 @@
-"""`GraphSet`: every runner of a run, bound to the caches they replay over, captured in one pool.
+"""`GraphSet`: every runner of a run, bound to the buffers and caches they replay over, captured in one pool.
 
 Phases (bucket = (rows, tokens per row)):
 
-    decode        target, [B, 1] per capture size B           mode NULL (the no-draft baseline)
-    verify        target, [B, k+1] per capture size B          mode FULL when the draft reads features
-    prefill       target, [max_batch, T] per prefill bucket T  piecewise only; FULL for EAGLE drafts
-    draft phases  declared by the draft head (`head.graph_phases(k)` -> [DraftPhase]), e.g. EAGLE's
-                  draft_step [B, 1] mode LAST and draft_extend [B, k+1] mode FULL
+    round_k{k}          the whole speculative round with k draft tokens (engine/round.py) over the
+                        state buffers, [B, k+1] per capture size B: draft chain, verify + accept, draft
+                        extend, one graph each; k = 0 is the plain decode step (the no-draft baseline)
+    round_k{k}_sampled  the same with rejection sampling at the accept (an eager break), captured when
+                        the run samples (eval temperature > 0, a server)
+    prefill        target, [max_batch, T] per prefill bucket T; piecewise only; FULL for EAGLE drafts
 
-Graphs are captured largest bucket first, all phases sharing one CUDA memory pool. The caches are
-allocated here, once, because a graph holds their addresses: generators and drafts take them from
-the set (`cache`, `draft_cache` = `head.new_cache(batch_size)`).
+Policies are per side: the target's steps follow `target_policy`, a device draft's `draft_policy`
+(engine/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
+one CUDA memory pool. The caches and state buffers are allocated once, because a graph holds their
+addresses: generators take them from the set (`cache`, `buffers`, and `draft`, the device draft whose
+own cache and buffers the round reads).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 import torch
 
+from engine.drafts.base import Draft
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, InputSpec, PhaseStats
-from engine.model import LlamaModel, Step
+from engine.model import LlamaModel
+from engine.round import allocate, round_program, round_specs
 
 M = CaptureHiddenMode
 TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
+ROUND_OUT = {m: ("out",) for m in M}
 
 
 def _token_inputs() -> dict[str, InputSpec]:
@@ -33,80 +39,77 @@ def _token_inputs() -> dict[str, InputSpec]:
             "valid": InputSpec((), torch.bool, False)}
 
 
-@dataclass(frozen=True)
-class DraftPhase:
-    """One draft graph phase, as a head declares it (`head.graph_phases(num_steps)`).
+def round_name(k: int, sampled: bool = False) -> str:
+    return f"round_k{k}" + ("_sampled" if sampled else "")
 
-    Buckets are [(B, tokens) for B in the capture sizes]; every phase has the static inputs tokens,
-    positions and valid ([B, tokens]) plus `inputs`; `build(cache_rows)` is the program over a row
-    view of the draft cache; `outputs[mode]` names the env keys a replay returns. `shares`: an earlier
-    phase whose static input buffers this one replays over too (one buffer set for several runners;
-    every call copies its live inputs in before replaying, so runners that run in turn may share).
-    """
 
-    name: str
-    tokens: int  # tokens per row
-    mode: CaptureHiddenMode
-    inputs: dict[str, InputSpec]
-    outputs: dict[CaptureHiddenMode, tuple[str, ...]]
-    build: Callable[[Any], list[Step]]
-    shares: Optional[str] = None
+def round_policy(target_policy: str, draft_policy: Optional[str]) -> Optional[str]:
+    """The backend of the round runner: None (every side eager: no runner), debug, or breakable (a
+    phased graph that runs exactly the steps each side marked as breaks eagerly)."""
+    sides = (target_policy,) if draft_policy is None else (target_policy, draft_policy)
+    if all(p == "none" for p in sides):
+        return None
+    return "debug" if "debug" in sides else "breakable"
 
 
 @dataclass
 class GraphSet:
     target: LlamaModel
-    head: Optional[torch.nn.Module]
+    draft: Optional[Draft]  # a device draft (its cache and buffers are the round's), or None
     batch_size: int
-    num_steps: int
+    num_steps: int  # the most draft tokens a round takes: the buffers' width
     target_policy: str
     draft_policy: str
     sizes: list[int]
     prefill_buckets: list[int]
     features: bool  # the draft reads target hidden states: verify/prefill capture FULL
+    sampled: bool = False  # also capture the rounds with rejection sampling
+    round_ks: Optional[list[int]] = None  # the k of each captured round (None: num_steps alone)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
 
     def __post_init__(self):
         t, device = self.target, self.target.lm_head.weight.device
         self.cache = t.new_cache(self.batch_size)
-        self.draft_cache = self.head.new_cache(self.batch_size) if self.head is not None else None
-        cuda = {self.target_policy, self.draft_policy} & NEEDS_CUDA
-        self.pool = torch.cuda.graph_pool_handle() if cuda else None
+        device_draft = self.draft if self.draft is not None and self.draft.on_device else None
+        self.draft = device_draft
         k, sizes, h = self.num_steps, self.sizes, t.args.hidden_size
-        dtype = t.lm_head.weight.dtype
+        self.buffers = {**allocate(round_specs(k, None), self.batch_size, device),
+                        **(device_draft.buf if device_draft is not None else {})}
+        draft_policy = self.draft_policy if device_draft is not None else None
+        policy = round_policy(self.target_policy, draft_policy)
+        cuda = {self.target_policy, draft_policy} & NEEDS_CUDA
+        self.pool = torch.cuda.graph_pool_handle() if cuda else None
         full = M.FULL if self.features else M.NULL
-        target_meta = lambda: {"aux_layer_ids": t.aux_layer_ids}  # noqa: E731
 
-        def target_runner(name, buckets, mode, embeds=False, at_index=False):
-            inputs = _token_inputs()
-            if embeds:
-                inputs["input_embeds"] = InputSpec((h,), dtype, 0)
-            if at_index:
-                inputs["logits_index"] = InputSpec((), torch.long, 0, per_row=True)
-            build = lambda b: t.program(self.cache.rows(b), embeds_input=embeds, logits_at_index=at_index)  # noqa: E731
-            return GraphRunner(name, self.target_policy, build, inputs, TARGET_OUT, mode, buckets,
-                               device, t.max_seq_len, target_meta, self.pool)
+        def meta() -> dict:
+            return {"aux_layer_ids": t.aux_layer_ids, **(device_draft.graph_meta() if device_draft else {})}
 
-        if self.target_policy != "none":
-            self.runners["decode"] = target_runner("decode", [(b, 1) for b in sizes], M.NULL)
-            if k > 0:
-                self.runners["verify"] = target_runner("verify", [(b, k + 1) for b in sizes], full)
-            if self.target_policy == "piecewise":
-                self.runners["prefill"] = target_runner(
-                    "prefill", [(self.batch_size, n) for n in self.prefill_buckets], full, embeds=True,
-                    at_index=True)
-        if self.head is not None and self.draft_policy != "none" and k > 0:
-            head = self.head
-            for ph in head.graph_phases(k):
-                build = lambda b, ph=ph: ph.build(self.draft_cache.rows(b))  # noqa: E731
-                shared = self.runners[ph.shares].buffers if ph.shares else None
-                self.runners[ph.name] = GraphRunner(
-                    ph.name, self.draft_policy, build, {**_token_inputs(), **ph.inputs}, ph.outputs, ph.mode,
-                    [(b, ph.tokens) for b in sizes], device, t.max_seq_len, head.graph_meta, self.pool,
-                    buffers=shared)
+        self.round_ks = sorted(set(self.round_ks if self.round_ks is not None else [k]))
+        if max(self.round_ks) > k:
+            raise ValueError(f"round_ks {self.round_ks} exceed the buffers' {k} draft tokens")
+        if policy is not None:
+            specs = round_specs(k, device_draft)
+            for rk in self.round_ks:
+                for sampled in (False, True)[: 1 + self.sampled]:
+                    def build(b, rk=rk, sampled=sampled):
+                        return round_program(t, self.cache.rows(b), device_draft,
+                                             device_draft.cache.rows(b) if device_draft is not None else None, rk,
+                                             sampled=sampled, target_policy=self.target_policy,
+                                             draft_policy=self.draft_policy)
+                    name = round_name(rk, sampled)
+                    self.runners[name] = GraphRunner(name, policy, build, specs, ROUND_OUT, full,
+                                                     [(b, rk + 1) for b in sizes], device, t.max_seq_len, meta,
+                                                     self.pool, buffers=self.buffers)
+        if self.target_policy == "piecewise":
+            inputs = {**_token_inputs(), "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
+                      "logits_index": InputSpec((), torch.long, 0, per_row=True)}
+            self.runners["prefill"] = GraphRunner(
+                "prefill", "piecewise", lambda b: t.program(self.cache.rows(b), embeds_input=True, logits_at_index=True),
+                inputs, TARGET_OUT, full, [(self.batch_size, n) for n in self.prefill_buckets], device,
+                t.max_seq_len, lambda: {"aux_layer_ids": t.aux_layer_ids}, self.pool)
 
     def capture(self) -> "GraphSet":
-        """Largest buckets first within each runner; target phases before draft phases."""
+        """Largest buckets first within each runner."""
         for r in self.runners.values():
             r.capture()
         return self

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.graphs.backends import BACKENDS, DYNAMIC_KV
-from engine.model import Step, run_steps
+from engine.program import Step, run_steps
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -43,8 +43,9 @@ class CaptureHiddenMode(enum.IntEnum):
 class InputSpec:
     tail: tuple[int, ...]  # shape after [batch, seq] (() for tokens/positions/valid)
     dtype: torch.dtype
-    pad: float | int | bool = 0
-    per_row: bool = False  # [batch, ...] without a seq dim (logits_index)
+    pad: float | int | bool | None = 0  # padding rows' value; None: never reset (state nobody reads there)
+    per_row: bool = False  # [batch, ...] without a seq dim (logits_index, a round's state)
+    state: bool = False  # kept across calls (a round's state): the eager fallback runs over its rows too
 
 
 @dataclass
@@ -72,6 +73,7 @@ class GraphRunner:
         self.dynamic_kv = policy in DYNAMIC_KV
         self.stats = PhaseStats(buckets=list(self.buckets))
         max_b, max_t = max(b for b, _ in self.buckets), max(t for _, t in self.buckets)
+        self.max_t = max_t  # a call with `rows` (no positions) takes this many tokens per row
         self.buffers: dict[str, Tensor] = {}
         for k, s in inputs.items():  # another runner's buffer when it is given and covers this one's shapes
             shape = (max_b, *(() if s.per_row else (max_t,)), *s.tail)
@@ -117,43 +119,60 @@ class GraphRunner:
         """Padding rows [live_b:b] and columns [live_t:t] to inert values (no launch when none)."""
         for k, buf in self.buffers.items():
             pad = self.inputs[k].pad
+            if pad is None:
+                continue
             if live_b < b:
                 buf[live_b:b].fill_(pad)
             if live_t < t and not self.inputs[k].per_row:
                 buf[:live_b, live_t:t].fill_(pad)
 
     def __call__(self, live: dict[str, Optional[Tensor]], kv_len: int,
-                 mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> tuple[dict, bool]:
+                 mode: CaptureHiddenMode = CaptureHiddenMode.NULL, *, rows: Optional[int] = None,
+                 host: Optional[dict] = None, on_phase: Optional[Callable[[str], None]] = None,
+                 clone: bool = True) -> tuple[dict, bool]:
+        """rows: the live batch when `live` has no positions (a round over its state buffers);
+        host: per-call values its breaks read (engine.program.HOST_KEYS); on_phase: called where
+        each phase begins (phase timing); clone=False: outputs are views of the static buffers, valid
+        until the next call (a caller that copies them out at once)."""
         if self.meta is not None and self.meta != {k: v for k, v in self.current_meta().items() if k in self.meta}:
             raise GraphStateError(
                 f"graph '{self.name}' was captured with {self.meta}, the model now has {self.current_meta()}: "
                 "configure_aux_capture and weight sharing must happen before capture_graphs")
-        b, t = live["positions"].shape
+        b, t = live["positions"].shape if "positions" in live else (rows, self.max_t)
         key = self.bucket_for(b, t) if mode <= self.mode else None
         if key is None:
             self.stats.fallbacks += 1
-            env = run_steps(self.build(b), {**live, "kv_len": kv_len})
+            state = {k: self._view(k, b, t) for k, s in self.inputs.items() if s.state}
+            for k, x in live.items():  # given values of state keys go into their rows, as on a replay
+                if k in state and x is not None:
+                    state[k].copy_(x)
+            env = run_steps(self.build(b), {**live, **state, **(host or {}), "kv_len": kv_len}, on_phase)
             return {k: env.get(k) for k in self.outputs[CaptureHiddenMode.FULL]}, False
 
         captured, env = self.captured[key]
-        for k, buf in self.buffers.items():
+        for k in self.buffers:
             x = live.get(k)
             if x is not None:
-                (buf[:b] if self.inputs[k].per_row else buf[:b, :t]).copy_(x)
+                self._view(k, b, t).copy_(x)
         self._reset(key[0], key[1], b, t)
+        env.update(host or {})
         env["kv_len"] = kv_len if self.dynamic_kv else self.static_kv_len
-        captured.replay(env)
+        captured.replay(env, on_phase)
         self.stats.replays += 1
-        return {k: self._slice(env.get(k), key, b, t) for k in self.outputs[mode]}, True
+        return {k: self._slice(env.get(k), key, b, t, clone) for k in self.outputs[mode]}, True
+
+    def _view(self, k: str, b: int, t: int) -> Tensor:
+        buf = self.buffers[k]
+        return buf[:b] if self.inputs[k].per_row else buf[:b, :t]
 
     @staticmethod
-    def _slice(x: Optional[Tensor], key: tuple[int, int], b: int, t: int) -> Optional[Tensor]:
+    def _slice(x: Optional[Tensor], key: tuple[int, int], b: int, t: int, clone: bool = True) -> Optional[Tensor]:
         if x is None:
             return None
         x = x[:b]
         if x.dim() > 2 and x.shape[1] == key[1] and t < key[1]:
             x = x[:, :t]
-        return x.clone()  # the next replay overwrites the static output
+        return x.clone() if clone else x  # the next replay overwrites the static output
 
 
 def default_sizes(max_batch: int) -> list[int]:

@@ -1,0 +1,148 @@
+"""The speculative round as one device program: propose k -> verify k + 1 -> accept -> extend -> advance.
+
+The round's state lives on the device, in buffers allocated once (a graph replays over their addresses),
+and the program reads and advances it in place, so a round needs no host input (device drafts) and
+costs one device->host copy: `out`, read by the host to emit tokens.
+
+    last     [B]        int64  each row's last emitted token (not yet in the target cache)
+    lengths  [B]        int64  tokens in the target cache (= the position of `last`)
+    live     [B]        bool   rows still generating; others ride along writing only the dummy slot
+    draft    [B, K]     int64  the round's draft tokens (the first k): the chain writes them (device
+                               drafts), or the host copies them in (n-gram, oracle)
+    out      [B, K + 2] int64  [a, the emitted tokens]: d_1..d_a then the bonus at index a (first k + 2)
+
+K is the most draft tokens any round of the run takes; a round of k <= K (k = 0: the plain decode
+step of the no-draft baseline; serve's k that follows the load) uses the first columns.
+    + the draft's own state (`draft.state_specs`: EAGLE's carried hidden state and next token, the
+      multi-layer draft's per-module pool, ...)
+
+Phases (engine/program.py: each is its own graph replay, so a clock can time them):
+
+    draft    the k-step chain (device drafts): draft.propose_steps -> draft
+    verify   tokens [b, k+1] = [last, draft] at positions lengths + 0..k, valid = live -> the target's
+             forward (scoped under "t."); accept on the device: greedy (argmax, cumprod of matches)
+             or rejection sampling (an eager break: rows draw from their own generators) -> out
+    extend   draft.commit_steps over the k + 1 verified positions (features, emitted, accepted), then
+             lengths += a + 1 and last = bonus for live rows
+
+Breaks: a side's attention is a break only when it must see the live kv_len (SDPA under breakable /
+piecewise); a side with graph policy none runs every step eagerly between the other side's graphs;
+the sampled variant's accept step is a break. With the Triton attention kernel (each row's live
+length read on the device) the greedy round has no break at all: three graphs, one per phase.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from engine.drafts.base import Draft, FeatureKind
+from engine.graphs.runner import InputSpec
+from engine.model import LlamaModel, StaticKVCache
+from engine.program import Step, merge_runs, scoped, with_phase
+from engine.sampling import SamplingParams
+from engine.verify import accept_greedy, verify
+from kernels.accept import accept_greedy as accept_kernel
+from kernels.accept import advance, advance_reference
+
+PHASES = ("draft", "verify", "extend")
+
+
+def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
+    """The round's state buffers (per row, kept across calls), the draft's own included."""
+    row = lambda tail, dtype, pad: InputSpec(tail, dtype, pad, per_row=True, state=True)  # noqa: E731
+    specs = {"last": row((), torch.long, 0), "lengths": row((), torch.long, 0), "live": row((), torch.bool, False),
+             "draft": row((k,), torch.long, 0), "out": row((k + 2,), torch.long, None)}
+    if draft is not None:
+        specs.update(draft.state_specs(k))
+    return specs
+
+
+def allocate(specs: dict[str, InputSpec], rows: int, device) -> dict[str, Tensor]:
+    return {name: torch.full((rows, *s.tail), 0 if s.pad is None else s.pad, dtype=s.dtype, device=device)
+            for name, s in specs.items()}
+
+
+def side_breaks(steps: list[Step], policy: str, attention_kernel: bool) -> list[Step]:
+    """One side's steps with the breaks its graph policy needs (see the module docstring)."""
+    if policy == "none":
+        return [replace(s, is_break=True) for s in steps]
+    keep = policy in ("breakable", "piecewise", "debug") and not attention_kernel
+    return [replace(s, is_break=s.host or (s.is_break and keep)) for s in steps]
+
+
+def _accept(k: int, sampled: bool, kernels: bool):
+    """-> out [b, k+2] = [a, the emitted tokens], accepted, bonus, emitted (views of out where they can
+    be). kernels: one launch (kernels/accept.py) for the greedy rule, else plain torch."""
+    def fn(env: dict) -> None:
+        draft, out = env["draft"][:, :k], env["out"]  # [b, k], [b, K+2]
+        sampling = env.get("sampling")
+        if kernels and not sampled:
+            accepted, bonus = accept_kernel(env["t.ids"], draft, out)
+        else:
+            if sampled:  # [b, k+1, vocab] logits; one-hot q: the chain is greedy (at capture: no sampling yet)
+                accepted, bonus = verify(env["t.logits"], draft, None, sampling or SamplingParams())
+            else:
+                accepted, bonus = accept_greedy(env["t.ids"], draft)  # [b], [b]
+            emitted = torch.cat([draft, bonus[:, None]], 1)  # [b, k+1]: d_1..d_k, bonus
+            emitted[torch.arange(accepted.shape[0], device=emitted.device), accepted] = bonus
+            out[:, :1].copy_(accepted[:, None])
+            out[:, 1: k + 2].copy_(emitted)
+        env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1: k + 2]
+    return fn
+
+
+def _verify_inputs(k: int):
+    def fn(env: dict) -> None:
+        live, lengths = env["live"], env["lengths"]  # [b], [b]
+        b = live.shape[0]
+        env["t.tokens"] = torch.cat([env["last"][:, None], env["draft"][:, :k]], 1)  # [b, k+1]
+        env["t.positions"] = lengths[:, None] + torch.arange(k + 1, device=lengths.device)  # [b, k+1]
+        env["t.valid"] = live[:, None].expand(b, k + 1)
+    return fn
+
+
+def _advance(kernels: bool):
+    def fn(env: dict) -> None:
+        (advance if kernels else advance_reference)(env["lengths"], env["last"], env["live"], env["accepted"],
+                                                    env["bonus"])
+    return fn
+
+
+def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draft], draft_cache, k: int, *,
+                  sampled: bool = False, target_policy: str = "none", draft_policy: str = "none") -> list[Step]:
+    """The round over `b` rows (the caches are row views of b rows): a list of steps in phases
+    draft, verify, extend. `draft` is a device draft (its steps run here) or None (no draft, or a host
+    draft whose tokens the caller copies into `draft`)."""
+    steps: list[Step] = []
+    device_draft = draft is not None and draft.on_device and k > 0
+    if device_draft:
+        chain = side_breaks(draft.propose_steps(draft_cache, k), draft_policy, draft.attention_kernel)
+        steps += with_phase(chain, "draft")
+    verify_steps = side_breaks(target.program(cache, greedy=not sampled), target_policy, target.attention_kernel)
+    kernels = target.fused  # the Triton kernels run (CUDA, or the interpreter in tests)
+    steps += with_phase([Step("verify_in", _verify_inputs(k))] + scoped("t.", merge_runs(verify_steps), k + 1)
+                        + [Step("accept", _accept(k, sampled, kernels), is_break=sampled)], "verify")
+    tail: list[Step] = []
+    if device_draft:
+        tail += side_breaks(draft.commit_steps(draft_cache, k), draft_policy, draft.attention_kernel)
+    steps += with_phase(tail + [Step("advance", _advance(kernels))], "extend")
+    steps = merge_runs(steps)
+    meta: dict = {}
+    for s in steps:
+        meta.update(s.meta)
+    steps[0].meta = meta  # what the runner checks against the models at every call
+    return steps
+
+
+def features(env: dict, kind: FeatureKind) -> Optional[Tensor]:
+    """The verify's features a draft extend reads: [b, k+1, F] (aux) or the final hidden states."""
+    if kind == FeatureKind.aux:
+        if env.get("t.aux") is None:
+            raise RuntimeError("the draft reads aux hidden states but the target captures none: "
+                               "configure_aux_capture must run before generation")
+        return env["t.aux"]
+    return env.get("t.hidden") if kind == FeatureKind.final else None

@@ -1,0 +1,335 @@
+"""The round as a device program (engine/round.py): its phases and breaks per policy, the on-device
+acceptance against `verify`, every draft on the fused kernels (under TRITON_INTERPRET=1 on CPU)
+lossless and equal to its unfused self, and the state buffers a round advances by itself."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from test_graphs import setup, spec_generator
+from test_model import _prompts, pair
+from test_speculative import AUX, build
+from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.generate import Generator
+from engine.graphs.graph_set import round_name
+from engine.program import run_steps
+from engine.round import round_program
+from engine.sampling import RowSampling, SamplingParams
+from engine.verify import accept_greedy, verify, verify_greedy
+from pipeline.config import DraftConfig
+
+CUDA = torch.cuda.is_available()
+KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
+
+
+# ------------------------------------------------------------------------------------------ program
+def _phases(steps) -> list[str]:
+    out = []
+    for s in steps:
+        if not out or out[-1] != s.phase:
+            out.append(s.phase)
+    return out
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash"])
+def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
+    """Phases draft -> verify -> extend; with the Triton attention (each row's live length read on the
+    device) no step of a greedy round is a break under any capturing policy; SDPA attention breaks
+    under breakable and not under full; the sampled round breaks at its accept alone."""
+    _, target = pair()
+    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3,
+                      aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None)
+    plan = plan_draft(cfg, target.args)
+    target.set_aux_layers(plan.aux.input_of if plan.aux else ())
+    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
+
+    def program(policy, sampled=False, draft_policy=None):
+        return round_program(target, target.new_cache(2), draft, draft.cache.rows(2), 3, sampled=sampled,
+                             target_policy=policy, draft_policy=draft_policy or policy)
+
+    assert _phases(program("full")) == ["draft", "verify", "extend"]
+    assert not any(s.is_break for s in program("full"))
+    breakable = [s.name for s in program("breakable") if s.is_break]
+    assert breakable and all("attn" in n for n in breakable)  # SDPA over the live kv_len
+    target.attention_kernel = head.attention_kernel = True
+    try:
+        assert not any(s.is_break for s in program("breakable"))
+        assert [s.name for s in program("full", sampled=True) if s.is_break] == ["accept"]
+    finally:
+        target.attention_kernel = head.attention_kernel = False
+    mixed = program("full", draft_policy="none")  # a side without graphs: its steps run eagerly
+    assert all(s.is_break for s in mixed if s.phase == "draft") and not any(s.is_break for s in mixed
+                                                                             if s.phase == "verify")
+
+
+def test_a_sampled_round_runs_before_any_sampling_is_given():
+    """A graph's warm-up and capture run the sampled round with no per-call sampling yet (CUDA capture
+    did; the debug backend does not): its accept falls back to the greedy rule on the logits."""
+    target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
+    program = round_program(target, gs.cache.rows(2), gs.draft, gs.draft.cache.rows(2), k, sampled=True,
+                            target_policy="full", draft_policy="full")
+    env = {name: t[:2] for name, t in gs.buffers.items()}
+    env["live"].fill_(False)
+    env["out"].fill_(-1)
+    with torch.inference_mode():
+        run_steps(program, {**env, "kv_len": 8})
+    a = env["out"][:, 0]
+    assert ((a >= 0) & (a <= k)).all()  # written: an acceptance per row
+
+
+def test_greedy_acceptance_on_the_device_equals_verify():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(64, 6, 50, generator=g)
+    target = logits.argmax(-1)
+    draft = target[:, :5].clone()  # accepted up to a random depth per row, then a wrong token
+    depth = torch.randint(0, 6, (64,), generator=g)
+    rows = depth < 5
+    draft[rows, depth[rows]] = (draft[rows, depth[rows]] + 1) % 50
+    a, bonus = accept_greedy(target, draft)
+    assert torch.equal(a, depth)
+    assert torch.equal((a, bonus)[0], verify_greedy(logits, draft)[0])
+    assert torch.equal(bonus, target[torch.arange(64), depth])
+
+
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_accept_and_advance_kernels_equal_their_references(k):
+    """kernels/accept.py: the whole greedy acceptance (a, the bonus, the emitted row) and the state's
+    advance in one launch each, against plain torch: every depth 0..k, drafts as a strided view."""
+    from kernels.accept import accept_greedy as accept_kernel
+    from kernels.accept import advance, advance_reference
+
+    device = "cuda" if CUDA else "cpu"
+    g = torch.Generator().manual_seed(k)
+    b = 40
+    target = torch.randint(0, 9, (b, k + 1), generator=g)
+    drafts = torch.randint(0, 9, (b, k + 3), generator=g)  # a wider buffer: the round's draft columns
+    depth = torch.arange(b) % (k + 1)
+    for r in range(b):  # row r accepts exactly depth[r] drafts
+        drafts[r, : depth[r]] = target[r, : depth[r]]
+        if depth[r] < k:
+            drafts[r, depth[r]] = (target[r, depth[r]] + 1) % 9
+    target, drafts = target.to(device), drafts.to(device)
+    out = torch.full((b, k + 4), -7, dtype=torch.long, device=device)
+    a, bonus = accept_kernel(target, drafts[:, :k], out)
+    ra, rbonus = accept_greedy(target, drafts[:, :k])
+    assert torch.equal(a, ra) and torch.equal(a.cpu(), depth) and torch.equal(bonus, rbonus)
+    emitted = torch.cat([drafts[:, :k], rbonus[:, None]], 1)
+    emitted[torch.arange(b), ra] = rbonus
+    assert torch.equal(out[:, 1: k + 2], emitted) and (out[:, k + 2:] == -7).all()  # nothing past k + 2
+    lengths = torch.randint(5, 50, (b,), generator=g).to(device)
+    last = torch.randint(0, 9, (b,), generator=g).to(device)
+    live = (torch.arange(b) % 3 != 0).to(device)
+    want = [lengths.clone(), last.clone()]
+    advance_reference(*want, live, a, bonus)
+    advance(lengths, last, live, a, bonus)
+    assert torch.equal(lengths, want[0]) and torch.equal(last, want[1])
+
+
+def test_sampled_round_accept_is_verify_with_a_one_hot_draft():
+    """The sampled round's accept is `verify` (rejection sampling against the greedy drafts, q one-hot):
+    the same draws as verify_sampling with q = one_hot(draft), and greedy rows keep the greedy rule."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(8, 4, 30, generator=g)
+    draft = torch.randint(0, 30, (8, 3), generator=g)
+    rows = RowSampling.per_row([0.0, 1.0] * 4, [1.0, 0.9] * 4, [None] * 8, "cpu", torch.Generator().manual_seed(2))
+    a, bonus = verify(logits, draft, None, rows)
+    rows2 = RowSampling.per_row([0.0, 1.0] * 4, [1.0, 0.9] * 4, [None] * 8, "cpu", torch.Generator().manual_seed(2))
+    q = torch.nn.functional.one_hot(draft, 30).float()
+    a2, bonus2 = verify(logits, draft, q, rows2)
+    assert torch.equal(a, a2) and torch.equal(bonus, bonus2)
+    ga, gb = verify_greedy(logits, draft)
+    assert torch.equal(a[0::2], ga[0::2]) and torch.equal(bonus[0::2], gb[0::2])
+
+
+# ------------------------------------------------------------------------------------------ state
+def test_a_round_advances_its_state_on_the_device():
+    """After each round the buffers hold what the host mirror says: lengths, and the last emitted
+    token as `last`; rows that finished stay where they stopped."""
+    target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
+    params = SamplingParams(max_new_tokens=13, ignore_eos=True)
+    gen = spec_generator(target, plan, head, gs, k, 2, params)
+    seen = []
+    inner = gen.round
+
+    def round_and_check(state, sampling, generator=None):
+        r = inner(state, sampling, generator)
+        seen.append((list(state.lengths), [h[-1] for h in state.history], list(state.live)))
+        return r
+
+    gen.round = round_and_check
+    res = gen.generate(_prompts(2, seed=3), params)
+    assert len(seen) > 2
+    lengths, last, live = seen[-1]
+    assert gs.buffers["lengths"][:2].tolist() == lengths
+    assert gs.buffers["last"][:2].tolist() == last
+    assert [len(r.tokens) for r in res] == [13, 13]
+
+
+# ------------------------------------------------------------------------------------------ fused
+def _fused_pair(algorithm, device):
+    """(plain generator, fused generator) over the same random target and head: the fused one with
+    the Triton attention and fused kernels on the target and (through the draft) on the head."""
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    gen = build(target, algorithm, 2, params)
+    head = gen.draft.head
+    fused_target = pair()[1].to(device)
+    fused_target.init_buffers(torch.device(device))
+    fused_target.set_aux_layers(target.aux_layer_ids)
+    fused_target.attention_kernel = True
+    fused_target.use_fused_kernels()
+    fhead = head.copy(device)
+    fhead.bind(fused_target)
+    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3,
+                      aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None)
+    plan = plan_draft(cfg, fused_target.args)
+    fdraft = make_draft(plan, fhead, fused_target, 2, 3, cfg=cfg)
+    assert fhead.fused and fhead.attention_kernel
+    return gen, Generator(fused_target, 2, fdraft, 3), params
+
+
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash"])
+def test_every_draft_on_the_fused_kernels_is_lossless_and_proposes_what_the_plain_path_does(algorithm):
+    """Every draft on CUDA; on CPU (the interpreter runs a kernel launch in tens of ms) EAGLE3 alone."""
+    if not CUDA and algorithm != "eagle3":
+        pytest.skip("the interpreter is slow: EAGLE3 on CPU, every draft on a GPU")
+    device = "cuda" if CUDA else "cpu"
+    plain, fused, params = _fused_pair(algorithm, device)
+    prompts = _prompts(2, seed=14)
+    base = [r.tokens for r in Generator(fused.model, 2).generate(prompts, params)]
+    got = fused.generate(prompts, params)
+    assert [r.tokens for r in got] == base  # lossless against the fused target's own greedy output
+    want = plain.generate(prompts, params)
+    assert [r.tokens for r in want] == base  # the plain path: the same target output (fp32: no tie flips)
+    assert [r.accepts for r in got] == [r.accepts for r in want]  # and the same proposals round by round
+
+
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_the_fused_round_replays_through_the_debug_runner():
+    """The fused target and EAGLE3 draft through the round runner (debug backend: the runner's buffers,
+    padding and bucket logic) equal the eager fused round."""
+    device = "cuda" if CUDA else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    target.attention_kernel = True
+    target.use_fused_kernels()
+    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
+    plan = plan_draft(cfg, target.args)
+    target.set_aux_layers(plan.aux.input_of)
+    head = load_head(plan, target, 0, torch.device(device), torch.float32)
+    from engine.graphs.graph_set import GraphSet
+
+    draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
+    gs = GraphSet(target, draft, 2, 3, "debug", "debug", [2], [16], features=True).capture()
+    params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    prompts = _prompts(2, seed=15)
+    got = [r.tokens for r in Generator(target, 2, draft, 3, graphs=gs).generate(prompts, params)]
+    assert got == [r.tokens for r in Generator(target, 2).generate(prompts, params)]
+    assert gs.stats()[round_name(3)].replays > 0
+
+
+# ------------------------------------------------------------------------------------------ adaptive k
+def test_adaptive_k_picks_the_k_that_maximises_tokens_per_second():
+    from engine.adaptive_k import AdaptiveK
+
+    costs = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 8: {0: 1.0, 1: 2.0, 2: 2.9, 3: 3.8}}  # seconds per round
+    policy = AdaptiveK(costs, 3, prior=0.8)
+    assert policy.choose(1) == 3  # cheap drafts: (1 + .8 + .64 + .51) / 1.3 is the best
+    assert policy.choose(5) == 0 and policy.choose(64) == 0  # bucket 8 (and above): verify costs too much
+    assert policy.table() == {1: 3, 8: 0}
+    for _ in range(400):  # the draft stops being accepted at all
+        policy.observe([0, 0, 0], 3)
+    assert policy.rates[0] < 0.05 and policy.choose(1) == 0
+    for _ in range(400):  # accepted again: the positions k = 0 did not draft still hold their estimate
+        policy.observe([1, 1], 1)
+    assert policy.choose(1) == 1 and policy.rates[1] < 0.1
+
+
+def test_adaptive_k_rounds_switch_k_and_stay_lossless():
+    """Rounds of a batch of 1 draft 3 tokens and rounds of 4 rows none (the table), through the round
+    runner (debug backend: every k captured) and its eager fallback; the output is the target's."""
+    from engine.adaptive_k import AdaptiveK
+    from engine.graphs.graph_set import GraphSet
+
+    _, target = pair()
+    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
+    plan = plan_draft(cfg, target.args)
+    target.set_aux_layers(plan.aux.input_of)
+    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    draft = make_draft(plan, head, target, 4, 3, cfg=cfg)
+    gs = GraphSet(target, draft, 4, 3, "debug", "debug", [1, 4], [16], features=True, round_ks=[0, 1, 2, 3]).capture()
+    gen = Generator(target, 4, draft, 3, graphs=gs)
+    table = gen.enable_adaptive_k([1, 4]).table()  # measured: a table over both sizes
+    assert set(table) == {1, 4} and all(0 <= k <= 3 for k in table.values())
+    gen.adaptive = AdaptiveK({1: {0: 1.0, 3: 1.01}, 4: {0: 1.0, 3: 9.0}}, 3)  # then a known one
+    params = SamplingParams(max_new_tokens=11, ignore_eos=True)
+    prompts = _prompts(5, seed=16)
+    base = [r.tokens for r in Generator(target, 4).generate(prompts[:1], params)]
+    base += [r.tokens for r in Generator(target, 4).generate(prompts[1:], params)]
+    got = [r.tokens for r in gen.generate(prompts[:1], params)] + [r.tokens for r in gen.generate(prompts[1:], params)]
+    assert got == base
+    assert set(gen.ks_used) == {0, 3}
+    assert gs.stats()[round_name(3)].replays > 0 and gs.stats()[round_name(0)].replays > 0
+
+
+def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
+    """One request in slot 0 of 4: its rounds run over one row (the bucket of 1 replays), whatever the
+    other slots hold."""
+    import threading
+
+    from engine.generate import SpecDecoder
+    from engine.scheduler import GenerationRequest, Scheduler
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 4), batch=4)
+    draft = make_draft(plan, head, target, 4, k, graphs=gs)
+    sched = Scheduler(SpecDecoder(target, 4, draft, k, graphs=gs), 4, 8)
+    done = threading.Event()
+    req = GenerationRequest(_prompts(1, seed=17)[0], 9, lambda ev: ev.finish_reason and done.set())
+    sched.submit(req)
+    sched.start()
+    assert done.wait(timeout=60)
+    sched.close()
+    want = build(target, "eagle3", 1, SamplingParams()).generate([req.prompt], SamplingParams(max_new_tokens=9,
+                                                                                               ignore_eos=True))
+    assert req.output == want[0].tokens
+    runner = gs.get(round_name(k))
+    assert runner.stats.replays == sched.stats.rounds > 0 and sched.stats.rounds_by_k == {k: sched.stats.rounds}
+
+
+# ------------------------------------------------------------------------------------------ GPU
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_a_rows_logits_do_not_depend_on_the_batch_around_it():
+    """bf16, the fused path: row 0's logits are bitwise the same in a decode step alone (1 token), in a
+    verify of 6 tokens, and beside 31 other rows (decode and verify): no kernel of decode or verify
+    picks its configuration by row count, no split depends on the batch."""
+    _, target = pair()
+    target = target.to("cuda", torch.bfloat16)
+    target.init_buffers(torch.device("cuda"))
+    target.attention_kernel = True
+    target.use_fused_kernels()
+    g = torch.Generator().manual_seed(0)
+    prompt, cont = torch.randint(0, 256, (12,), generator=g), torch.randint(0, 256, (6,), generator=g)
+
+    def first_logits(batch: int, t: int) -> torch.Tensor:
+        ids = torch.randint(0, 256, (batch, 12 + t), generator=g)
+        ids[0, :12], ids[0, 12:] = prompt, cont[:t]
+        ids = ids.cuda()
+        cache = target.new_cache(batch)
+        with torch.inference_mode():
+            target(ids[:, :12], torch.arange(12, device="cuda").expand(batch, 12), cache, kv_len=12)
+            pos = torch.arange(12, 12 + t, device="cuda").expand(batch, t)
+            return target(ids[:, 12:], pos, cache, kv_len=12 + t).logits[0, 0]  # [vocab]
+
+    alone = first_logits(1, 1)
+    for batch, t in ((1, 6), (32, 1), (32, 6), (7, 3)):
+        assert torch.equal(first_logits(batch, t), alone), (batch, t)
