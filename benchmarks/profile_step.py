@@ -36,12 +36,12 @@ from torch.profiler import ProfilerActivity, profile
 
 from engine.drafts.registry import make_draft
 from engine.generate import Generator
+from engine.round import PHASES
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import REPO
 from pipeline.plan import build_plan
 from stages.eval import encode_prompts, sampling_params
 
-PHASES = ("draft", "verify", "extend")
 
 
 class PhaseRanges:

@@ -40,7 +40,7 @@ from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel
 from engine.phase_clock import PhaseClock
 from engine.program import run_steps
-from engine.round import allocate, round_program, round_specs
+from engine.round import round_buffers, round_program
 from engine.sampling import RowSampling, SamplingParams, as_rows, sample
 
 
@@ -153,8 +153,7 @@ class SpecDecoder:
             self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
             self.cache = model.new_cache(batch_size)
-            self.buffers = {**allocate(round_specs(self.k, None), batch_size, self.device),
-                            **(device_draft.buf if device_draft is not None else {})}
+            self.buffers = round_buffers(self.k, device_draft, batch_size, self.device)
             self.policies = ("none", "none")
         self.device_draft = device_draft
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
@@ -235,10 +234,8 @@ class SpecDecoder:
     def _program(self, b: int, k: int, sampled: bool) -> list:
         key = (b, k, sampled)
         if key not in self._programs:
-            draft = self.device_draft
-            self._programs[key] = round_program(
-                self.model, self.cache.rows(b), draft, draft.cache.rows(b) if draft is not None else None, k,
-                sampled=sampled, target_policy=self.policies[0], draft_policy=self.policies[1])
+            self._programs[key] = round_program(self.model, self.cache, self.device_draft, k, b, sampled=sampled,
+                                                target_policy=self.policies[0], draft_policy=self.policies[1])
         return self._programs[key]
 
     def run_round(self, b: int, sampling: RowSampling, kv_len: int, draft_tokens: Optional[Tensor] = None,

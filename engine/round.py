@@ -11,10 +11,11 @@ costs one device->host copy: `out`, read by the host to emit tokens.
                                drafts), or the host copies them in (n-gram, oracle)
     out      [B, K + 2] int64  [a, the emitted tokens]: d_1..d_a then the bonus at index a (first k + 2)
 
-K is the most draft tokens any round of the run takes; a round of k <= K (k = 0: the plain decode
-step of the no-draft baseline; serve's k that follows the load) uses the first columns.
     + the draft's own state (`draft.state_specs`: EAGLE's carried hidden state and next token, the
       multi-layer draft's per-module pool, ...)
+
+K is the most draft tokens any round of the run takes; a round of k <= K (k = 0: the plain decode
+step of the no-draft baseline; serve's k that follows the load) uses the first columns.
 
 Phases (engine/program.py: each is its own graph replay, so a clock can time them):
 
@@ -39,16 +40,16 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.drafts.base import Draft, FeatureKind
-from engine.graphs.runner import InputSpec
+from engine.drafts.base import Draft
+from engine.graphs.runner import InputSpec, allocate
 from engine.model import LlamaModel, StaticKVCache
 from engine.program import Step, merge_runs, scoped, with_phase
 from engine.sampling import SamplingParams
 from engine.verify import accept_greedy, verify
 from kernels.accept import accept_greedy as accept_kernel
-from kernels.accept import advance, advance_reference
+from kernels.accept import advance, advance_reference, write_out_reference
 
-PHASES = ("draft", "verify", "extend")
+PHASES = ("draft", "verify", "extend")  # in this order in every round
 
 
 def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
@@ -61,9 +62,10 @@ def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
     return specs
 
 
-def allocate(specs: dict[str, InputSpec], rows: int, device) -> dict[str, Tensor]:
-    return {name: torch.full((rows, *s.tail), 0 if s.pad is None else s.pad, dtype=s.dtype, device=device)
-            for name, s in specs.items()}
+def round_buffers(k: int, draft: Optional[Draft], rows: int, device) -> dict[str, Tensor]:
+    """The state buffers a round runs over: its own, allocated here for `rows` rows, and a device draft's."""
+    own = allocate(round_specs(k, None), rows, device)
+    return {**own, **(draft.buf if draft is not None and draft.on_device else {})}
 
 
 def side_breaks(steps: list[Step], policy: str, attention_kernel: bool) -> list[Step]:
@@ -87,10 +89,7 @@ def _accept(k: int, sampled: bool, kernels: bool):
                 accepted, bonus = verify(env["t.logits"], draft, None, sampling or SamplingParams())
             else:
                 accepted, bonus = accept_greedy(env["t.ids"], draft)  # [b], [b]
-            emitted = torch.cat([draft, bonus[:, None]], 1)  # [b, k+1]: d_1..d_k, bonus
-            emitted[torch.arange(accepted.shape[0], device=emitted.device), accepted] = bonus
-            out[:, :1].copy_(accepted[:, None])
-            out[:, 1: k + 2].copy_(emitted)
+            write_out_reference(draft, accepted, bonus, out)
         env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1: k + 2]
     return fn
 
@@ -112,13 +111,15 @@ def _advance(kernels: bool):
     return fn
 
 
-def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draft], draft_cache, k: int, *,
+def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draft], k: int, rows: int, *,
                   sampled: bool = False, target_policy: str = "none", draft_policy: str = "none") -> list[Step]:
-    """The round over `b` rows (the caches are row views of b rows): a list of steps in phases
-    draft, verify, extend. `draft` is a device draft (its steps run here) or None (no draft, or a host
-    draft whose tokens the caller copies into `draft`)."""
+    """The round over the first `rows` rows of the target's cache and of the draft's: a list of steps
+    in phases draft, verify, extend. `draft` is a device draft (its steps run here) or None (no draft,
+    or a host draft whose tokens the caller copies into `draft`)."""
     steps: list[Step] = []
     device_draft = draft is not None and draft.on_device and k > 0
+    cache = cache.rows(rows)
+    draft_cache = draft.cache.rows(rows) if device_draft else None
     if device_draft:
         chain = side_breaks(draft.propose_steps(draft_cache, k), draft_policy, draft.attention_kernel)
         steps += with_phase(chain, "draft")
@@ -137,12 +138,3 @@ def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draf
     steps[0].meta = meta  # what the runner checks against the models at every call
     return steps
 
-
-def features(env: dict, kind: FeatureKind) -> Optional[Tensor]:
-    """The verify's features a draft extend reads: [b, k+1, F] (aux) or the final hidden states."""
-    if kind == FeatureKind.aux:
-        if env.get("t.aux") is None:
-            raise RuntimeError("the draft reads aux hidden states but the target captures none: "
-                               "configure_aux_capture must run before generation")
-        return env["t.aux"]
-    return env.get("t.hidden") if kind == FeatureKind.final else None

@@ -59,15 +59,23 @@ def accept_greedy(target: Tensor, draft: Tensor, out: Tensor) -> tuple[Tensor, T
         from engine.verify import accept_greedy as reference
 
         accepted, bonus = reference(target, draft)
-        emitted = torch.cat([draft, bonus[:, None]], 1)
-        emitted[torch.arange(b, device=draft.device), accepted] = bonus
-        out[:, 0], out[:, 1: k + 2] = accepted, emitted
+        write_out_reference(draft, accepted, bonus, out)
         return out[:, 0], bonus
     bonus = torch.empty(b, dtype=torch.long, device=target.device)
     target = target.contiguous()
     _accept_kernel[(b,)](target, target.stride(0), draft, draft.stride(0), out, out.stride(0), bonus,
                          K=k, KP=triton.next_power_of_2(k + 1), num_warps=1)
     return out[:, 0], bonus
+
+
+def write_out_reference(draft: Tensor, accepted: Tensor, bonus: Tensor, out: Tensor) -> None:
+    """out [b, k+2] = [a, d_1..d_k with the bonus at a, the bonus]: the row `_accept_kernel` writes,
+    from an acceptance decided elsewhere (plain torch, rejection sampling)."""
+    k = draft.shape[1]
+    emitted = torch.cat([draft, bonus[:, None]], 1)  # [b, k+1]: d_1..d_k, bonus
+    emitted[torch.arange(draft.shape[0], device=draft.device), accepted] = bonus
+    out[:, :1].copy_(accepted[:, None])
+    out[:, 1: k + 2].copy_(emitted)
 
 
 def advance_reference(lengths: Tensor, last: Tensor, live: Tensor, accepted: Tensor, bonus: Tensor) -> None:

@@ -48,7 +48,7 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
     draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
 
     def program(policy, sampled=False, draft_policy=None):
-        return round_program(target, target.new_cache(2), draft, draft.cache.rows(2), 3, sampled=sampled,
+        return round_program(target, target.new_cache(2), draft, 3, 2, sampled=sampled,
                              target_policy=policy, draft_policy=draft_policy or policy)
 
     assert _phases(program("full")) == ["draft", "verify", "extend"]
@@ -70,8 +70,8 @@ def test_a_sampled_round_runs_before_any_sampling_is_given():
     """A graph's warm-up and capture run the sampled round with no per-call sampling yet (CUDA capture
     did; the debug backend does not): its accept falls back to the greedy rule on the logits."""
     target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
-    program = round_program(target, gs.cache.rows(2), gs.draft, gs.draft.cache.rows(2), k, sampled=True,
-                            target_policy="full", draft_policy="full")
+    program = round_program(target, gs.cache, gs.draft, k, 2, sampled=True, target_policy="full",
+                            draft_policy="full")
     env = {name: t[:2] for name, t in gs.buffers.items()}
     env["live"].fill_(False)
     env["out"].fill_(-1)

@@ -40,6 +40,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from engine.graphs.runner import allocate
 from engine.program import run_steps
 
 
@@ -47,6 +48,10 @@ class FeatureKind(str, enum.Enum):
     none = "none"
     final = "final"  # target's final normed hidden states [b, t, hidden]
     aux = "aux"  # target's aux hidden states, concatenated [b, t, hidden * n_aux]
+
+
+# Where a round's env holds the verify's features of each kind (the target's program under "t.").
+FEATURE_KEYS = {FeatureKind.aux: "t.aux", FeatureKind.final: "t.hidden"}
 
 
 @dataclass
@@ -116,9 +121,7 @@ class DeviceDraft(Draft):
         if head.target_ref and head.target_ref[0].fused and not head.fused:
             head.use_fused_kernels()  # the target's fused kernels for the draft's layers too
         self.cache = head.new_cache(batch_size)
-        dev = next(head.parameters()).device
-        self.buf: dict[str, Tensor] = {name: torch.zeros((batch_size, *s.tail), dtype=s.dtype, device=dev)
-                                       for name, s in self.state_specs(k).items()}
+        self.buf: dict[str, Tensor] = allocate(self.state_specs(k), batch_size, next(head.parameters()).device)
 
     @property
     def attention_kernel(self) -> bool:
@@ -156,8 +159,7 @@ class DeviceDraft(Draft):
         emitted [b, k+1]: d_1..d_a then the bonus at index a (the rest is garbage); accepted [b] = a;
         feats [b, k+1, F] at positions L..L+k."""
         env = self._env(state)
-        key = "t.aux" if self.features == FeatureKind.aux else "t.hidden"
-        env.update({key: feats, "emitted": emitted, "accepted": accepted})
+        env.update({FEATURE_KEYS[self.features]: feats, "emitted": emitted, "accepted": accepted})
         run_steps(self.commit_steps(self.cache.rows(len(state.lengths)), emitted.shape[1] - 1), env)
 
 

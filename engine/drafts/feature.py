@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
+from engine.drafts.base import FEATURE_KEYS, DeviceDraft, FeatureKind, write_rows
 from engine.graphs.runner import InputSpec
 from engine.program import Step, merge_runs, run_steps, scoped
 
@@ -85,7 +85,7 @@ class FeatureDraft(DeviceDraft):
         def bind(env):
             emitted, accepted, live = env["emitted"], env["accepted"], env["live"]  # [b, k+1], [b], [b]
             steps = torch.arange(k + 1, device=emitted.device)
-            feats = env["t.aux"] if kind == FeatureKind.aux else env["t.hidden"]
+            feats = env[FEATURE_KEYS[kind]]
             env.update({"e.tokens": emitted, "e.hidden": feats, "e.positions": env["lengths"][:, None] + steps,
                         "e.valid": (steps[None] <= accepted[:, None]) & live[:, None]})
 

@@ -27,7 +27,7 @@ from engine.drafts.base import Draft
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, InputSpec, PhaseStats
 from engine.model import LlamaModel
-from engine.round import allocate, round_program, round_specs
+from engine.round import round_buffers, round_program, round_specs
 
 M = CaptureHiddenMode
 TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
@@ -73,8 +73,7 @@ class GraphSet:
         device_draft = self.draft if self.draft is not None and self.draft.on_device else None
         self.draft = device_draft
         k, sizes, h = self.num_steps, self.sizes, t.args.hidden_size
-        self.buffers = {**allocate(round_specs(k, None), self.batch_size, device),
-                        **(device_draft.buf if device_draft is not None else {})}
+        self.buffers = round_buffers(k, device_draft, self.batch_size, device)
         draft_policy = self.draft_policy if device_draft is not None else None
         policy = round_policy(self.target_policy, draft_policy)
         cuda = {self.target_policy, draft_policy} & NEEDS_CUDA
@@ -92,10 +91,8 @@ class GraphSet:
             for rk in self.round_ks:
                 for sampled in (False, True)[: 1 + self.sampled]:
                     def build(b, rk=rk, sampled=sampled):
-                        return round_program(t, self.cache.rows(b), device_draft,
-                                             device_draft.cache.rows(b) if device_draft is not None else None, rk,
-                                             sampled=sampled, target_policy=self.target_policy,
-                                             draft_policy=self.draft_policy)
+                        return round_program(t, self.cache, device_draft, rk, b, sampled=sampled,
+                                             target_policy=self.target_policy, draft_policy=self.draft_policy)
                     name = round_name(rk, sampled)
                     self.runners[name] = GraphRunner(name, policy, build, specs, ROUND_OUT, full,
                                                      [(b, rk + 1) for b in sizes], device, t.max_seq_len, meta,

@@ -57,6 +57,12 @@ class PhaseStats:
     buckets: list = field(default_factory=list)
 
 
+def allocate(specs: dict[str, InputSpec], rows: int, device) -> dict[str, Tensor]:
+    """Per-row buffers [rows, *tail] for specs (a round's state), at their pad value (0 without one)."""
+    return {name: torch.full((rows, *s.tail), 0 if s.pad is None else s.pad, dtype=s.dtype, device=device)
+            for name, s in specs.items()}
+
+
 class GraphStateError(RuntimeError):
     pass
 
