@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Make a head trained on the device the shipped EAGLE3 default:
 #   bash benchmarks/ship_head.sh FILES_DIR NAME
-# FILES_DIR holds what `HEADS=NAME bash benchmarks/device.sh collect` brought back (NAME_meta.tar with
-# config.json, README.md and training.json; NAME_model.safetensors.part*). The weights are put together,
+# FILES_DIR holds a trained head brought back from a GPU host (NAME_meta.tar with config.json,
+# README.md and training.json; NAME_model.safetensors.part*: the weights split under a transfer cap). The weights are put together,
 # drafted with once (CPU is enough), and replace engine/drafts/checkpoints/<shipped>/.
 # Then: python -m pytest -q tests/test_train_draft.py -k shipped, add the end-to-end rows to the card,
 # and commit the weights once.
