@@ -136,7 +136,7 @@ class SpecDecoder:
         self.device = model.lm_head.weight.device
         self.rounds, self.clock = 0, PhaseClock(self.device)
         self.runners: dict[tuple[int, bool], object] = {}  # (k, sampled) -> round runner
-        self.prefill_runner = None
+        self.prefill_runner, self.prefill_cache = None, None
         self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
         self.ks_used: Counter = Counter()  # rounds per k
         device_draft = draft if draft is not None and draft.on_device else None
@@ -149,7 +149,7 @@ class SpecDecoder:
             self.cache, self.buffers = graphs.cache, graphs.buffers
             self.runners = {(k, s): graphs.get(round_name(k, s)) for k in graphs.round_ks if k <= self.k
                             for s in (False, True) if graphs.get(round_name(k, s)) is not None}
-            self.prefill_runner = graphs.get("prefill")
+            self.prefill_runner, self.prefill_cache = graphs.get("prefill"), graphs.prefill_cache
             self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
             self.cache = model.new_cache(batch_size)
@@ -178,10 +178,13 @@ class SpecDecoder:
         self.ks_used.clear()
         self.clock.reset()
 
-    def prefill(self, prompts: list[list[int]], prompt_embeds, cache, use_graph: bool = True) -> Prefill:
-        """The target's prefill of `prompts` into `cache` (rows 0..b-1 of it: pass a row view to
-        prefill other rows). use_graph=False: eagerly (the prefill graph covers rows 0..b-1 only)."""
+    def prefill(self, prompts: list[list[int]], prompt_embeds, rows: Optional[slice] = None) -> Prefill:
+        """The target's prefill of `prompts` into cache rows `rows` (None: rows 0..b-1). Through the
+        prefill graphs where a bucket holds them: over the round cache's first rows, or over the graph
+        set's staging cache, whose KV then goes into `rows` (a server's join at any slot); else eagerly
+        (counted as a fallback when the graphs write the round cache)."""
         b, dev = len(prompts), self.device
+        sl = rows if rows is not None else slice(0, b)
         lens = [len(p) for p in prompts]
         width = max(lens)
         tokens = torch.zeros(b, width, dtype=torch.long)
@@ -190,22 +193,28 @@ class SpecDecoder:
         tokens = tokens.to(dev)
         positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
         valid = positions < torch.tensor(lens, device=dev)[:, None]
-        runner = self.prefill_runner if use_graph else None
+        runner, staged = self.prefill_runner, self.prefill_cache not in (None, self.cache)
+        if runner is not None and (staged and runner.bucket_for(b, width) is None or not staged and sl.start):
+            runner = None  # the staging rows do not hold it / the graphs write rows 0..b-1 of the round cache
         given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)
         embeds = None
-        if given or runner is not None:  # the piecewise prefill graph takes embeddings
+        if given or runner is not None:  # the prefill graphs take embeddings
             embeds = self.model.model.embed_tokens(tokens)  # [b, width, hidden]
             for i, e in enumerate(prompt_embeds or []):
                 if e is not None:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)
         live = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": embeds,
                 "logits_index": torch.tensor(lens, device=dev) - 1}
+        cache = self.cache.rows(sl)
         if runner is None:
             out = self.model(tokens, positions, cache, valid=valid, kv_len=width, input_embeds=embeds,
                              logits_index=live["logits_index"])
         else:
             got, _ = runner(live, width, self.mode)
             out = ForwardOutput(got["logits"], got.get("hidden"), got.get("aux"), got.get("embeds"))
+            if staged:  # [layers, b, kv_heads, width, head_dim] of KV into the request's rows
+                cache.k[:, :, :, :width].copy_(self.prefill_cache.k[:, :b, :, :width])
+                cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
         return Prefill(out, tokens, valid, embeds if given else None)
 
     def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
@@ -332,14 +341,13 @@ class Generator(SpecDecoder):
         if min(lens) == 0:
             raise ValueError("empty prompt")
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
-        cache = self.cache.rows(b)
         stop = frozenset() if params.ignore_eos else stop_ids
         sampling = RowSampling.uniform(params, generator)
         state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
                           row_ids if row_ids is not None else list(range(b)), self.device)
 
         t0 = time.perf_counter()
-        pre = self.prefill(prompts, prompt_embeds, cache)
+        pre = self.prefill(prompts, prompt_embeds)
         last = sample(pre.out.logits[:, -1], sampling)  # [b]
         self.begin(state, pre, last)
         if k == 0 and sync_every > 1:

@@ -283,7 +283,7 @@ class Scheduler:
         """Prefill `reqs` into slots start..start+m-1 (target, then draft), and emit their first tokens."""
         t0, m, st = time.perf_counter(), len(reqs), self.state
         rows = slice(start, start + m)
-        pre = self.dec.prefill([r.prompt for r in reqs], None, self.cache.rows(rows), use_graph=False)
+        pre = self.dec.prefill([r.prompt for r in reqs], None, rows)
         sampling = RowSampling.per_row([r.temperature for r in reqs], [r.top_p for r in reqs],
                                        [r.generator for r in reqs], self.device, self.generator)
         first = sample(pre.out.logits[:, -1], sampling)  # [m]

@@ -121,7 +121,7 @@ class GraphConfig:
     # Batch sizes to capture (decode, verify, draft step/extend); null: 1, 2, 4, ... up to max_batch_size.
     capture_sizes: Optional[list[int]] = None
     max_batch_size: Optional[int] = None  # null: eval.batch_size (task=serve: serve.max_batch_size)
-    # piecewise: prompt-length buckets for the target prefill (longer prompts prefill eagerly).
+    # Prompt-length buckets of the target's prefill graphs (longer prompts prefill eagerly); [] for none.
     prefill_buckets: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
 
     @property

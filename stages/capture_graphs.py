@@ -104,8 +104,9 @@ class CaptureGraphsStage(Stage):
         line = (f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
                 f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), rounds of k in {round_ks(cfg, k)}"
                 f"{' (adaptive k)' if adaptive_k(cfg) else ''}, largest first, one memory pool")
-        if cfg.graph.target == "piecewise":
-            line += f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens"
+        if cfg.graph.target != "none" and cfg.graph.prefill_buckets:
+            line += (f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens"
+                     + (" (one request at a time, into a staging row)" if cfg.task == "serve" else ""))
         return line
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
@@ -122,7 +123,7 @@ class CaptureGraphsStage(Stage):
             target, draft, batch, k, cfg.graph.target, cfg.graph.draft if plan is not None else "none",
             capture_sizes(cfg), [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
             features=plan is not None and plan.features.value != "none", sampled=samples(cfg),
-            round_ks=round_ks(cfg, k),
+            round_ks=round_ks(cfg, k), prefill_rows=1 if cfg.task == "serve" else None,
         ).capture()
         m = graphs.metrics()
         if env.tracker is not None:

@@ -236,6 +236,45 @@ def test_hazard_8_input_embeds_survive_piecewise_replay(policy):
     assert torch.allclose(out["logits"], ref.logits, atol=1e-4)
 
 
+@pytest.mark.parametrize("policy", ["debug"] + (["full", "breakable"] if CUDA else []))
+@pytest.mark.parametrize("staging", [None, 1])
+def test_prefill_graphs_under_every_policy_and_into_any_row(policy, staging):
+    """The prefill graphs exist under every policy. Without staging they write rows 0..b-1 of the round
+    cache (an eval batch); with a staging row (a server) a prompt joins at any slot: the graph runs over
+    the staging cache and the KV is copied into the slot. Either way logits, features and the KV of the
+    rows written equal an eager prefill, the other rows' slots are untouched, and a prompt no bucket holds
+    prefills eagerly."""
+    device = "cuda" if policy != "debug" else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    gs = GraphSet(target, None, 3, 0, policy, "none", [1, 2, 3], [8, 16], features=True,
+                  prefill_rows=staging).capture()
+    dec = Generator(target, 3, graphs=gs)
+    dec.mode = M.FULL  # the features too, as for a draft that reads them
+    runner = gs.get("prefill")
+    for prompts, rows, replayed in [([[5, 7, 11, 13, 17]], slice(2, 3) if staging else None, True),
+                                    ([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]], None, not staging),
+                                    ([list(range(1, 20))], slice(1, 2) if staging else None, False)]:
+        sl = rows or slice(0, len(prompts))
+        dec.cache.k.fill_(0.5)
+        before, replays = dec.cache.k.clone(), runner.stats.replays
+        pre = dec.prefill(prompts, None, rows)
+        assert (runner.stats.replays == replays + 1) == replayed
+        ref_cache = target.new_cache(3)
+        ref = target(pre.tokens, torch.arange(pre.tokens.shape[1], device=device).expand_as(pre.tokens),
+                     ref_cache.rows(sl), valid=pre.valid, kv_len=pre.tokens.shape[1],
+                     logits_index=pre.valid.sum(1) - 1)
+        assert torch.allclose(pre.out.logits, ref.logits, atol=1e-4)
+        valid = pre.valid[..., None]
+        assert torch.allclose(pre.out.hidden_states * valid, ref.hidden_states * valid, atol=1e-4)
+        for i, n in enumerate(len(p) for p in prompts):
+            row = sl.start + i
+            assert torch.allclose(dec.cache.k[:, row, :, :n], ref_cache.k[:, row, :, :n], atol=1e-4)
+        others = [r for r in range(3) if not sl.start <= r < sl.stop]  # (padding rows write the dummy slot)
+        assert torch.equal(dec.cache.k[:, others, :, :-1], before[:, others, :, :-1])
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_9_sampling_inside_a_graph_draws_anew(policy):
     device = torch.device("cuda" if policy != "debug" else "cpu")

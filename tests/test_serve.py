@@ -321,6 +321,7 @@ def test_models_health_and_metrics(servers):
     assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {f"specpipe_accept_rate{{position={i}}}"
                                                                       for i in range(3)}
     assert m["specpipe_graph_replays_total{phase=round_k3}"] > 0  # greedy rounds: every one replayed
+    assert m["specpipe_graph_replays_total{phase=prefill}"] > 0  # a join prefills through a staging row's graphs
     for phase in ("round_k3", "round_k3_sampled"):  # none ran eagerly
         assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
 

@@ -7,7 +7,11 @@ Phases (bucket = (rows, tokens per row)):
                         extend, one graph each; k = 0 is the plain decode step (the no-draft baseline)
     round_k{k}_sampled  the same with rejection sampling at the accept (an eager break), captured when
                         the run samples (eval temperature > 0, a server)
-    prefill        target, [max_batch, T] per prefill bucket T; piecewise only; FULL for EAGLE drafts
+    prefill             the target's prefill, [R, T] per prompt-length bucket T: captured segments
+                        between SDPA attention breaks (piecewise) under every CUDA policy, debug under
+                        debug; FULL for drafts that read features. R = max_batch over the round cache
+                        (a batch prefills rows 0..b-1), or `prefill_rows` over a staging cache of its
+                        own (a server: a request joins at any slot; its KV is copied there)
 
 Policies are per side: the target's steps follow `target_policy`, a device draft's `draft_policy`
 (engine/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
@@ -65,6 +69,7 @@ class GraphSet:
     features: bool  # the draft reads target hidden states: verify/prefill capture FULL
     sampled: bool = False  # also capture the rounds with rejection sampling
     round_ks: Optional[list[int]] = None  # the k of each captured round (None: num_steps alone)
+    prefill_rows: Optional[int] = None  # prefill graphs over a staging cache of this many rows (None: the round cache)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
 
     def __post_init__(self):
@@ -97,12 +102,17 @@ class GraphSet:
                     self.runners[name] = GraphRunner(name, policy, build, specs, ROUND_OUT, full,
                                                      [(b, rk + 1) for b in sizes], device, t.max_seq_len, meta,
                                                      self.pool, buffers=self.buffers)
-        if self.target_policy == "piecewise":
+        self.prefill_cache = None  # the cache the prefill graphs write: the round cache, or a staging one
+        if self.target_policy != "none" and self.prefill_buckets:
+            rows = self.prefill_rows or self.batch_size
+            self.prefill_cache = self.cache if self.prefill_rows is None else t.new_cache(rows)
+            backend = "piecewise" if self.target_policy in NEEDS_CUDA else self.target_policy
             inputs = {**_token_inputs(), "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
                       "logits_index": InputSpec((), torch.long, 0, per_row=True)}
             self.runners["prefill"] = GraphRunner(
-                "prefill", "piecewise", lambda b: t.program(self.cache.rows(b), embeds_input=True, logits_at_index=True),
-                inputs, TARGET_OUT, full, [(self.batch_size, n) for n in self.prefill_buckets], device,
+                "prefill", backend,
+                lambda b: t.program(self.prefill_cache.rows(b), embeds_input=True, logits_at_index=True),
+                inputs, TARGET_OUT, full, [(rows, n) for n in self.prefill_buckets], device,
                 t.max_seq_len, lambda: {"aux_layer_ids": t.aux_layer_ids}, self.pool)
 
     def capture(self) -> "GraphSet":
