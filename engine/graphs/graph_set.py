@@ -7,11 +7,12 @@ Phases (bucket = (rows, tokens per row)):
                         extend, one graph each; k = 0 is the plain decode step (the no-draft baseline)
     round_k{k}_sampled  the same with rejection sampling at the accept (an eager break), captured when
                         the run samples (eval temperature > 0, a server)
-    prefill             the target's prefill, [R, T] per prompt-length bucket T: captured segments
-                        between SDPA attention breaks (piecewise) under every CUDA policy, debug under
-                        debug; FULL for drafts that read features. R = max_batch over the round cache
-                        (a batch prefills rows 0..b-1), or `prefill_rows` over a staging cache of its
-                        own (a server: a request joins at any slot; its KV is copied there)
+    prefill             the target's prefill, [R, T] per prompt-length bucket T, under every CUDA
+                        policy: one graph with the Triton attention, else captured segments between
+                        SDPA attention breaks (piecewise); debug under debug; FULL for drafts that
+                        read features. R = max_batch over the round cache (a batch prefills rows
+                        0..b-1), or `prefill_rows` over a staging cache of its own (a server: a
+                        request joins at any slot; its KV is copied there)
 
 Policies are per side: the target's steps follow `target_policy`, a device draft's `draft_policy`
 (engine/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
@@ -106,7 +107,10 @@ class GraphSet:
         if self.target_policy != "none" and self.prefill_buckets:
             rows = self.prefill_rows or self.batch_size
             self.prefill_cache = self.cache if self.prefill_rows is None else t.new_cache(rows)
-            backend = "piecewise" if self.target_policy in NEEDS_CUDA else self.target_policy
+            # the Triton attention reads each row's live length on the device: one graph per bucket;
+            # SDPA must see the live kv_len: captured segments between eager attention breaks
+            backend = (("full" if t.attention_kernel else "piecewise") if self.target_policy in NEEDS_CUDA
+                       else self.target_policy)
             inputs = {**_token_inputs(), "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
                       "logits_index": InputSpec((), torch.long, 0, per_row=True)}
             self.runners["prefill"] = GraphRunner(
