@@ -96,6 +96,7 @@ class ServeStats:
     row_rounds: int = 0  # live rows verified, summed over rounds
     accepted_tokens: int = 0  # draft tokens accepted, summed over row rounds
     accepted_at: list[int] = field(default_factory=list)  # [k]: row rounds whose draft token i was accepted
+    drafted_at: list[int] = field(default_factory=list)  # [k]: row rounds that drafted token i (adaptive k: not all)
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per draft tokens (adaptive k)
     last_k: int = 0  # the last round's draft tokens
     prefills: int = 0  # joint prefills (one per group of requests joining together)
@@ -110,7 +111,8 @@ class ServeStats:
         return (self.accepted_tokens + self.row_rounds) / self.row_rounds if self.row_rounds else float("nan")
 
     def accept_rates(self) -> list[float]:
-        return [a / self.row_rounds if self.row_rounds else float("nan") for a in self.accepted_at]
+        """Per draft position: the share of the row rounds that drafted it in which it was accepted."""
+        return [a / n if n else float("nan") for a, n in zip(self.accepted_at, self.drafted_at)]
 
 
 class Scheduler:
@@ -128,7 +130,7 @@ class Scheduler:
                                list(range(num_slots)), self.device)
         self._live_changed = True  # slots left since the last round: their live flags go to the device
         self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
-        self.stats = ServeStats(accepted_at=[0] * self.k)
+        self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
         self.waiting: deque[GenerationRequest] = deque()
         self._cv = threading.Condition()
         self._closing = self._stop = False
@@ -334,6 +336,8 @@ class Scheduler:
             req.accepts.append(a)
             stats.row_rounds += 1
             stats.accepted_tokens += a
+            for p in range(r.k):
+                stats.drafted_at[p] += 1
             for p in range(a):
                 stats.accepted_at[p] += 1
             if req.cancelled:

@@ -500,3 +500,19 @@ def test_max_queue_counts_requests_beyond_the_free_slots():
     with pytest.raises(QueueFull, match="serve.max_queue=0"):
         sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
     sched.close(drain=False)
+
+
+def test_accept_rates_count_only_the_rounds_that_drafted_the_position():
+    """With adaptive k a round drafts fewer positions than k: a position's rate is over the row rounds
+    that drafted it (10 rounds of k = 1, then 10 of k = 3 accepting 2 each)."""
+    from engine.scheduler import ServeStats
+
+    st = ServeStats(accepted_at=[0, 0, 0], drafted_at=[0, 0, 0])
+    for k, a in [(1, 1)] * 10 + [(3, 2)] * 10:
+        st.row_rounds += 1
+        st.accepted_tokens += a
+        for p in range(k):
+            st.drafted_at[p] += 1
+        for p in range(a):
+            st.accepted_at[p] += 1
+    assert st.accept_rates() == [1.0, 1.0, 0.0]  # over all row rounds: [1.0, 0.5, 0.0]
