@@ -53,8 +53,12 @@ def read_question_jsonl(path: Path) -> list[Prompt]:
                 embeds = q.get("input_embeds")
                 if embeds is not None and ids is None:
                     raise KeyError("input_embeds needs prompt_token_ids of the same length")
+                turns = q.get("turns")
+                has_turn = isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()
+                if ids is None and not has_turn:  # else the model would answer an empty prompt
+                    raise KeyError("turns: a non-empty first user message (or prompt_token_ids)")
                 prompts.append(Prompt(
-                    str(q["question_id"]), q["turns"][0] if q.get("turns") else "", q.get("category", ""),
+                    str(q["question_id"]), turns[0] if has_turn else "", q.get("category", ""),
                     tuple(ids) if ids is not None else None,
                     str((path.parent / embeds).resolve()) if embeds is not None else None,
                 ))
@@ -95,6 +99,9 @@ def check_dataset(name: str) -> None:
     if name not in DATASETS and not Path(name).expanduser().is_file():
         raise ConfigError("eval.dataset", name, "neither a registered prompt set nor an existing file",
                           [*sorted(DATASETS), "a path to a question.jsonl file"])
+    if name not in DATASETS:  # parse every record now: a bad line fails the plan, before weights load
+        if not read_question_jsonl(Path(name).expanduser()):
+            raise ConfigError("eval.dataset", name, "holds no prompts", "a non-empty question.jsonl")
 
 
 def load_prompts(name: str, limit: int | None = None) -> list[Prompt]:

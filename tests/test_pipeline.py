@@ -110,6 +110,18 @@ def test_cli_bad_input_is_one_clear_error(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
+def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
+    """A record with no (or an empty) first turn would be answered as an empty prompt: the plan refuses
+    the file, naming the line, before any weights load and without an MLflow run."""
+    qs = tmp_path / "question.jsonl"
+    qs.write_text(json.dumps({"question_id": 1, "turns": ["Say 1"]}) + "\n"
+                  + json.dumps({"question_id": 2, "turns": [""]}) + "\n")
+    p = _cli("model=tiny", f"eval.dataset={qs}", "device=cpu", outputs=outputs)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "line 2 is not a question record" in p.stderr and "turns" in p.stderr
+    assert "[load]" not in p.stdout and not (outputs / "mlflow.db").exists()
+
+
 def test_cli_compare(outputs):
     run(compose_cfg(*TINY, "experiment_name=clicmp"))
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
