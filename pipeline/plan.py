@@ -157,6 +157,8 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
 
     env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs or outputs_dir(), target_args=target_args,
                    draft_plan=draft)
+    if draft is not None and draft.random_weights and cfg.task != "train_draft":
+        env.notes.append(draft.random_weights_warning())
     stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]
     for s in stage_list:
         try:

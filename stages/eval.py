@@ -286,9 +286,12 @@ class EvalStage(Stage):
 
 def summary_table(cfg, env: StageEnv, metrics: dict[str, float]) -> str:
     rows = [("model", cfg.model.name), ("device", f"{env.device} {str(env.dtype).removeprefix('torch.')}"),
-            ("draft", f"{cfg.draft.algorithm}" + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")),
+            ("draft", f"{cfg.draft.algorithm}" + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")
+             + (" (random weights)" if env.draft_plan is not None and env.draft_plan.random_weights else "")),
             ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"), ("batch size", cfg.eval.batch_size)]
     rows += [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in metrics.items() if k != "num_prompts"]
     width = max(len(str(k)) for k, _ in rows)
     line = "-" * (width + 24)
-    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line])
+    plan = env.draft_plan
+    warning = [f"WARNING: {plan.random_weights_warning()}"] if plan is not None and plan.random_weights else []
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line, *warning])

@@ -145,9 +145,12 @@ def test_wrong_architecture_and_missing_checkpoint(tmp_path, outputs):
 
 
 # ------------------------------------------------------------------------------------------ pipeline
-def test_eagle3_job_is_tracked_with_draft_metrics(outputs):
+def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
     ctx = run(compose_cfg("+experiment=eagle3", *TINY, "draft.init=random", "draft.aux_layer_ids=[1,2,3]",
                           "draft.num_steps=2", "eval.batch_size=2"))
+    summary = capsys.readouterr().out  # the end-of-run table says the head is random, and what to run instead
+    assert "eagle3 k=2 (random weights)" in summary and "WARNING: the eagle3 head has RANDOM WEIGHTS" in summary
+    assert "+experiment=train_eagle3_smollm2" in summary
     m = ctx["eval_results"]["metrics"]
     assert m["match_baseline"] == 1.0 and 1.0 <= m["accept_length"] <= 3.0
     (r,) = runs_of(outputs, "eagle3")

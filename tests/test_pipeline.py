@@ -110,6 +110,22 @@ def test_cli_bad_input_is_one_clear_error(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
+def test_the_plan_names_the_head_and_warns_of_random_weights(outputs):
+    """dry_run names the checkpoint a draft loads (the shipped EAGLE3 head by default); a draft with random
+    weights is called out in the plan with the recipe that trains one, and not in a training run."""
+    shipped = _cli("+experiment=eagle3", "dry_run=true", "device=cpu", outputs=outputs)
+    assert shipped.returncode == 0, shipped.stderr[-2000:]
+    assert "checkpoints/smollm2-135m-instruct-eagle3" in shipped.stdout and "RANDOM" not in shipped.stdout
+    mtp = _cli("+experiment=mtp", "dry_run=true", "device=cpu", outputs=outputs)
+    assert mtp.returncode == 0, mtp.stderr[-2000:]
+    assert "RANDOM-WEIGHT head" in mtp.stdout
+    assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp.stdout
+    assert "+experiment=train_mtp_smollm2" in mtp.stdout
+    train = _cli("+experiment=train_mtp_smollm2", "dry_run=true", "device=cpu", outputs=outputs)
+    assert train.returncode == 0, train.stderr[-2000:]
+    assert "RANDOM WEIGHTS" not in train.stdout
+
+
 def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
     """A record with no (or an empty) first turn would be answered as an empty prompt: the plan refuses
     the file, naming the line, before any weights load and without an MLflow run."""

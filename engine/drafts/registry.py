@@ -28,6 +28,9 @@ from engine.model import LlamaModel, ModelArgs, init_normal_
 
 INITS = ("checkpoint", "random")
 LM_HEADS = ("own", "target")  # draft.lm_head of a random-init EAGLE3 head
+# The shipped recipe that trains each algorithm's head (conf/experiment/train_<...>.yaml).
+TRAIN_RECIPES = {"eagle3": "+experiment=train_eagle3_smollm2", "multi_layer_eagle": "+experiment=train_mtp_smollm2",
+                 "dflash": "+experiment=train_dflash_smollm2"}
 
 
 @dataclass(frozen=True)
@@ -38,12 +41,23 @@ class DraftPlan:
     head_config: Optional[dict] = None  # EAGLE-family: the head's config.json
     checkpoint: Optional[HeadCheckpoint] = None
 
+    @property
+    def random_weights(self) -> bool:
+        """A draft with weights (EAGLE family, multi-layer, DFlash) and no checkpoint: random init."""
+        return self.checkpoint is None and self.head_config is not None
+
+    def random_weights_warning(self) -> str:
+        recipe = TRAIN_RECIPES.get(self.algorithm, f"task=train_draft draft={self.algorithm}")
+        return (f"the {self.algorithm} head has RANDOM WEIGHTS (draft.init=random): its accept_length and speedup "
+                f"measure plumbing and timing, not the algorithm. Train one with `python -m pipeline {recipe}`, "
+                "or point draft.path at a trained checkpoint with draft.init=checkpoint")
+
     def describe(self) -> str:
         parts = [self.algorithm]
         if self.checkpoint is not None:
             parts.append(f"checkpoint {self.checkpoint.path}")
         elif self.head_config is not None:
-            parts.append("random-init head")
+            parts.append("RANDOM-WEIGHT head")
         if self.head_config is not None and "block_size" in self.head_config:
             parts.append(f"block {self.head_config['block_size']} (mask token {self.head_config['mask_token_id']}), "
                          f"{self.head_config['num_hidden_layers']} layers")
