@@ -611,10 +611,9 @@ def test_bad_train_config_is_one_clear_error(outputs, override, key):
 SHIPPED = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints" / "smollm2-135m-instruct-eagle3"
 
 
-def test_shipped_head_fits_the_budget_and_has_a_model_card():
+def test_shipped_head_has_a_config_and_a_model_card():
     files = {p.name: p.stat().st_size for p in SHIPPED.iterdir()}
-    assert {"config.json", "model.safetensors", "README.md"} <= set(files)
-    assert sum(files.values()) <= 20_000_000
+    assert {"config.json", "model.safetensors", "README.md"} <= set(files)  # the size budget: test_storage
     cfg = json.loads((SHIPPED / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["target_hidden_size"] == 576
     card = (SHIPPED / "README.md").read_text()

@@ -33,10 +33,10 @@ from pathlib import Path
 from typing import Any, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from engine.drafts.storage import SCALE_SUFFIX, read_state
 from engine.errors import ConfigError
 from engine.model import (MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, fuse_gate_up, fuse_linears,
                           rope_tables)
@@ -379,11 +379,11 @@ class HeadCheckpoint:
         if arch != architecture:
             raise ConfigError("draft.path", path, f"architecture {arch!r} does not match the draft algorithm",
                               architecture)
-        return cls(p, cfg, safetensors_shapes(p / "model.safetensors"))
+        shapes = safetensors_shapes(p / "model.safetensors")  # fp8 storage: each weight's scale dropped
+        return cls(p, cfg, {k: v for k, v in shapes.items() if not k.endswith(SCALE_SUFFIX)})
 
     def load_into(self, head: _Head) -> _Head:
-        with safe_open(str(self.path / "model.safetensors"), framework="pt") as f:
-            state = {k: f.get_tensor(k) for k in f.keys() if not k.startswith("embed_tokens")}
+        state = {k: v for k, v in read_state(self.path / "model.safetensors").items() if not k.startswith("embed_tokens")}
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ConfigError("draft.path", str(self.path), f"tensors do not match: missing {missing[:4]}, "
