@@ -168,6 +168,10 @@ class _Head(nn.Module):
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""
         return draft_ids
 
+    def card_objective(self, f: dict) -> str:
+        """The model card's training objective (heads trained with training-time test)."""
+        return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
+
     def save(self, path: str | Path) -> None:
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
@@ -185,7 +189,6 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(args, 0, in_features=2 * h)
         self.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.mlp = MLP(args)
-
 
 
 class Eagle3Head(_Head):
@@ -275,10 +278,6 @@ class Eagle3Head(_Head):
                 f"target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
                 f"{vocab}")
 
-    def card_objective(self, f: dict) -> str:
-        return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
-
-
 
 class EagleHead(_Head):
     architecture = "LlamaForCausalLMEagle"
@@ -330,6 +329,13 @@ class EagleHead(_Head):
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(h)
         env["ids"] = env["logits"].argmax(-1)
+
+    def card_summary(self, f: dict) -> str:
+        """The model card's description (stages/train_draft.py writes the card)."""
+        return (f"A one-layer EAGLE head in the EAGLE reference layout (`{self.architecture}`: `fc` over the next "
+                "token's embedding and the target's final hidden state, then `layers.0.*`, a decoder layer without "
+                "an input norm). It predicts the next feature, which the target's lm_head reads. The token "
+                "embedding and the lm_head are the target's and are not stored here.")
 
 
 # ------------------------------------------------------------------------------------- configs

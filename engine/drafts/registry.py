@@ -30,7 +30,7 @@ INITS = ("checkpoint", "random")
 LM_HEADS = ("own", "target")  # draft.lm_head of a random-init EAGLE3 head
 # The shipped recipe that trains each algorithm's head (conf/experiment/train_<...>.yaml).
 TRAIN_RECIPES = {"eagle3": "+experiment=train_eagle3_smollm2", "multi_layer_eagle": "+experiment=train_mtp_smollm2",
-                 "dflash": "+experiment=train_dflash_smollm2"}
+                 "dflash": "+experiment=train_dflash_smollm2", "eagle": "+experiment=train_eagle_smollm2"}
 
 
 @dataclass(frozen=True)
@@ -47,7 +47,7 @@ class DraftPlan:
         return self.checkpoint is None and self.head_config is not None
 
     def random_weights_warning(self) -> str:
-        recipe = TRAIN_RECIPES.get(self.algorithm, f"task=train_draft draft={self.algorithm}")
+        recipe = TRAIN_RECIPES[self.algorithm]
         return (f"the {self.algorithm} head has RANDOM WEIGHTS (draft.init=random): its accept_length and speedup "
                 f"measure plumbing and timing, not the algorithm. Train one with `python -m pipeline {recipe}`, "
                 "or point draft.path at a trained checkpoint with draft.init=checkpoint")

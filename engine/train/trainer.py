@@ -37,6 +37,7 @@ from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
 from engine.train.eagle3 import (TRITON_OPS, chain_acceptance, chain_lengths, round_weights, simulated_loop,
                                  ttt_attention_flex, ttt_forward, ttt_loss)
+from engine.train.eagle import eagle_forward
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
@@ -66,6 +67,7 @@ class TrainSpec:
 TRAIN_SPECS: dict[str, TrainSpec] = {
     "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, forward_ops=True),
     "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
+    "eagle": TrainSpec(FeatureKind.final, eagle_forward, flex_attention=True, forward_ops=True),
     "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
 }
 
