@@ -17,7 +17,7 @@ plain Python; each round has one device->host copy of the emitted tokens, which 
 round (propose -> verify -> commit -> advance the host state) over a batch of rows. Two callers drive it:
 
     Generator.generate   eval: a batch of prompts from prefill to the last token (below)
-    engine.scheduler     serve: a fixed set of slots that requests join and leave between rounds
+    engine.serve.scheduler     serve: a fixed set of slots that requests join and leave between rounds
 
 so served outputs at temperature 0 are the eval outputs, token for token.
 """

@@ -261,7 +261,7 @@ def resolve_kernels(cfg, device: torch.device) -> tuple[bool, bool]:
     kernels need CUDA, or TRITON_INTERPRET=1 (the interpreter, for tests)."""
     import os
 
-    from kernels.decode_attention import triton
+    from kernels.runtime import triton
 
     if cfg.attention not in ATTENTION:
         raise ConfigError("model.attention", cfg.attention, "unknown attention implementation", ATTENTION)

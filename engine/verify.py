@@ -27,19 +27,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.sampling import RowSampling, SamplingParams, as_rows, probs_from_logits
+from kernels.accept import accept_greedy_reference as accept_greedy  # the greedy rule (plain torch)
 
 
 def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
     return accept_greedy(logits.argmax(-1), draft)
-
-
-def accept_greedy(target: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-    """target [b, k+1]: the target's argmax at each verified position; draft [b, k] -> (a [b], bonus [b])."""
-    if draft.shape[1] == 0:  # plain decoding: the argmax, nothing to accept (fewer launches per step)
-        bonus = target[:, 0]  # [b]
-        return torch.zeros_like(bonus), bonus
-    accepted = (draft == target[:, :-1]).int().cumprod(1).sum(1)  # [b]
-    return accepted, target.gather(1, accepted[:, None])[:, 0]
 
 
 def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams | RowSampling,

@@ -9,7 +9,7 @@
     advance(lengths, last, live, accepted, bonus)
         lengths += a + 1 and last = bonus, for live rows only (in place)
 
-One program per row. The plain-torch definitions (`engine.verify.accept_greedy`, `advance_reference`)
+One program per row. The plain-torch definitions (`accept_greedy_reference`, `advance_reference`)
 are what the kernels are tested against (TRITON_INTERPRET=1 on CPU, and on the GPU); they cost ten
 and four small launches.
 """
@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl
@@ -50,15 +50,23 @@ if triton is not None:
         tl.store(LAST + r, tl.where(live, tl.load(BONUS + r, mask=m, other=0), last), mask=m)
 
 
+def accept_greedy_reference(target: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
+    """target [b, k+1]: the target's argmax at each verified position; draft [b, k] -> (a [b], bonus [b]):
+    the longest prefix of the draft the target agrees with, and the target's token after it."""
+    if draft.shape[1] == 0:  # plain decoding: the argmax, nothing to accept (fewer launches per step)
+        bonus = target[:, 0]  # [b]
+        return torch.zeros_like(bonus), bonus
+    accepted = (draft == target[:, :-1]).int().cumprod(1).sum(1)  # [b]
+    return accepted, target.gather(1, accepted[:, None])[:, 0]
+
+
 def accept_greedy(target: Tensor, draft: Tensor, out: Tensor) -> tuple[Tensor, Tensor]:
     """See the module docstring; -> (accepted [b] (a view of out), bonus [b])."""
     b, k1 = target.shape
     k = k1 - 1
     assert draft.shape == (b, k) and out.shape[0] == b and out.shape[1] >= k + 2
     if triton is None:
-        from engine.verify import accept_greedy as reference
-
-        accepted, bonus = reference(target, draft)
+        accepted, bonus = accept_greedy_reference(target, draft)
         write_out_reference(draft, accepted, bonus, out)
         return out[:, 0], bonus
     bonus = torch.empty(b, dtype=torch.long, device=target.device)

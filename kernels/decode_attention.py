@@ -54,7 +54,6 @@ TRITON_INTERPRET=1 on CPU, and on the GPU).
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -62,11 +61,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-try:
-    import triton
+from kernels.runtime import triton
+
+if triton is not None:
     import triton.language as tl
-except ImportError:  # CPU builds without triton: the reference path only
-    triton = None
 
 MAX_SPLITS = 32
 SMALL_T = 16  # t up to this (decode, verify, draft steps) takes row tiles of 16, longer t (prefill) of MAX_ROWS
@@ -158,13 +156,6 @@ if triton is not None:
         o = tl.load(o_ptr, mask=sp[:, None] < NUM_SPLITS, other=0.0)  # [SPLITS_P2, D]
         out = tl.sum(o * wt[:, None], 0) / tl.maximum(tl.sum(wt, 0), 1e-30)  # [D]
         tl.store(OUT + b * s_ob + h * s_oh + i * s_ot + d, out.to(OUT.dtype.element_ty))
-
-
-@functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 132  # the interpreter: an H100 / H200's count, so CPU tests see the GPU's split counts
 
 
 def num_splits_for(slots: int, block_n: int) -> int:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl

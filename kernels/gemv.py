@@ -87,7 +87,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 from kernels.fused import add_rmsnorm_reference, silu_mul_reference
 
 if triton is not None:

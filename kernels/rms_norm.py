@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 from kernels.fused import add_rmsnorm_reference
 
 if triton is not None:

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 from kernels.fused import rotate_half
 
 if triton is not None:

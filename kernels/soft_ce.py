@@ -27,7 +27,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl

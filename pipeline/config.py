@@ -38,6 +38,12 @@ class DType(str, Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
 
+    def torch(self):
+        """The torch dtype (not for `auto`, which the plan resolves per device)."""
+        import torch
+
+        return getattr(torch, self.value)
+
 
 @dataclass
 class RandomArchConfig:

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+PARENT_ENV = "SPECPIPE_PARENT_RUN_ID"  # set for the jobs of a Hydra sweep: the parent MLflow run
 
 
 def outputs_dir() -> Path:

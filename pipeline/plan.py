@@ -28,9 +28,6 @@ from pipeline.paths import outputs_dir
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
 
-DTYPES = {DType.float32: torch.float32, DType.bfloat16: torch.bfloat16, DType.float16: torch.float16}
-
-
 class PlanError(Exception):
     """One or more ConfigErrors found while planning; the message lists them all."""
 
@@ -51,7 +48,7 @@ def resolve_device(device: Device) -> torch.device:
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     if dtype == DType.auto:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return DTYPES[dtype]
+    return dtype.torch()
 
 
 def resolve_stage_names(cfg: RunConfig, draft: DraftPlan | None) -> list[str]:

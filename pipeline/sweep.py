@@ -15,7 +15,7 @@ from typing import Any
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
-PARENT_ENV = "SPECPIPE_PARENT_RUN_ID"
+from pipeline.paths import PARENT_ENV
 
 
 class SweepParentRun(Callback):

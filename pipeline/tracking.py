@@ -12,7 +12,6 @@ fluent state), so tests can point a tracker at a temporary store.
 from __future__ import annotations
 
 import os
-import platform
 import subprocess
 import tempfile
 from pathlib import Path
@@ -21,8 +20,8 @@ from typing import Any, Optional
 import torch
 
 from pipeline.config import RunConfig, flatten, to_yaml
-from pipeline.paths import REPO
-from pipeline.sweep import PARENT_ENV
+from pipeline.paths import PARENT_ENV, REPO
+from stages.base import device_name
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
 
@@ -42,12 +41,6 @@ def git_sha() -> str:
         return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
-
-
-def device_name(device: torch.device) -> str:
-    if device is not None and device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 class Tracker:

@@ -16,6 +16,7 @@ provides, so the contract the plan validated is the contract that runs.
 
 from __future__ import annotations
 
+import platform
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Optional
@@ -25,6 +26,13 @@ import torch
 from engine.drafts.registry import DraftPlan
 from engine.model import ModelArgs
 from pipeline.config import RunConfig
+
+
+def device_name(device: Optional[torch.device]) -> str:
+    """The device in words (MLflow's `device` tag, a model card's "trained on")."""
+    if device is not None and device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()})"
 
 
 @dataclass

@@ -3,12 +3,12 @@
     load -> configure_aux_capture -> capture_graphs -> serve
 
 The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
-graphs), the continuous-batching scheduler (engine/scheduler.py: the same draft-and-verify round as
-eval) and the HTTP app (engine/openai_server.py), and serves on `serve.host:serve.port` until Ctrl-C,
+graphs), the continuous-batching scheduler (engine/serve/scheduler.py: the same draft-and-verify round as
+eval) and the HTTP app (engine/serve/openai_server.py), and serves on `serve.host:serve.port` until Ctrl-C,
 which lets in-flight requests finish before the stage returns and the MLflow run closes normally.
 
 The draft proposes greedily whatever the request's temperature (lossless either way, see
-engine/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
+engine/serve/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
 
 Logs at the end: `requests`, `requests_<finish_reason>`, `prompt_tokens`, `generated_tokens`,
 `tokens_per_s` (generated over the time from the first request to the last), `accept_length`,
@@ -26,8 +26,8 @@ from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
 from engine.errors import ConfigError
 from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
-from engine.openai_server import ApiLimits, OpenAIApp, OpenAIServer
-from engine.scheduler import Scheduler, ServeStats
+from engine.serve.openai_server import ApiLimits, OpenAIApp, OpenAIServer
+from engine.serve.scheduler import Scheduler, ServeStats
 from stages.base import Stage, StageEnv, register_stage
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")

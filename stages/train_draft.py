@@ -40,10 +40,10 @@ from engine.train.data import VocabMap, load_samples, save_samples, split, synth
 from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
 from engine.train.vocab import fit_draft_vocab
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 from kernels.soft_ce import SOFT_CE_KERNELS
 from pipeline.paths import REPO
-from stages.base import Stage, StageEnv, register_stage
+from stages.base import Stage, StageEnv, device_name, register_stage
 
 
 DATA_GRAPHS = ("auto", "none", "full", "debug")
@@ -299,10 +299,7 @@ class TrainDraftStage(Stage):
     def _export(self, student, path: Path, cfg, metrics, data: dict, env, ema: bool = True) -> None:
         """data: the samples' figures (samples, answer_tokens, prompts_cut, data_s). ema=False: these are
         the last step's own weights of a run with train.ema_decay (the card and training.json say so)."""
-        from pipeline.plan import DTYPES
-        from pipeline.tracking import device_name
-
-        dtype = DTYPES[cfg.train.save_dtype]
+        dtype = cfg.train.save_dtype.torch()
         export = student.copy(torch.device("cpu"), dtype)
         shutil.rmtree(path, ignore_errors=True)
         export.save(path)

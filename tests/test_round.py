@@ -287,7 +287,7 @@ def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
     import threading
 
     from engine.generate import SpecDecoder
-    from engine.scheduler import GenerationRequest, Scheduler
+    from engine.serve.scheduler import GenerationRequest, Scheduler
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 4), batch=4)
     draft = make_draft(plan, head, target, 4, k, graphs=gs)

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from conftest import compose_cfg
-from engine.detokenize import TextStream
+from engine.serve.detokenize import TextStream
 from engine.drafts.registry import load_head, make_draft
 from engine.generate import Generator
 from engine.loading import load_model
@@ -464,7 +464,7 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
 
     from engine.generate import SpecDecoder
     from engine.graphs.graph_set import round_name
-    from engine.scheduler import GenerationRequest, Scheduler
+    from engine.serve.scheduler import GenerationRequest, Scheduler
     from pipeline.config import DraftConfig
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
@@ -492,7 +492,7 @@ def test_max_queue_counts_requests_beyond_the_free_slots():
     from test_model import pair
 
     from engine.generate import SpecDecoder
-    from engine.scheduler import GenerationRequest, QueueFull, Scheduler
+    from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler
 
     sched = Scheduler(SpecDecoder(pair()[1], 2), 2, max_queue=0)  # not started: both slots free
     for _ in range(2):  # they take the free slots: no queue
@@ -505,7 +505,7 @@ def test_max_queue_counts_requests_beyond_the_free_slots():
 def test_accept_rates_count_only_the_rounds_that_drafted_the_position():
     """With adaptive k a round drafts fewer positions than k: a position's rate is over the row rounds
     that drafted it (10 rounds of k = 1, then 10 of k = 3 accepting 2 each)."""
-    from engine.scheduler import ServeStats
+    from engine.serve.scheduler import ServeStats
 
     st = ServeStats(accepted_at=[0, 0, 0], drafted_at=[0, 0, 0])
     for k, a in [(1, 1)] * 10 + [(3, 2)] * 10:

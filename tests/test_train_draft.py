@@ -18,7 +18,7 @@ from engine.model import StaticKVCache, run_steps
 from engine.train.average import WeightAverage
 from engine.train.eagle3 import (TORCH_OPS, TRITON_OPS, Batch, chain_acceptance, chain_lengths, round_weights,
                                  simulated_loop, ttt_attention_flex, ttt_forward, ttt_loss)
-from kernels.decode_attention import triton
+from kernels.runtime import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan

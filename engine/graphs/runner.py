@@ -118,9 +118,6 @@ class GraphRunner:
         fits = [bt for bt in self.buckets if bt[0] >= b and bt[1] >= t]
         return min(fits, key=lambda bt: (bt[0] * bt[1], bt)) if fits else None
 
-    def can_run(self, b: int, t: int, mode: CaptureHiddenMode = CaptureHiddenMode.NULL) -> bool:
-        return mode <= self.mode and self.bucket_for(b, t) is not None
-
     def _reset(self, b: int, t: int, live_b: int, live_t: int) -> None:
         """Padding rows [live_b:b] and columns [live_t:t] to inert values (no launch when none)."""
         for k, buf in self.buffers.items():

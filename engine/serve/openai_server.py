@@ -42,10 +42,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.detokenize import TextStream
 from engine.graphs.graph_set import GraphSet
-from engine.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
-from engine.serve_metrics import ServeMetrics
+from engine.serve.detokenize import TextStream
+from engine.serve.metrics import ServeMetrics
+from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -1,0 +1,11 @@
+"""Serving: requests in, tokens out, over the same draft-and-verify round as eval.
+
+    scheduler.py      the engine thread: slots of the static cache that requests join and leave
+                      between rounds (continuous batching), adaptive k, the serve counters
+    openai_server.py  the OpenAI-compatible HTTP app (FastAPI + uvicorn): completions and chat,
+                      streaming, limits, drain on Ctrl-C
+    metrics.py        /metrics in the Prometheus text format, from the scheduler's counters
+    detokenize.py     incremental detokenization with stop strings (what a stream may send so far)
+
+The `serve` stage (stages/serve.py) builds these over the loaded target, draft and graphs.
+"""
