@@ -63,3 +63,20 @@ def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> tor
             if "norm" not in name:
                 p.copy_(torch.randn(p.shape, generator=g) * std)
     return model
+
+
+def trained_and_random(outputs: Path, tmp_path: Path, common: list[str], trained: list[str],
+                       random_: list[str]) -> tuple[dict, dict]:
+    """Eval metrics of a trained head and of a random one on the prompts the training synthesized (a
+    question.jsonl written from the shared samples): `common` overrides for both, then each one's own."""
+    import json
+
+    from pipeline.__main__ import run
+
+    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")
+    qfile = tmp_path / "question.jsonl"
+    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [json.loads(line)["user"]]}) + "\n"
+                             for i, line in enumerate(open(data))))
+    both = [*common, f"eval.dataset={qfile}", "tracking=off"]
+    return (run(compose_cfg(*both, *trained))["eval_results"]["metrics"],
+            run(compose_cfg(*both, *random_))["eval_results"]["metrics"])

@@ -8,7 +8,7 @@ import json
 
 import torch
 
-from conftest import compose_cfg
+from conftest import compose_cfg, trained_and_random
 from test_model import pair
 from engine.drafts.registry import load_head, plan_draft
 from engine.program import run_steps
@@ -53,15 +53,10 @@ def test_train_draft_stage_trains_an_eagle_head_that_beats_a_random_one(outputs,
     assert ctx["draft_checkpoint"] == str(head_dir)
     assert json.loads((head_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
     assert "eagle" in (head_dir / "README.md").read_text()
-    (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")
-    samples = [json.loads(line) for line in open(data)]
-    qfile = tmp_path / "question.jsonl"
-    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
-                             for i, s in enumerate(samples)))
-    common = ["+experiment=eagle", "model=tiny", "model.random.init_std=0.15", f"eval.dataset={qfile}",
-              "eval.max_new_tokens=24", "eval.batch_size=4", "draft.num_steps=3", "tracking=off"]
-    trained = run(compose_cfg(*common, "draft.init=checkpoint", f"draft.path={head_dir}"))["eval_results"]["metrics"]
-    random_ = run(compose_cfg(*common, "draft.init=random"))["eval_results"]["metrics"]
+    common = ["+experiment=eagle", "model=tiny", "model.random.init_std=0.15", "eval.max_new_tokens=24",
+              "eval.batch_size=4", "draft.num_steps=3"]
+    trained, random_ = trained_and_random(outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}"],
+                                          ["draft.init=random"])
     assert trained["match_baseline"] == 1.0
     assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
                                                                         random_["accept_length"])

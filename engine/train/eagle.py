@@ -20,15 +20,13 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.train.eagle3 import TORCH_OPS, Batch, ForwardOps, _shift, ttt_attention
+from engine.train.eagle3 import TORCH_OPS, Batch, ForwardOps, _shift, ttt_attend, ttt_attention
 
 
 def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
     """Unroll an EagleHead for `steps` TTT steps -> per-step logits [B, T, V] (differentiable in the head)."""
     layer = head.layers[0]
     att = layer.self_attn
-    b, t = batch.tokens.shape
-    heads, kv, d = att.n_heads, att.n_kv, att.head_dim
     emb = head.embed(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
     rot = torch.promote_types(emb.dtype, head.fc.weight.dtype)
     cos = head.rope_cos[batch.positions].to(rot)  # [B, T, D]
@@ -37,11 +35,7 @@ def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: 
     keys, values, logits = [], [], []
     for _ in range(steps):
         x = head.fc(torch.cat([emb, g], -1))  # [B, T, H]
-        q = ops.rope(att.q_proj(x), cos, sin, heads)  # [B, heads, T, D]
-        keys.append(ops.rope(att.k_proj(x), cos, sin, kv))  # [B, KV, T, D]
-        values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
-        o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
-        h = x + att.o_proj(o)
+        h = x + ttt_attend(att, x, cos, sin, keys, values, attention, ops)
         h = h + layer.mlp(ops.norm(layer.post_attention_layernorm, h))  # [B, T, H]
         logits.append(head.lm_head(h))
         g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1

@@ -175,11 +175,22 @@ TRITON_OPS = ForwardOps(
 )
 
 
+def ttt_attend(att, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], attention,
+               ops: ForwardOps) -> Tensor:
+    """One unrolled step's attention: x [B, T, in] -> q/k/v with RoPE; this step's keys and values join
+    the earlier steps' (`keys`, `values`, appended in place); -> o_proj of the output [B, T, H]."""
+    b, t, _ = x.shape
+    heads, kv, d = att.n_heads, att.n_kv, att.head_dim
+    q = ops.rope(att.q_proj(x), cos, sin, heads)  # [B, heads, T, D]
+    keys.append(ops.rope(att.k_proj(x), cos, sin, kv))  # [B, KV, T, D]
+    values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
+    o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
+    return att.o_proj(o)
+
+
 def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
     """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable)."""
     m, att = head.midlayer, head.midlayer.self_attn
-    b, t = batch.tokens.shape
-    heads, kv, d = att.n_heads, att.n_kv, att.head_dim
     emb = ops.norm(m.input_layernorm, head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
     rot = torch.promote_types(emb.dtype, m.input_layernorm.weight.dtype)  # the norm module's output dtype
     cos = head.rope_cos[batch.positions].to(rot)  # [B, T, D]
@@ -188,11 +199,7 @@ def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: Fo
     keys, values, logits = [], [], []
     for s in range(steps):
         x = torch.cat([emb, ops.norm(m.hidden_norm, g)], -1)  # [B, T, 2H]
-        q = ops.rope(att.q_proj(x), cos, sin, heads)  # [B, H, T, D]
-        keys.append(ops.rope(att.k_proj(x), cos, sin, kv))  # [B, KV, T, D]
-        values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
-        o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
-        h = g + att.o_proj(o)
+        h = g + ttt_attend(att, x, cos, sin, keys, values, attention, ops)
         h = h + m.mlp(ops.norm(m.post_attention_layernorm, h))  # [B, T, H]
         logits.append(head.lm_head(ops.norm(head.norm, h)))
         g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
