@@ -12,7 +12,7 @@ for n in ${LEVELS:-1 8 32}; do
     tracking.run_name=${name}_$n > /tmp/serve_${name}_$n.log 2>&1 &
   pid=$!
   python benchmarks/load_test.py --url http://127.0.0.1:8100 --wait-s 300 --clients $n --duration ${DURATION:-15} \
-    --max-tokens 128 --chat --ignore-eos --stream --prompts ../shared/data/mt_bench/question.jsonl \
+    --max-tokens 128 --chat --ignore-eos --stream --prompts engine/data/mt_bench/question.jsonl \
     --label "$name N=$n" 2>&1 | tee -a "$OUT/serve_levels.log"
   kill -INT $pid; wait $pid
   grep -E "^\[serve\] stopped" /tmp/serve_${name}_$n.log | cut -c1-220 | tee -a "$OUT/serve_levels.log"

