@@ -83,3 +83,35 @@ def test_shipped_heads_fit_the_clone_budget():
     sizes = {d.name: sum(f.stat().st_size for f in d.iterdir()) for d in CHECKPOINTS.iterdir() if d.is_dir()}
     assert sizes and all(s <= 15_000_000 for s in sizes.values()), sizes
     assert sum(sizes.values()) <= 40_000_000
+
+
+def test_a_broken_checkpoint_file_is_one_clear_error_before_any_weights_load(tmp_path, outputs):
+    """A truncated model.safetensors (cut in its tensors, or in its header), random bytes (whose header
+    length would claim exabytes) and a header that is not JSON: each fails the plan, naming draft.path
+    and the file, with exit 2 and no MLflow run."""
+    import subprocess
+    import sys
+
+    from pipeline.paths import REPO
+
+    _, target = pair()
+    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
+    load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32).save(tmp_path / "good")
+    data = (tmp_path / "good" / "model.safetensors").read_bytes()
+    cases = {"cut": (data[: len(data) // 2], "truncated"), "header": (data[:200], "truncated"),
+             "random": (torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0),
+                                      dtype=torch.uint8).numpy().tobytes(), "truncated, or not safetensors"),
+             "notjson": (len(b"{nope").to_bytes(8, "little") + b"{nope" + bytes(16), "not JSON")}
+    env = {**__import__("os").environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    for name, (content, why) in cases.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
+        (d / "model.safetensors").write_bytes(content)
+        p = subprocess.run([sys.executable, "-m", "pipeline", "+experiment=eagle3", "model=tiny", "device=cpu",
+                            f"draft.path={d}", "eval.limit=1"], cwd=REPO, env=env, capture_output=True, text=True,
+                           timeout=300)
+        assert p.returncode == 2, (name, p.stderr[-1500:])
+        assert f"draft.path='{d}'" in p.stderr and str(d / "model.safetensors") in p.stderr and why in p.stderr, \
+            (name, p.stderr[-1500:])
+        assert "Traceback" not in p.stderr and not (outputs / "mlflow.db").exists(), name

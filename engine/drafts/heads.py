@@ -27,7 +27,6 @@ normed hidden state; h = layer(fc(cat(embed(tok), f))) with no input norm, logit
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -36,20 +35,12 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engine.drafts.storage import SCALE_SUFFIX, read_state
+from engine.drafts.storage import SCALE_SUFFIX, read_state, safetensors_shapes
 from engine.errors import ConfigError
 from engine.model import (MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, fuse_gate_up, fuse_linears,
                           rope_tables)
 from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
-
-
-def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor shapes from a safetensors header, reading no weights."""
-    with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
-    return {k: v["shape"] for k, v in header.items() if k != "__metadata__"}
 
 
 class _Head(nn.Module):
@@ -385,7 +376,11 @@ class HeadCheckpoint:
         if arch != architecture:
             raise ConfigError("draft.path", path, f"architecture {arch!r} does not match the draft algorithm",
                               architecture)
-        shapes = safetensors_shapes(p / "model.safetensors")  # fp8 storage: each weight's scale dropped
+        try:
+            shapes = safetensors_shapes(p / "model.safetensors")  # fp8 storage: each weight's scale dropped
+        except ValueError as e:
+            raise ConfigError("draft.path", path, f"{p / 'model.safetensors'}: {e}",
+                              f"a complete {architecture} checkpoint (rewrite or re-download it)") from None
         return cls(p, cfg, {k: v for k, v in shapes.items() if not k.endswith(SCALE_SUFFIX)})
 
     def load_into(self, head: _Head) -> _Head:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import struct
 from pathlib import Path
 
 import torch
@@ -62,6 +63,34 @@ def dequantize(state: dict[str, Tensor]) -> dict[str, Tensor]:
             base = name[: -len(SCALE_SUFFIX)]
             out[base] = state[base].float() * scale.float()[:, None]
     return out
+
+
+def safetensors_shapes(path: Path) -> dict[str, list[int]]:
+    """Tensor shapes from a safetensors header, reading no weights; ValueError when the file is not a
+    whole safetensors file (the header's length past the end, a header that is not JSON, tensor data
+    past the end: a truncated download), so nothing allocates what a broken length claims."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        if size < 8:
+            raise ValueError(f"{size} bytes: too short for a safetensors header")
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > size - 8:
+            raise ValueError(f"its header claims {n} bytes but the file has {size}: truncated, or not safetensors")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ValueError(f"its header is not JSON ({e}): not a safetensors file") from None
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object: not a safetensors file")
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    try:
+        end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
+        shapes = {k: list(v["shape"]) for k, v in tensors.items()}
+    except (KeyError, IndexError, TypeError):
+        raise ValueError("its header does not describe tensors (shape, data_offsets)") from None
+    if 8 + n + end > size:
+        raise ValueError(f"its tensors end at byte {8 + n + end} but the file has {size}: truncated")
+    return shapes
 
 
 def read_state(path: Path) -> dict[str, Tensor]:
