@@ -1,7 +1,8 @@
 """`python -m pipeline [+experiment=NAME] [overrides...] [-m]`: compose, plan, validate, run, track.
 
 A bad config is reported as one message naming each bad key, its value and what is valid, with exit
-status 2; nothing has been loaded and no MLflow run exists at that point.
+status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
+job of the sweep fails so, is marked FAILED: the sweep stops there).
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ import logging
 import sys
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError
 from pipeline.config import register_configs, to_run_config
 from pipeline.execute import execute
+from pipeline.paths import outputs_dir
 from pipeline.plan import PlanError, build_plan
+from pipeline.tracking import fail_sweep_parent
 
 log = logging.getLogger("pipeline")
 register_configs()
@@ -37,6 +40,7 @@ def main(cfg: DictConfig) -> None:
         run(cfg)
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
+        fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
         sys.exit(2)
 
 

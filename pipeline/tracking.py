@@ -43,6 +43,17 @@ def git_sha() -> str:
         return "unknown"
 
 
+def fail_sweep_parent(tracking_uri: Optional[str], outputs: Path) -> None:
+    """A sweep's job failed before a run of its own began (a plan error): the sweep stops there, so its
+    parent run is FAILED rather than left RUNNING. A no-op outside a sweep."""
+    run_id = os.environ.get(PARENT_ENV)
+    if not run_id:
+        return
+    from mlflow.tracking import MlflowClient
+
+    MlflowClient(tracking_uri=tracking_uri or default_tracking_uri(outputs)).set_terminated(run_id, status="FAILED")
+
+
 class Tracker:
     def __init__(self, cfg: RunConfig, outputs: Path, device: torch.device):
         from mlflow.tracking import MlflowClient

@@ -147,6 +147,21 @@ def test_cli_compare(outputs):
     assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout
 
 
+def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_path):
+    """The second job's eval.max_new_tokens=-1 fails its plan: exit 2 with the key named, the first job's
+    run FINISHED, and the sweep's parent run FAILED (not left RUNNING)."""
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
+    p = subprocess.run([sys.executable, "-m", "pipeline", "-m", "model=tiny", "eval.limit=1", "eval.max_new_tokens=2,-1",
+                        "device=cpu", "experiment_name=badsweep", f"hydra.sweep.dir={tmp_path}/mr"],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "eval.max_new_tokens=-1" in p.stderr, p.stderr[-2000:]
+    runs = runs_of(outputs, "badsweep")
+    (parent,) = [r for r in runs if "sweep.overrides" in r.data.tags]
+    children = [r for r in runs if "mlflow.parentRunId" in r.data.tags]
+    assert parent.info.status == "FAILED"
+    assert [c.info.status for c in children] == ["FINISHED"]
+
+
 def test_sweep_nests_jobs_under_a_parent_run(outputs, tmp_path):
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
     p = subprocess.run([sys.executable, "-m", "pipeline", "-m", "model=tiny", "eval.limit=1", "eval.max_new_tokens=2",
