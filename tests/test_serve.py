@@ -203,10 +203,16 @@ def test_stop_strings_and_seeds(servers):
     s = servers("plain")
     full = complete(s, PROMPTS[1], max_tokens=24).choices[0].text
     stop = full[5:7]
+    counts = lambda: {r: s.metrics().get(f"specpipe_requests_total{{finish_reason={r}}}", 0) for r in ("stop", "abort")}  # noqa: E731
+    before = counts()
     cut = complete(s, PROMPTS[1], max_tokens=24, stop=[stop])
     assert cut.choices[0].text == full[: full.index(stop)] and cut.choices[0].finish_reason == "stop"
     streamed = "".join(c.choices[0].text for c in complete(s, PROMPTS[1], max_tokens=24, stop=stop, stream=True))
     assert streamed == cut.choices[0].text
+    deadline = time.monotonic() + 10  # the engine releases a stopped request at its next step
+    while counts()["stop"] < before["stop"] + 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == {"stop": before["stop"] + 2, "abort": before["abort"]}  # counted as the client was told
 
     # A seeded sampled request gives the same output alone and among other sampled requests.
     alone = complete(s, PROMPTS[2], temperature=0.9, seed=7, max_tokens=16).choices[0].text

@@ -193,7 +193,7 @@ class _Flight:
                 self.t_first = self.t_first or time.perf_counter()
                 delta = self.text.push(ev.tokens)
                 if self.text.stopped:  # a stop string: the engine may stop now
-                    self.scheduler.cancel(self.req)
+                    self.scheduler.cancel(self.req, "stop")
                     yield delta, "stop"
                     return
                 if ev.finish_reason is not None:

@@ -43,7 +43,7 @@ from engine.sampling import RowSampling, sample
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled (client gone, stop string, shutdown)
+FINISH_REASONS = ("stop", "length", "abort", "error")  # abort: cancelled (client gone, shutdown)
 _ids = itertools.count()
 
 
@@ -76,7 +76,7 @@ class GenerationRequest:
     output: list[int] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)  # per round: draft tokens accepted
     finish_reason: Optional[str] = None
-    cancelled: bool = False
+    cancelled: Optional[str] = None  # the finish reason of a cancel: "abort" (client gone), "stop" (a stop string)
     slot: Optional[int] = None
     generator: Optional[torch.Generator] = None
     t_submit: float = 0.0
@@ -175,18 +175,19 @@ class Scheduler:
             self.waiting.append(req)
             self._cv.notify()
 
-    def cancel(self, req: GenerationRequest) -> None:
-        """The request's client is gone (or a stop string ended it): free its slot at the next step."""
+    def cancel(self, req: GenerationRequest, reason: str = "abort") -> None:
+        """Free the request's slot at the next step: its client is gone ("abort"), or a stop string ended
+        it ("stop": counted as a request that stopped, as its client was told)."""
         with self._cv:
-            if req.finish_reason is not None:
+            if req.finish_reason is not None or req.cancelled:  # done, or already cancelled: the first reason holds
                 return
-            req.cancelled = True
+            req.cancelled = reason
             try:
                 self.waiting.remove(req)
             except ValueError:  # running (or being admitted): the engine thread releases it
                 self._cv.notify()
                 return
-            self._finish(req, "abort")  # the lock is reentrant
+            self._finish(req, reason)  # the lock is reentrant
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
@@ -240,7 +241,7 @@ class Scheduler:
     def _retire_cancelled(self) -> None:
         for i, req in enumerate(self.slots):
             if req is not None and req.cancelled:
-                self._release(i, req, "abort")
+                self._release(i, req, req.cancelled)
 
     def _admit(self) -> None:
         """Fill free slots from the queue: waiting requests that fit a run of contiguous free slots
@@ -261,7 +262,7 @@ class Scheduler:
                         break
                     self.waiting.popleft()
                     if req.cancelled:
-                        self._finish(req, "abort")
+                        self._finish(req, req.cancelled)
                     else:
                         batch.append(req)
             if not batch:
@@ -341,7 +342,7 @@ class Scheduler:
             for p in range(a):
                 stats.accepted_at[p] += 1
             if req.cancelled:
-                self._release(i, req, "abort")
+                self._release(i, req, req.cancelled)
             else:
                 self._emit(i, req, r.emitted[i], r.time)
 
