@@ -17,3 +17,22 @@ class ConfigError(ValueError):
         if valid:
             msg += f" (valid: {valid})"
         super().__init__(msg)
+
+
+class ConfigErrors(ValueError):
+    """Several bad values found by one check: the plan reports them all, not the first."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = list(errors)
+        super().__init__("; ".join(str(e) for e in self.errors))
+
+
+def check_values(rows: Iterable[tuple]) -> None:
+    """rows: (key, value, ok, valid[, problem]) with problem "out of range" by default. Raises the one
+    ConfigError, or ConfigErrors naming every row that is not ok; returns when all are."""
+    bad = [ConfigError(key, value, rest[0] if rest else "out of range", valid)
+           for key, value, ok, valid, *rest in rows if not ok]
+    if len(bad) == 1:
+        raise bad[0]
+    if bad:
+        raise ConfigErrors(bad)

@@ -20,7 +20,7 @@ import torch
 
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ConfigErrors
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from pipeline.config import Device, DType, RunConfig
@@ -160,6 +160,8 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     for s in stage_list:
         try:
             s.check(cfg, env)
+        except ConfigErrors as e:
+            errors.extend(e.errors)
         except ConfigError as e:
             errors.append(e)
     errors += _check_chain(stage_list, draft)

@@ -36,7 +36,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.drafts.registry import DRAFTS, make_draft
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_values
 from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel
 from engine.peers import PEERS
@@ -167,7 +167,7 @@ class EvalStage(Stage):
     def check(self, cfg, env: StageEnv) -> None:
         e = cfg.eval
         check_dataset(e.dataset)
-        for key, value, ok, valid in [
+        check_values([
             ("eval.limit", e.limit, e.limit is None or e.limit >= 1, ">= 1, or null for all"),
             ("eval.max_new_tokens", e.max_new_tokens, e.max_new_tokens >= 1, ">= 1"),
             ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
@@ -175,9 +175,7 @@ class EvalStage(Stage):
             ("eval.top_p", e.top_p, 0 < e.top_p <= 1, "in (0, 1]"),
             ("eval.adaptive_k", e.adaptive_k, not e.adaptive_k or env.draft_plan is not None,
              "false without a draft (k is 0)"),
-        ]:
-            if not ok:
-                raise ConfigError(key, value, "out of range", valid)
+        ])
         if e.max_new_tokens >= cfg.model.max_seq_len:
             raise ConfigError("eval.max_new_tokens", e.max_new_tokens,
                               f"leaves no room for a prompt in model.max_seq_len={cfg.model.max_seq_len}",

@@ -23,7 +23,7 @@ import threading
 import torch
 
 from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_values
 from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
 from engine.serve.openai_server import ApiLimits, OpenAIApp, OpenAIServer
@@ -71,7 +71,7 @@ class ServeStage(Stage):
 
     def check(self, cfg, env: StageEnv) -> None:
         s, k = cfg.serve, draft_tokens(cfg)
-        for key, value, ok, valid in [
+        check_values([
             ("serve.host", s.host, bool(s.host), "an address to bind, e.g. 127.0.0.1"),
             ("serve.port", s.port, 0 <= s.port <= 65535, "0..65535 (0: any free port)"),
             ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
@@ -83,10 +83,8 @@ class ServeStage(Stage):
             ("serve.default_temperature", s.default_temperature, 0 <= s.default_temperature <= 2,
              "in [0, 2] (0: greedy)"),
             ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
-            ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS),
-        ]:
-            if not ok:
-                raise ConfigError(key, value, "out of range" if key != "serve.log_level" else "unknown", valid)
+            ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS, "unknown"),
+        ])
         if cfg.model.max_seq_len < k + 2:
             raise ConfigError("model.max_seq_len", cfg.model.max_seq_len, f"leaves no room for a prompt and a "
                               f"token with draft.num_steps={k}", f">= {k + 2}")

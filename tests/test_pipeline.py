@@ -126,6 +126,16 @@ def test_the_plan_names_the_head_and_warns_of_random_weights(outputs):
     assert "RANDOM WEIGHTS" not in train.stdout
 
 
+def test_several_bad_values_are_reported_together(outputs):
+    """Three bad eval values at once: one message names all three, exit 2, nothing tracked."""
+    p = _cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2",
+             outputs=outputs)
+    assert p.returncode == 2, p.stderr[-2000:]
+    for key in ("eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2"):
+        assert key in p.stderr, (key, p.stderr[-2000:])
+    assert not (outputs / "mlflow.db").exists()
+
+
 def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
     """A record with no (or an empty) first turn would be answered as an empty prompt: the plan refuses
     the file, naming the line, before any weights load and without an MLflow run."""
