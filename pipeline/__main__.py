@@ -42,6 +42,9 @@ def main(cfg: DictConfig) -> None:
         print(f"error: {e}", file=sys.stderr, flush=True)
         fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
         sys.exit(2)
+    except KeyboardInterrupt:  # the stage said what it kept; the MLflow run is KILLED
+        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

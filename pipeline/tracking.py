@@ -96,10 +96,11 @@ class Tracker:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
+        status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
         if self.run_id is not None:
-            self.client.set_terminated(self.run_id, status="FAILED" if exc_type else "FINISHED")
-        if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run failed too
-            self.client.set_terminated(os.environ[PARENT_ENV], status="FAILED")
+            self.client.set_terminated(self.run_id, status=status)
+        if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
+            self.client.set_terminated(os.environ[PARENT_ENV], status=status)
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -111,23 +111,36 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
 
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a generation pass, carrying the records of the prompts it finished."""
+
+    def __init__(self, records: list[EvalRecord], desc: str):
+        super().__init__(desc)
+        self.records, self.desc = records, desc
+
+
 def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, target: LoadedModel,
                  rng: torch.Generator, batch_size: int, desc: str) -> tuple[list[EvalRecord], float]:
-    """Every prompt through `gen` in batches; returns the records and the generation wall time."""
+    """Every prompt through `gen` in batches; returns the records and the generation wall time. Ctrl-C
+    raises `Interrupted` with the records finished so far."""
     tok, records, wall = target.tokenizer, [], 0.0
     bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
-    for i in range(0, len(data.prompts), batch_size):
-        batch = data.encoded[i: i + batch_size]
-        embeds = data.embeds[i: i + batch_size] if data.embeds is not None else None
-        t0 = time.perf_counter()
-        results = gen.generate(batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds,
-                               row_ids=list(range(i, i + len(batch))))
-        wall += time.perf_counter() - t0
-        for p, x, r in zip(data.prompts[i: i + batch_size], batch, results):
-            records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
-    bar.close()
+    try:
+        for i in range(0, len(data.prompts), batch_size):
+            batch = data.encoded[i: i + batch_size]
+            embeds = data.embeds[i: i + batch_size] if data.embeds is not None else None
+            t0 = time.perf_counter()
+            results = gen.generate(batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds,
+                                   row_ids=list(range(i, i + len(batch))))
+            wall += time.perf_counter() - t0
+            for p, x, r in zip(data.prompts[i: i + batch_size], batch, results):
+                records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
+    except KeyboardInterrupt:
+        raise Interrupted(records, desc) from None
+    finally:
+        bar.close()
     return records, wall
 
 
@@ -203,6 +216,19 @@ class EvalStage(Stage):
                 f"{mode}{', ignore_eos' if e.ignore_eos else ''}" + "".join(f", {x}" for x in extra))
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
+        try:
+            return self._run(cfg, inputs, env)
+        except Interrupted as stop:  # Ctrl-C: keep what finished, then stop (the run ends KILLED)
+            where = "not tracked"
+            if env.tracker is not None and stop.records:
+                env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in stop.records) + "\n",
+                                     "results_interrupted.jsonl")
+                where = f"kept in results_interrupted.jsonl of MLflow run {env.tracker.run_id}"
+            print(f"\n[eval] interrupted during the {stop.desc} pass: {len(stop.records)} prompts had finished "
+                  f"({where})", flush=True)
+            raise
+
+    def _run(self, cfg, inputs, env: StageEnv) -> dict:
         target: LoadedModel = inputs["target"]
         e = cfg.eval
         data = encode_prompts(cfg, target)

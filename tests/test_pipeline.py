@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -199,3 +200,29 @@ def test_the_named_prompt_sets_ship_with_the_package():
         assert (DATA / name / "question.jsonl").resolve().is_relative_to(REPO)
     assert len(load_prompts("humaneval")) == 164
     assert "Apache" in (DATA / "README.md").read_text() and "CC BY-NC 4.0" in (DATA / "README.md").read_text()
+
+
+def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
+    """SIGINT once the first prompts have finished: exit 130 without a traceback, the MLflow run KILLED
+    (not FAILED), and the finished prompts' records kept as an artifact."""
+    import signal
+
+    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
+    p = subprocess.Popen([sys.executable, "-m", "pipeline", "model=tiny", "device=cpu", "eval.limit=400",
+                          "eval.max_new_tokens=16", "experiment_name=ctrlc"], cwd=REPO, env=env,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    seen = ""
+    while not re.search(r"eval: .*?\b[1-9]\d*/\d+", seen):  # the progress bar: its first finished prompt
+        ch = p.stderr.read(1)
+        assert ch, seen[-2000:]
+        seen += ch
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    err = seen + err
+    assert p.returncode == 130, err[-2000:]
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
+    assert "[eval] interrupted during the eval pass" in out
+    (r,) = runs_of(outputs, "ctrlc")
+    assert r.info.status == "KILLED"
+    kept = download_text(outputs, r.info.run_id, "results_interrupted.jsonl").splitlines()
+    assert 1 <= len(kept) and all(json.loads(line)["output"] is not None for line in kept)
