@@ -11,3 +11,14 @@ PARENT_ENV = "SPECPIPE_PARENT_RUN_ID"  # set for the jobs of a Hydra sweep: the 
 
 def outputs_dir() -> Path:
     return Path(os.environ.get("SPECPIPE_OUTPUTS", REPO / "outputs")).expanduser().resolve()
+
+
+def outputs_problem(path: Path) -> str | None:
+    """Why runs cannot write under `path` (None: they can): a file in the way, or a folder (or its
+    nearest existing parent) this process may not write to (a read-only mount)."""
+    if path.exists() and not path.is_dir():
+        return "is a file, not a directory"
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"is not writable ({existing} is read-only for this user)"
+    return None

@@ -24,7 +24,7 @@ from engine.errors import ConfigError, ConfigErrors
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from pipeline.config import Device, DType, RunConfig
-from pipeline.paths import outputs_dir
+from pipeline.paths import outputs_dir, outputs_problem
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
 
@@ -135,6 +135,10 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
 
 def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     errors = _check_registries(cfg)
+    out = outputs or outputs_dir()
+    if (problem := outputs_problem(out)) is not None:  # weights cache, MLflow store, training outputs
+        raise PlanError([ConfigError("SPECPIPE_OUTPUTS", str(out), f"the outputs folder {problem}",
+                                     "a writable directory (set SPECPIPE_OUTPUTS to one)")])
     device, dtype, target_args = torch.device("cpu"), torch.float32, None
     try:
         device = resolve_device(cfg.device)

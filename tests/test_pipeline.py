@@ -226,3 +226,22 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
     assert r.info.status == "KILLED"
     kept = download_text(outputs, r.info.run_id, "results_interrupted.jsonl").splitlines()
     assert 1 <= len(kept) and all(json.loads(line)["output"] is not None for line in kept)
+
+
+def test_an_outputs_folder_runs_cannot_write_is_one_clear_error(tmp_path):
+    """SPECPIPE_OUTPUTS naming a file, or a read-only folder: exit 2 at plan time naming the variable."""
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    read_only = tmp_path / "ro"
+    read_only.mkdir()
+    read_only.chmod(0o500)
+    try:
+        cases = [(a_file, "is a file")]
+        if not os.access(read_only, os.W_OK):  # (root writes anywhere: no read-only folder to try)
+            cases.append((read_only / "outputs", "is not writable"))
+        for path, why in cases:
+            p = _cli("model=tiny", "device=cpu", "eval.limit=1", outputs=path)
+            assert p.returncode == 2, p.stderr[-2000:]
+            assert f"SPECPIPE_OUTPUTS='{path}'" in p.stderr and why in p.stderr and "Traceback" not in p.stderr
+    finally:
+        read_only.chmod(0o700)
