@@ -252,6 +252,11 @@ def test_bad_inputs_get_their_status(servers):
     assert code == 422 and err["param"] == "temperature"
     assert post({"model": s.model})[0] == 422  # no prompt
     assert post({**ok, "n": 3})[0] == 400
+    code, err = post({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]})
+    assert code == 400 and err["param"] == "tools" and err["code"] == "unsupported_parameter"
+    code, err = post({**ok, "max_tokenz": 4})  # a typo is not silently ignored
+    assert code == 400 and err["param"] == "max_tokenz" and err["code"] == "unknown_parameter"
+    assert complete(s, "hi", max_tokens=2, user="u1", frequency_penalty=0).choices  # fields that change nothing
     assert post({**ok, "prompt": [1, 2, 99999]})[1]["param"] == "prompt"  # token ids beyond the vocabulary
     assert complete(s, [72, 105], max_tokens=2).usage.prompt_tokens == 2  # token ids are a prompt too
     # The official client maps them to its exceptions.
@@ -260,7 +265,7 @@ def test_bad_inputs_get_their_status(servers):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=-5)
     assert httpx.get(s.root + "/v1/nothing", timeout=10).status_code == 404
-    assert s.metrics()['specpipe_requests_rejected_total{status=400}'] >= 6
+    assert s.metrics()['specpipe_requests_rejected_total{status=400}'] >= 8
 
 
 def _open_stream(s: Served, prompt: str, max_tokens: int):

@@ -17,7 +17,9 @@ write to fail on) and does the same.
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 
     400  malformed JSON; max_tokens < 1 or above serve.max_tokens_limit; prompt + max_tokens beyond
-         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts
+         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts; a field
+         that would change the output and is not served (tools, logprobs, response_format, ...: code
+         unsupported_parameter) or that no API here has (code unknown_parameter)
     404  a model other than the served one (code model_not_found); unknown routes
     422  well-formed JSON of the wrong shape (a missing field, a wrong type, temperature out of [0, 2])
     429  serve.max_queue requests already waiting (code queue_full)
@@ -68,11 +70,22 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+# Request fields beyond the ones modelled below: those that change nothing here are ignored, those
+# that would change the output are refused (400 unsupported_parameter), any other is a typo or another
+# API's field (400 unknown_parameter). Penalties of 0 are the default and change nothing.
+IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
+UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+                      "logprobs", "top_logprobs", "logit_bias", "best_of", "echo", "suffix", "presence_penalty",
+                      "frequency_penalty", "modalities", "audio", "prediction", "reasoning_effort",
+                      "web_search_options"}
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
 
 
 class _Sampling(_Body):
+    model_config = ConfigDict(extra="allow")  # kept, to be refused or ignored by name (`extra_field_error`)
     model: str
     max_tokens: Optional[int] = None
     temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
@@ -118,6 +131,18 @@ class ApiError(Exception):
 
     def response(self) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status)
+
+
+def extra_field_error(extra: dict) -> Optional[ApiError]:
+    """The 400 for the first request field this server does not serve (see IGNORED_FIELDS), or None."""
+    for name, value in extra.items():
+        if name in IGNORED_FIELDS or (name.endswith("_penalty") and value in (0, 0.0, None)):
+            continue
+        if name in UNSUPPORTED_FIELDS:
+            return ApiError(400, f"{name}: not supported by this server (plain text generation)", name,
+                            "unsupported_parameter")
+        return ApiError(400, f"{name}: unknown parameter", name, "unknown_parameter")
+    return None
 
 
 # ------------------------------------------------------------------------------------------ one request
@@ -228,6 +253,8 @@ class OpenAIApp:
                            "model", "model_not_found")
         if body.n != 1:
             raise ApiError(400, f"n={body.n}: one choice per request (valid: 1)", "n")
+        if (err := extra_field_error(body.model_extra or {})) is not None:
+            raise err
         if not prompt:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = lim.max_seq_len - len(prompt) - lim.draft_tokens
