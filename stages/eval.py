@@ -122,7 +122,8 @@ class Interrupted(KeyboardInterrupt):
 def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, target: LoadedModel,
                  rng: torch.Generator, batch_size: int, desc: str) -> tuple[list[EvalRecord], float]:
     """Every prompt through `gen` in batches; returns the records and the generation wall time. Ctrl-C
-    raises `Interrupted` with the records finished so far."""
+    raises `Interrupted` with the records finished so far; any other error leaves them on the exception
+    (`partial_records`) for the stage to keep."""
     tok, records, wall = target.tokenizer, [], 0.0
     bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
     try:
@@ -139,6 +140,9 @@ def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, targ
             bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
     except KeyboardInterrupt:
         raise Interrupted(records, desc) from None
+    except Exception as e:
+        e.partial_records = (records, desc)
+        raise
     finally:
         bar.close()
     return records, wall
@@ -219,14 +223,20 @@ class EvalStage(Stage):
         try:
             return self._run(cfg, inputs, env)
         except Interrupted as stop:  # Ctrl-C: keep what finished, then stop (the run ends KILLED)
-            where = "not tracked"
-            if env.tracker is not None and stop.records:
-                env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in stop.records) + "\n",
-                                     "results_interrupted.jsonl")
-                where = f"kept in results_interrupted.jsonl of MLflow run {env.tracker.run_id}"
-            print(f"\n[eval] interrupted during the {stop.desc} pass: {len(stop.records)} prompts had finished "
-                  f"({where})", flush=True)
+            self._keep_partial(env, stop.records, stop.desc, "interrupted")
             raise
+        except Exception as e:  # a failure mid-pass: keep what finished (the run ends FAILED)
+            if getattr(e, "partial_records", None):
+                self._keep_partial(env, *e.partial_records, "failed")
+            raise
+
+    @staticmethod
+    def _keep_partial(env: StageEnv, records: list[EvalRecord], desc: str, how: str) -> None:
+        where = "not tracked"
+        if env.tracker is not None and records:
+            env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in records) + "\n", "results.jsonl")
+            where = f"kept in results.jsonl of MLflow run {env.tracker.run_id}"
+        print(f"\n[eval] {how} during the {desc} pass: {len(records)} prompts had finished ({where})", flush=True)
 
     def _run(self, cfg, inputs, env: StageEnv) -> dict:
         target: LoadedModel = inputs["target"]

@@ -222,9 +222,9 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
     assert p.returncode == 130, err[-2000:]
     assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
     assert "[eval] interrupted during the eval pass" in out
-    (r,) = runs_of(outputs, "ctrlc")
+    (r,) = runs_of(outputs, "ctrlc")  # (interrupted: its results.jsonl holds the prompts that finished)
     assert r.info.status == "KILLED"
-    kept = download_text(outputs, r.info.run_id, "results_interrupted.jsonl").splitlines()
+    kept = download_text(outputs, r.info.run_id, "results.jsonl").splitlines()
     assert 1 <= len(kept) and all(json.loads(line)["output"] is not None for line in kept)
 
 
@@ -245,3 +245,27 @@ def test_an_outputs_folder_runs_cannot_write_is_one_clear_error(tmp_path):
             assert f"SPECPIPE_OUTPUTS='{path}'" in p.stderr and why in p.stderr and "Traceback" not in p.stderr
     finally:
         read_only.chmod(0o700)
+
+
+def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatch, capsys):
+    """A fault injected into the second prompt's generation (as a device error would strike): the run
+    ends FAILED and the first prompt's record is kept in results.jsonl."""
+    from engine.generate import Generator
+
+    real, calls = Generator.generate, []
+
+    def failing(self, *a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected: the device went away")
+        return real(self, *a, **kw)
+
+    monkeypatch.setattr(Generator, "generate", failing)
+    with pytest.raises(RuntimeError, match="injected"):
+        run(compose_cfg("model=tiny", "device=cpu", "eval.limit=3", "eval.max_new_tokens=4", "eval.warmup=false",
+                        "experiment_name=partial"))
+    assert "failed during the eval pass: 1 prompts had finished" in capsys.readouterr().out
+    (r,) = runs_of(outputs, "partial")
+    assert r.info.status == "FAILED"
+    (line,) = download_text(outputs, r.info.run_id, "results.jsonl").splitlines()
+    assert json.loads(line)["tokens"] >= 1
