@@ -14,6 +14,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError
+from pipeline.compose_check import compose_problem
 from pipeline.config import register_configs, to_run_config
 from pipeline.execute import execute
 from pipeline.paths import outputs_dir
@@ -48,4 +49,10 @@ def main(cfg: DictConfig) -> None:
 
 
 if __name__ == "__main__":
+    args = sys.argv[1:]
+    if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
+        problem = compose_problem([a for a in args if not a.lstrip("+~").startswith("hydra.")])
+        if problem is not None:
+            print(f"error: invalid run configuration:\n  - {problem}", file=sys.stderr, flush=True)
+            sys.exit(2)
     main()

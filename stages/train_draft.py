@@ -32,7 +32,7 @@ from typing import Optional
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_values
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
@@ -125,9 +125,9 @@ def train_dir(cfg, env: StageEnv) -> Path:
     return env.outputs_dir / "train" / (cfg.train.name or cfg.experiment_name)
 
 
-def _positive(key: str, value, minimum=1) -> None:
-    if value is None or value < minimum:
-        raise ConfigError(key, value, "too small", f">= {minimum}")
+def _at_least(key: str, value, minimum: int = 1) -> tuple:
+    """A check_values row: `value` is set and >= minimum."""
+    return key, value, value is not None and value >= minimum, f">= {minimum}", "too small"
 
 
 @register_stage
@@ -144,11 +144,11 @@ class TrainDraftStage(Stage):
             raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
         if TRAIN_SPECS[d.algorithm].check is not None:
             TRAIN_SPECS[d.algorithm].check(cfg, env.draft_plan)
-        for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every", "save_every",
-                    "eval_k"):
-            _positive(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
-        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every"):
-            _positive(f"train.data.{key}", getattr(t.data, key))
+        check_values([_at_least(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
+                      for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every",
+                                  "save_every", "eval_k")]
+                     + [_at_least(f"train.data.{key}", getattr(t.data, key))
+                        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every")])
         if not 0.0 < t.heldout < 1.0:
             raise ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1")
         if t.data.num_samples < 2 or round(t.data.num_samples * t.heldout) >= t.data.num_samples:

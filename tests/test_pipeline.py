@@ -269,3 +269,17 @@ def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatc
     assert r.info.status == "FAILED"
     (line,) = download_text(outputs, r.info.run_id, "results.jsonl").splitlines()
     assert json.loads(line)["tokens"] >= 1
+
+
+def test_hydra_composition_errors_are_config_errors_with_a_hint_that_works(outputs):
+    """A misspelt key, a group without its +, an unknown config and a value of the wrong type: exit 2 in
+    the pipeline's format, and the hint for the misspelling is the real key (Hydra's was `+eval.limt=2`)."""
+    for args, said in [(["eval.limt=2"], "eval.limt='2': no such key (valid: eval.limit"),
+                       (["experiment=eagle3"], "valid: +experiment=eagle3"),
+                       (["graph=nope"], "graph='nope': no such config (valid: bcg, breakable"),
+                       (["eval.limit=abc"], "eval.limit='abc': wrong type")]:
+        p = _cli("model=tiny", *args, outputs=outputs)
+        assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-1500:])
+    p = _cli("model=tiny", "eval.limit=2", "dry_run=true", outputs=outputs)  # the hint's command runs
+    assert p.returncode == 0, p.stderr[-1500:]
+    assert not (outputs / "mlflow.db").exists()

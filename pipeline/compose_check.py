@@ -1,0 +1,75 @@
+"""Hydra's composition errors in the pipeline's own words: the key, the value, and a hint that works.
+
+`python -m pipeline` composes the command line's config once before Hydra does (a single run; a sweep
+and Hydra's own flags go to Hydra as they are). An unknown key, a group written without its `+`, a
+config that does not exist or a value of the wrong type becomes one ConfigError, exit 2, instead of
+Hydra's traceback-free exit 1 whose `+key=value` hint leads to a second error.
+"""
+
+from __future__ import annotations
+
+import difflib
+import re
+from typing import Optional
+
+from omegaconf import OmegaConf
+
+from engine.errors import ConfigError
+from pipeline.paths import REPO
+
+
+def _value(overrides: list[str], key: str) -> str:
+    return next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), "")
+
+
+def _keys(cfg) -> list[str]:
+    """Every dotted key of a composed config."""
+    out = []
+
+    def walk(node, prefix):
+        for k in node:
+            v = node[k] if not OmegaConf.is_missing(node, k) else None
+            path = f"{prefix}{k}"
+            out.append(path)
+            if OmegaConf.is_dict(v):
+                walk(v, path + ".")
+
+    walk(cfg, "")
+    return out
+
+
+def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
+    """Compose as Hydra will; a composition error as a ConfigError (None: the config composes)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.errors import ConfigCompositionException, MissingConfigException
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        try:
+            compose(config_name="config", overrides=overrides)
+            return None
+        except MissingConfigException as e:
+            text = str(e)
+            found = re.search(r"Could not find '([^/']+)/([^']+)'", text)
+            if found is None:
+                return ConfigError("overrides", " ".join(overrides), text.splitlines()[0])
+            group, name = found.groups()
+            listed = text.split("Available options", 1)[-1].split("Config search path", 1)[0]
+            return ConfigError(group, name, "no such config", re.findall(r"^\t(\S+)$", listed, re.M))
+        except ConfigCompositionException as e:
+            first = str(e).splitlines()[0]
+            if found := re.search(r"Could not override '([^']+)'\. No match in the defaults list", str(e)):
+                key = found.group(1)
+                value = _value(overrides, key)
+                return ConfigError(key, value, "not in the defaults list: a group added on the command line "
+                                   "takes a +", f"+{key}={value}")
+            if found := re.search(r"Could not override '([^']+)'", first):
+                key = found.group(1)
+                keys = _keys(compose(config_name="config"))
+                close = difflib.get_close_matches(key, keys, n=3)
+                return ConfigError(key, _value(overrides, key), "no such key",
+                                   close or "a key of the config (python -m pipeline --cfg job lists them)")
+            if found := re.match(r"Error merging override ([^=]+)=(.*)$", first):
+                key, value = found.groups()
+                cause = str(e.__cause__).splitlines()[0] if e.__cause__ else first
+                return ConfigError(key, value, f"wrong type: {cause}")
+            return ConfigError("overrides", " ".join(overrides), first)
