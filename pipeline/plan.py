@@ -135,9 +135,9 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
 
 def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     errors = _check_registries(cfg)
-    out = outputs or outputs_dir()
-    if (problem := outputs_problem(out)) is not None:  # weights cache, MLflow store, training outputs
-        raise PlanError([ConfigError("SPECPIPE_OUTPUTS", str(out), f"the outputs folder {problem}",
+    outputs = outputs or outputs_dir()
+    if (problem := outputs_problem(outputs)) is not None:  # weights cache, MLflow store, training outputs
+        raise PlanError([ConfigError("SPECPIPE_OUTPUTS", str(outputs), f"the outputs folder {problem}",
                                      "a writable directory (set SPECPIPE_OUTPUTS to one)")])
     device, dtype, target_args = torch.device("cpu"), torch.float32, None
     try:
@@ -146,7 +146,7 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     except ConfigError as e:
         errors.append(e)
     try:
-        target_args = describe_model(cfg.model, (outputs or outputs_dir()) / "weights")
+        target_args = describe_model(cfg.model, outputs / "weights")
     except ConfigError as e:
         errors.append(e)
     if errors:  # later checks need a known task and a readable target
@@ -156,7 +156,7 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     except ConfigError as e:
         raise PlanError([e]) from None
 
-    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs or outputs_dir(), target_args=target_args,
+    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs, target_args=target_args,
                    draft_plan=draft)
     if draft is not None and draft.random_weights and cfg.task != "train_draft":
         env.notes.append(draft.random_weights_warning())

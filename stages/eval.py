@@ -111,19 +111,11 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
 
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a generation pass, carrying the records of the prompts it finished."""
-
-    def __init__(self, records: list[EvalRecord], desc: str):
-        super().__init__(desc)
-        self.records, self.desc = records, desc
-
-
 def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, target: LoadedModel,
                  rng: torch.Generator, batch_size: int, desc: str) -> tuple[list[EvalRecord], float]:
     """Every prompt through `gen` in batches; returns the records and the generation wall time. Ctrl-C
-    raises `Interrupted` with the records finished so far; any other error leaves them on the exception
-    (`partial_records`) for the stage to keep."""
+    or an error leaves the records finished so far on the exception (`partial_records`, with the pass's
+    name) for the stage to keep."""
     tok, records, wall = target.tokenizer, [], 0.0
     bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
     try:
@@ -138,9 +130,7 @@ def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, targ
                 records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
-    except KeyboardInterrupt:
-        raise Interrupted(records, desc) from None
-    except Exception as e:
+    except BaseException as e:
         e.partial_records = (records, desc)
         raise
     finally:
@@ -222,12 +212,10 @@ class EvalStage(Stage):
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         try:
             return self._run(cfg, inputs, env)
-        except Interrupted as stop:  # Ctrl-C: keep what finished, then stop (the run ends KILLED)
-            self._keep_partial(env, stop.records, stop.desc, "interrupted")
-            raise
-        except Exception as e:  # a failure mid-pass: keep what finished (the run ends FAILED)
-            if getattr(e, "partial_records", None):
-                self._keep_partial(env, *e.partial_records, "failed")
+        except BaseException as e:  # Ctrl-C or a failure mid-pass: keep what finished (the run ends KILLED / FAILED)
+            if getattr(e, "partial_records", None) is not None:
+                self._keep_partial(env, *e.partial_records, "interrupted" if isinstance(e, KeyboardInterrupt)
+                                   else "failed")
             raise
 
     @staticmethod

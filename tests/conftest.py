@@ -65,10 +65,11 @@ def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> tor
     return model
 
 
-def trained_and_random(outputs: Path, tmp_path: Path, common: list[str], trained: list[str],
-                       random_: list[str]) -> tuple[dict, dict]:
-    """Eval metrics of a trained head and of a random one on the prompts the training synthesized (a
-    question.jsonl written from the shared samples): `common` overrides for both, then each one's own."""
+def assert_trained_beats_random(outputs: Path, tmp_path: Path, common: list[str], trained: list[str],
+                                random_: list[str]) -> None:
+    """On the prompts the training synthesized (a question.jsonl written from the shared samples), a
+    trained head drafts clearly better than a random one through the real loop, and both keep greedy
+    output the target's. `common`: overrides for both evals, then each one's own."""
     import json
 
     from pipeline.__main__ import run
@@ -78,5 +79,6 @@ def trained_and_random(outputs: Path, tmp_path: Path, common: list[str], trained
     qfile.write_text("".join(json.dumps({"question_id": i, "turns": [json.loads(line)["user"]]}) + "\n"
                              for i, line in enumerate(open(data))))
     both = [*common, f"eval.dataset={qfile}", "tracking=off"]
-    return (run(compose_cfg(*both, *trained))["eval_results"]["metrics"],
-            run(compose_cfg(*both, *random_))["eval_results"]["metrics"])
+    good, bad = (run(compose_cfg(*both, *own))["eval_results"]["metrics"] for own in (trained, random_))
+    assert good["match_baseline"] == 1.0 and bad["match_baseline"] == 1.0
+    assert good["accept_length"] > bad["accept_length"] + 0.2, (good["accept_length"], bad["accept_length"])

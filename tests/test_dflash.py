@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import compose_cfg, spread_init, trained_and_random
+from conftest import compose_cfg, spread_init, assert_trained_beats_random
 from test_model import _prompts, pair
 from test_graphs import poison
 from test_speculative import AUX, oracle_prefix, tap
@@ -357,12 +357,9 @@ def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_pa
 
     common = ["+experiment=dflash", *TINY, "model.random.init_std=0.15", "eval.max_new_tokens=24",
               "eval.batch_size=4", "draft.num_steps=3"]
-    trained, random_ = trained_and_random(
+    assert_trained_beats_random(
         outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}", "draft.block_size=null",
                                     "draft.num_layers=null"], ["draft.init=random", "draft.block_size=4"])
-    assert trained["match_baseline"] == 1.0 and random_["match_baseline"] == 1.0
-    assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
-                                                                        random_["accept_length"])
 
 
 def test_train_steps_beyond_the_block_are_one_clear_error(outputs):

@@ -136,7 +136,7 @@ class ApiError(Exception):
 def extra_field_error(extra: dict) -> Optional[ApiError]:
     """The 400 for the first request field this server does not serve (see IGNORED_FIELDS), or None."""
     for name, value in extra.items():
-        if name in IGNORED_FIELDS or (name.endswith("_penalty") and value in (0, 0.0, None)):
+        if name in IGNORED_FIELDS or (name in ("presence_penalty", "frequency_penalty") and value in (0, None)):
             continue
         if name in UNSUPPORTED_FIELDS:
             return ApiError(400, f"{name}: not supported by this server (plain text generation)", name,

@@ -2,11 +2,12 @@
 
     slots    n = serve.max_batch_size rows of the target's static KV cache, of the draft's and of the
              graphs' buffers; a request holds one slot from its prefill to its last token
-    join     the target prefills the prompt into its slot row (`cache.rows(slice(i, i + 1))`, a view
-             sharing storage; eager: the prefill graph covers rows 0..b-1 only), samples the first
-             token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every other row's draft state.
-             Requests waiting together join together: one right-padded prefill over a run of
-             contiguous free slots (`rows=slice(i, i + m)`, up to `max_prefill_tokens` padded tokens)
+    join     the target prefills the prompt into its slot row (`SpecDecoder.prefill(rows=slice(i, i + 1))`:
+             through the prefill graphs over the graph set's staging row, its KV then copied into the
+             slot), samples the first token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every
+             other row's draft state. Requests waiting together join together: one right-padded eager
+             prefill over a run of contiguous free slots (`rows=slice(i, i + m)`, up to
+             `max_prefill_tokens` padded tokens)
     step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
              commit, the same code eval runs; free slots among them ride along as invalid rows (they write
              to the cache's dummy slot and are never read); then finished and cancelled requests leave and
