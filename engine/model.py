@@ -290,18 +290,22 @@ class Attention(nn.Module):
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
     def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs,
-               causal: bool = False) -> Tensor:
+               causal: bool = False, max_rows: Optional[int] = None) -> Tensor:
         """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the
         mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos).
         `causal`: the queries are positions 0..t-1 just written to fresh rows, so SDPA's causal kernel
-        over slots 0..t-1 (flash on CUDA) is the same attention for every valid query."""
+        over slots 0..t-1 (flash on CUDA) is the same attention for every valid query.
+        `max_rows` (not batch-invariant, see _rows_kernel): a step of more rows runs the kernel with one
+        split, each (row, kv head) program walking its whole prefix: at hundreds of rows that fills the
+        GPU, where the cache-sized split count would launch 32 programs per (row, kv head), most empty."""
         b, _, t, _ = q.shape
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         if causal:
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True,
                                                  enable_gqa=self.n_kv != self.n_heads)
         elif mask is None:
-            out = decode_attention(q, k_cache, v_cache, a.qpos)
+            one_split = max_rows is not None and b * t > max_rows
+            out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None)
         else:
             kv_len = mask.shape[-1]
             out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
@@ -322,17 +326,24 @@ class MLP(nn.Module):
 
 
 ROWS_KERNEL_TOKENS = 16  # tokens per row up to which the fused path runs the rows kernels (kernels/gemv.py)
+THROUGHPUT_ROWS = 64  # batch_invariant=False: rows (batch x tokens) above which a step runs on cuBLAS
 
 
-def _rows_kernel(x: Tensor) -> bool:
+def _rows_kernel(x: Tensor, max_rows: Optional[int] = None) -> bool:
     """[b, t, h] activations of a decode, verify or draft step (t <= ROWS_KERNEL_TOKENS, any b): the
     batch-invariant rows kernels, whose result for a row never depends on the rows beside it; prefill
     stays on cuBLAS. A choice by tokens per row, never by the row count, so a row's logits are the
-    same in decode, in a verify and beside any other rows; static per shape, so a graph keeps it."""
-    return x.shape[1] <= ROWS_KERNEL_TOKENS
+    same in decode, in a verify and beside any other rows; static per shape, so a graph keeps it.
+    `max_rows` (LlamaModel.batch_invariant False): more rows than that go to cuBLAS too. The rows
+    kernels re-read each weight per 16-row tile, so at hundreds of rows (self-distillation's batches)
+    cuBLAS is faster, and there no output is compared across batch sizes (the attention's split count
+    follows the same switch: Attention.attend)."""
+    return x.shape[1] <= ROWS_KERNEL_TOKENS and (max_rows is None or x.shape[0] * x.shape[1] <= max_rows)
 
 
 class DecoderLayer(nn.Module):
+    max_rows: Optional[int] = None  # _rows_kernel's row limit (LlamaModel.set_batch_invariant); None: any rows
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
@@ -349,7 +360,7 @@ class DecoderLayer(nn.Module):
         if not fused:
             h = x if delta is None else x + delta
             return h, att.project(norm(h), cache, a)
-        if _rows_kernel(x):  # decode / verify: norm fused into the projection's prologue
+        if _rows_kernel(x, self.max_rows):  # decode / verify: norm fused into the projection's prologue
             h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, self.qkv_weight, self.qkv_bias)
         else:
             h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
@@ -363,7 +374,7 @@ class DecoderLayer(nn.Module):
             h = h + self.self_attn.o_proj(o)
             return h, self.mlp(norm(h))
         o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
-        if _rows_kernel(h):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
+        if _rows_kernel(h, self.max_rows):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
             h, act = add_rmsnorm_gemv(h, gemv(o, o_proj.weight, o_proj.bias), norm.weight, norm.variance_epsilon,
                                       self.gate_up_weight, self.gate_up_bias, swiglu=True)  # [b, t, h], [b, t, inter]
             return h, gemv(act, down.weight, down.bias)
@@ -439,6 +450,7 @@ class LlamaModel(nn.Module):
         self.aux_layer_ids: tuple[int, ...] = ()
         self.attention_kernel = False  # True: Triton decode attention (live prefix only), else SDPA
         self.fused = False  # True: fused norm / RoPE + cache write / SwiGLU kernels (use_fused_kernels)
+        self.batch_invariant = True  # set_batch_invariant
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
         """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast)."""
@@ -459,6 +471,15 @@ class LlamaModel(nn.Module):
             raise ValueError(f"aux layer ids {list(ids)} must be unique and in [0, {n}]")
         self.aux_layer_ids = tuple(ids)
 
+    def set_batch_invariant(self, on: bool) -> None:
+        """on (the default): decode-sized steps run the rows kernels at any row count, so a row's output
+        never depends on its batch; off: steps of more than THROUGHPUT_ROWS rows run on cuBLAS, for
+        throughput work that compares no output across batch sizes (self-distillation). Programs and
+        graphs built afterwards follow it."""
+        self.batch_invariant = on
+        for layer in self.model.layers:
+            layer.max_rows = None if on else THROUGHPUT_ROWS
+
     def new_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> StaticKVCache:
         p = self.lm_head.weight
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
@@ -478,6 +499,7 @@ class LlamaModel(nn.Module):
         """
         layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
         fused, kernel = self.fused, self.attention_kernel
+        max_rows = None if self.batch_invariant else THROUGHPUT_ROWS
 
         def start(env):
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
@@ -499,7 +521,7 @@ class LlamaModel(nn.Module):
                 causal = env.get("causal", False)
                 if i == 0:
                     env["mask"] = None if kernel or causal else env["attn"].mask(env["kv_len"])
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"], causal)
+                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"], causal, max_rows)
             return fn
 
         def post(i):
@@ -522,7 +544,7 @@ class LlamaModel(nn.Module):
                 h = hidden[torch.arange(hidden.shape[0], device=hidden.device), env["logits_index"]][:, None]
             else:
                 h = hidden  # [b, t or 1, hidden]
-            if fused and _rows_kernel(h):  # the rows kernel: cuBLAS would pick its kernel by row count
+            if fused and _rows_kernel(h, max_rows):  # the rows kernel: cuBLAS would pick its kernel by row count
                 if greedy:
                     env["ids"] = gemv(h, self.lm_head.weight, argmax=True)  # [b, t]
                     return

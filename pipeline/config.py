@@ -102,8 +102,8 @@ class DraftConfig:
     # eagle3 random init: own (an lm_head of the head's own over draft_vocab_size tokens) | target (the
     # target's lm_head, shared and frozen: the whole vocabulary, nothing stored; draft_vocab_size null)
     lm_head: str = "own"
-    # eagle3 random init: the draft layer's MLP width (null: the target's). A narrower MLP leaves room in
-    # a size budget for a larger draft vocabulary (the lm_head is most of a small head's bytes).
+    # eagle3 / multi_layer_eagle random init: the draft layers' MLP width (null: the target's). A narrower
+    # MLP leaves room in a size budget (for EAGLE3 a larger draft vocabulary; for MTP four modules).
     intermediate_size: Optional[int] = None
     init_seed: int = 0
     # dflash: tokens per block (the bonus token + block_size - 1 mask tokens; num_steps <= block_size - 1),

@@ -278,10 +278,14 @@ class TrainDraftStage(Stage):
             print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
             return (samples, *synth_seconds(path), True)
         t0 = time.perf_counter()
-        graphs = generation_graphs(loaded.model, d.batch_size, graph)
-        phase_s = {"graphs": time.perf_counter() - t0}  # then messages, answers (synthesize)
-        samples = synthesize_data(loaded, d, graphs, phase_s)
-        del graphs
+        loaded.model.set_batch_invariant(False)  # cuBLAS at generation batches: no output compared across sizes
+        try:
+            graphs = generation_graphs(loaded.model, d.batch_size, graph)
+            phase_s = {"graphs": time.perf_counter() - t0}  # then messages, answers (synthesize)
+            samples = synthesize_data(loaded, d, graphs, phase_s)
+            del graphs
+        finally:
+            loaded.model.set_batch_invariant(True)
         synth_s = time.perf_counter() - t0
         save_samples(path, samples, meta, synth_s, phase_s)
         return samples, synth_s, phase_s, False

@@ -32,7 +32,7 @@ from pipeline.plan import PlanError, build_plan
 
 CUDA = torch.cuda.is_available()
 K, BLOCK = 3, 4
-TINY = ["model=tiny", "draft.aux_layer_ids=[1,2,3]", "draft.aux_layer_convention=input_of"]
+TINY = ["model=tiny", "draft.init=random", "draft.aux_layer_ids=[1,2,3]", "draft.aux_layer_convention=input_of"]
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,8 @@ def test_plan_names_the_bad_key(target, override, key):
 
 
 def test_aux_capture_is_configured_before_graph_capture(outputs):
-    plan = build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "graph=debug", "device=cpu")), outputs)
+    plan = build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "graph=debug", "device=cpu",
+                                                       "draft.num_layers=2")), outputs)
     assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "eval"]
     assert "output_of [0, 1, 2] (from config)" in plan.describe()
     assert "block 8 (mask token 319), 2 layers" in plan.describe()

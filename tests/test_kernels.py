@@ -252,6 +252,49 @@ def test_fused_model_equals_unfused(device):
     assert [r.tokens for r in Generator(target, 3).generate(prompts, params)] == ref_tokens
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_batch_invariant_off_sends_large_decode_steps_to_cublas(device, monkeypatch):
+    """set_batch_invariant(False): a decode step of more than THROUGHPUT_ROWS rows runs no rows kernel
+    and one attention split (self-distillation's batches), smaller steps still run the batch-invariant
+    kernels, and the logits agree with theirs.
+    Turned back on, the rows kernels run at any row count again, bitwise as before."""
+    import engine.model as model_mod
+    from test_model import pair
+
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    target.attention_kernel = True
+    target.use_fused_kernels()
+    monkeypatch.setattr(model_mod, "THROUGHPUT_ROWS", 4)  # a small limit: interpreted kernels are slow
+    calls, splits = [], []
+    real, real_attention = model_mod.add_rmsnorm_gemv, model_mod.decode_attention
+    monkeypatch.setattr(model_mod, "add_rmsnorm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    monkeypatch.setattr(model_mod, "decode_attention",
+                        lambda *a, **k: splits.append(k.get("num_splits")) or real_attention(*a, **k))
+
+    def step(rows: int):  # one decode step of `rows` rows after a 5-token prefill
+        g = torch.Generator().manual_seed(rows)
+        ids = torch.randint(0, 256, (rows, 6), generator=g).to(device)
+        cache = target.new_cache(rows)
+        target(ids[:, :5], torch.arange(5, device=device).expand(rows, 5), cache, kv_len=5)
+        calls.clear(), splits.clear()
+        out = target(ids[:, 5:], torch.full((rows, 1), 5, device=device), cache, kv_len=6).logits
+        return out, len(calls), set(splits)
+
+    big = model_mod.THROUGHPUT_ROWS + 4
+    ref, n_ref, s_ref = step(big)
+    target.set_batch_invariant(False)
+    fast, n_fast, s_fast = step(big)
+    _, n_small, s_small = step(model_mod.THROUGHPUT_ROWS)
+    target.set_batch_invariant(True)
+    again, _, _ = step(big)
+    assert n_ref > 0 and n_fast == 0 and n_small == n_ref
+    assert s_ref == s_small == {None} and s_fast == {1}  # the cache's split count, or one split per program
+    torch.testing.assert_close(fast, ref, atol=1e-4, rtol=1e-4)
+    assert torch.equal(again, ref)
+
+
 # ------------------------------------------------------------------------------------- soft cross-entropy
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -111,13 +111,19 @@ def test_cli_bad_input_is_one_clear_error(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
-def test_the_plan_names_the_head_and_warns_of_random_weights(outputs):
-    """dry_run names the checkpoint a draft loads (the shipped EAGLE3 head by default); a draft with random
-    weights is called out in the plan with the recipe that trains one, and not in a training run."""
-    shipped = _cli("+experiment=eagle3", "dry_run=true", "device=cpu", outputs=outputs)
-    assert shipped.returncode == 0, shipped.stderr[-2000:]
-    assert "checkpoints/smollm2-135m-instruct-eagle3" in shipped.stdout and "RANDOM" not in shipped.stdout
-    mtp = _cli("+experiment=mtp", "dry_run=true", "device=cpu", outputs=outputs)
+@pytest.mark.parametrize("experiment, head", [("eagle3", "eagle3"), ("eagle", "eagle"), ("mtp", "mtp"),
+                                              ("dflash", "dflash")])
+def test_every_draft_experiment_plans_its_shipped_head(outputs, experiment, head):
+    """dry_run names the checkpoint each draft experiment loads by default: the head shipped for it."""
+    p = _cli(f"+experiment={experiment}", "dry_run=true", "device=cpu", outputs=outputs)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert f"checkpoints/smollm2-135m-instruct-{head}," in p.stdout and "RANDOM" not in p.stdout
+
+
+def test_the_plan_warns_of_random_weights(outputs):
+    """A draft with random weights is called out in the plan with the recipe that trains one, and not in
+    a training run."""
+    mtp = _cli("+experiment=mtp", "draft.init=random", "dry_run=true", "device=cpu", outputs=outputs)
     assert mtp.returncode == 0, mtp.stderr[-2000:]
     assert "RANDOM-WEIGHT head" in mtp.stdout
     assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp.stdout

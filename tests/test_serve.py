@@ -44,9 +44,9 @@ CONFIGS = {
     "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3"),
     "eagle3_debug": ("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug", "model.max_seq_len=256",
                      "serve.max_batch_size=4"),
-    "mtp_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=multi_layer_eagle", "draft.num_steps=3",
+    "mtp_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=multi_layer_eagle", "draft.init=random", "draft.num_steps=3",
                   "graph=debug", "model.max_seq_len=256", "serve.max_batch_size=4"),
-    "dflash_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=dflash", "draft.num_steps=3", "draft.block_size=4",
+    "dflash_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=dflash", "draft.init=random", "draft.num_steps=3", "draft.block_size=4",
                      "draft.aux_layer_ids=[1,2,3]", "draft.num_layers=1", "graph=debug", "model.max_seq_len=256",
                      "serve.max_batch_size=4"),
     # one slot, one waiting request: queue-full and disconnect tests; long generations

@@ -611,15 +611,6 @@ def test_bad_train_config_is_one_clear_error(outputs, override, key):
 SHIPPED = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints" / "smollm2-135m-instruct-eagle3"
 
 
-def test_shipped_head_has_a_config_and_a_model_card():
-    files = {p.name: p.stat().st_size for p in SHIPPED.iterdir()}
-    assert {"config.json", "model.safetensors", "README.md"} <= set(files)  # the size budget: test_storage
-    cfg = json.loads((SHIPPED / "config.json").read_text())
-    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["target_hidden_size"] == 576
-    card = (SHIPPED / "README.md").read_text()
-    assert "self-distilled" in card and "accept_length" in card
-
-
 def test_model_card_names_the_loss_levers_that_were_on():
     """The card of a head trained with train.round_weight / train.reach_weight says so, in words and as the
     overrides that reproduce it; the recipe's own card (both off) mentions neither."""
@@ -646,9 +637,10 @@ def test_model_card_command_is_the_recipe_and_what_differs_from_it():
     card = model_card(facts)
     assert "+experiment=train_eagle3_smollm2 train.ema_decay=0 train.weight_decay=0 train.lr=0.001`" in card
     assert "weight decay" not in card and "moving average" not in card
-    facts["experiment"] = "train_mtp_smollm2"  # another recipe, its own values: lr 6e-4, 420 s, T 1, no EMA
-    assert ("(`python -m pipeline +experiment=train_mtp_smollm2 train.label_temperature=0.5 train.lr=0.001 "
-            "train.max_time_s=600`)") in model_card(facts)
+    facts["experiment"] = "train_mtp_smollm2"  # another recipe, its own values: lr 2e-3, T 0.5, EMA, 600 s
+    facts["train"].update(max_time_s=480.0)
+    assert ("(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
+            "train.lr=0.001 train.max_time_s=480`)") in model_card(facts)
 
 
 def test_model_card_and_plan_name_the_passage_tasks():
@@ -661,18 +653,6 @@ def test_model_card_and_plan_name_the_passage_tasks():
     assert "of 32-160 tokens" in model_card(facts)
     plan = build_plan(to_run_config(compose_cfg(*TRAIN, "passages=tasks", "device=cpu")))
     assert "25% of them tasks about passages" in plan.describe()
-
-
-@pytest.mark.slow
-def test_shipped_head_is_the_eagle3_default_and_drafts_smollm2(outputs):
-    """`+experiment=eagle3` on a fresh machine: the shipped head loads for the default target, is
-    accepted far more often than nothing, and greedy output stays the target's."""
-    ctx = run(compose_cfg("+experiment=eagle3", "device=cpu", "eval.limit=2", "eval.max_new_tokens=32",
-                          "tracking=off"))
-    assert ctx["draft_head"].draft_vocab_size == 10240
-    m = ctx["eval_results"]["metrics"]
-    assert m["match_baseline"] == 1.0
-    assert m["accept_length"] > 1.5, m["accept_length"]
 
 
 def test_train_step_benchmark_builds_every_variant_and_times_a_step(outputs):

@@ -38,7 +38,7 @@ Checkpoint (`architectures: ["LlamaForCausalLMMultiLayerEagle"]`, DeepSeek-V3 MT
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -164,9 +164,11 @@ class MultiLayerEagleHead(_Head):
         return f"Teacher-forced multi-token prediction, one module per draft position ({self.num_modules} modules)"
 
 
-def multi_layer_config(target: ModelArgs, num_modules: int) -> dict:
-    return {**eagle_config(target), "architectures": [ARCHITECTURE], "num_nextn_predict_layers": num_modules,
-            "tie_word_embeddings": True}
+def multi_layer_config(target: ModelArgs, num_modules: int, intermediate_size: Optional[int] = None) -> dict:
+    """config.json of `num_modules` modules of the target's width (random init, training);
+    intermediate_size: the modules' MLP width (None: the target's)."""
+    return {**eagle_config(target), "intermediate_size": intermediate_size or target.intermediate_size,
+            "architectures": [ARCHITECTURE], "num_nextn_predict_layers": num_modules, "tie_word_embeddings": True}
 
 
 class MultiLayerDraft(DeviceDraft):

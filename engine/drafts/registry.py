@@ -111,6 +111,21 @@ def _check_fc(ckpt: HeadCheckpoint, expected: int, why: str) -> None:
                           f"{shape[1]} // target hidden layers")
 
 
+def _mlp_width(cfg, target: ModelArgs) -> Optional[int]:
+    """draft.intermediate_size of a random head: its layers' MLP width (None: the target's)."""
+    width = cfg.intermediate_size
+    if width is not None and width < 1:
+        raise ConfigError("draft.intermediate_size", width, "the draft layers' MLP width", ">= 1, or null (the "
+                          f"target's {target.intermediate_size})")
+    return width
+
+
+def _reject_width(cfg, ckpt: HeadCheckpoint) -> None:
+    if cfg.intermediate_size is not None:
+        raise ConfigError("draft.intermediate_size", cfg.intermediate_size, "a checkpoint's MLP width is its "
+                          f"config.json's ({ckpt.config.get('intermediate_size')})", "null (or draft.init=random)")
+
+
 def _reject_aux_ids(cfg) -> None:
     """Drafts that read the target's final hidden state take no aux layer ids."""
     if cfg.aux_layer_ids is not None:
@@ -131,9 +146,7 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
     if cfg.init == "checkpoint":
         ckpt = HeadCheckpoint.read(cfg.path, Eagle3Head.architecture)
         ckpt_ids = (ckpt.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-        if cfg.intermediate_size is not None:
-            raise ConfigError("draft.intermediate_size", cfg.intermediate_size, "a checkpoint's MLP width is its "
-                              f"config.json's ({ckpt.config.get('intermediate_size')})", "null (or draft.init=random)")
+        _reject_width(cfg, ckpt)
         th = ckpt.config.get("target_hidden_size", ckpt.config.get("hidden_size"))
         if th != target.hidden_size:
             raise ConfigError("draft.path", cfg.path, f"target_hidden_size {th} differs from the target's "
@@ -154,11 +167,7 @@ def _plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
         if cfg.lm_head == "target" and dv is not None:
             raise ConfigError("draft.draft_vocab_size", dv, "draft.lm_head=target predicts over the target's whole "
                               "vocabulary", "null (or draft.lm_head=own)")
-        width = cfg.intermediate_size
-        if width is not None and width < 1:
-            raise ConfigError("draft.intermediate_size", width, "the draft layer's MLP width", ">= 1, or null (the "
-                              f"target's {target.intermediate_size})")
-        head_cfg = eagle3_config(target, list(aux.output_of), dv, cfg.lm_head, width)
+        head_cfg = eagle3_config(target, list(aux.output_of), dv, cfg.lm_head, _mlp_width(cfg, target))
     return DraftPlan("eagle3", FeatureKind.aux, aux, head_cfg, ckpt)
 
 
@@ -179,8 +188,10 @@ def _plan_multi_layer_eagle(cfg, target: ModelArgs) -> DraftPlan:
     _check_init(cfg)
     _reject_aux_ids(cfg)
     if cfg.init == "random":
-        return DraftPlan("multi_layer_eagle", FeatureKind.final, None, multi_layer_config(target, cfg.num_steps))
+        return DraftPlan("multi_layer_eagle", FeatureKind.final, None,
+                         multi_layer_config(target, cfg.num_steps, _mlp_width(cfg, target)))
     ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
+    _reject_width(cfg, ckpt)
     _check_vocab(ckpt.config, target, cfg.path)
     if ckpt.config.get("hidden_size") != target.hidden_size:
         raise ConfigError("draft.path", cfg.path, f"hidden_size {ckpt.config.get('hidden_size')} differs from the "

@@ -18,7 +18,9 @@
 Everything runs batched through `engine.generate.Generator`, on whatever device the target is on, with
 the decode bookkeeping on the device (`sync_every`: the host looks every few steps, not every step; the
 same tokens as the eval loop). Each generation batch draws from its own seeded generator, so the
-samples depend on the seed and the sizes only, not on how the decoding ran (graphs, sync_every).
+samples depend on the seed, the sizes and the device's kernels, not on the host's looks (sync_every).
+The training stage runs it with the target's `batch_invariant` off: its hundreds of rows a step go to
+cuBLAS, not to the rows kernels that keep a row's output independent of its batch.
 """
 
 from __future__ import annotations
