@@ -84,18 +84,27 @@ def miss_anatomy(trainer: Trainer, samples: list[Sample]) -> dict[str, float]:
         second += int((p.topk(2, -1).indices[:, 1] == draft)[miss].sum())
     hit, missed = torch.cat(hit_p), torch.cat(miss_p)
     n = len(hit) + len(missed)
-    return {"positions": n, "miss": len(missed) / max(n, 1), "second_choice": second / max(len(missed), 1),
-            "p_top_miss": float(missed.median()) if len(missed) else float("nan"),
-            "p_top_hit": float(hit.median()) if len(hit) else float("nan"),
-            "near_tie": float((missed < 0.5).float().mean()) if len(missed) else float("nan")}
+    return {
+        "positions": n,
+        "miss": len(missed) / max(n, 1),
+        "second_choice": second / max(len(missed), 1),
+        "p_top_miss": float(missed.median()) if len(missed) else float("nan"),
+        "p_top_hit": float(hit.median()) if len(hit) else float("nan"),
+        "near_tie": float((missed < 0.5).float().mean()) if len(missed) else float("nan"),
+    }
 
 
 def head_and_eval_answers(args):
     """-> plan, loaded target, head, eval prompts, eval samples: the head of `args.head` on its target
     (`args.overrides`), and the target's greedy answers (up to `args.tokens`) to `args.limit` prompts
     spread over `args.dataset`."""
-    cfg = compose_run_config("+experiment=eagle3", "tracking=off", "draft.init=checkpoint",
-                             f"draft.path={Path(args.head).resolve()}", *args.overrides)
+    cfg = compose_run_config(
+        "+experiment=eagle3",
+        "tracking=off",
+        "draft.init=checkpoint",
+        f"draft.path={Path(args.head).resolve()}",
+        *args.overrides,
+    )
     plan = build_plan(cfg)
     ctx = plan.set_up("load", "configure_aux_capture")
     loaded, head = ctx["target"], ctx["draft_head"]
@@ -103,16 +112,25 @@ def head_and_eval_answers(args):
     prompts = load_prompts(args.dataset)
     prompts = prompts[:: max(1, len(prompts) // args.limit)][: args.limit]
     ids = [tok.encode_chat(p.text) for p in prompts]
-    answers = Generator(loaded.model, len(ids)).generate(ids, SamplingParams(max_new_tokens=args.tokens),
-                                                         tok.eos_token_ids, sync_every=16)
+    answers = Generator(loaded.model, len(ids)).generate(
+        ids, SamplingParams(max_new_tokens=args.tokens), tok.eos_token_ids, sync_every=16
+    )
     return plan, loaded, head, prompts, [Sample(p.text, i, r.tokens) for p, i, r in zip(prompts, ids, answers)]
 
 
 def scoring_trainer(plan, loaded, head, samples: list[Sample], recipe, name: str) -> Trainer:
     """A trainer that only scores: its KV rows sized for every one of `samples`, each set evaluated in
     turn as its held-out split."""
-    return Trainer(head, loaded.model, samples, samples, VocabMap.of(head), settings(recipe, plan.env.device),
-                   plan.env.outputs_dir / name, lambda *a, **k: None)
+    return Trainer(
+        head,
+        loaded.model,
+        samples,
+        samples,
+        VocabMap.of(head),
+        settings(recipe, plan.env.device),
+        plan.env.outputs_dir / name,
+        lambda *a, **k: None,
+    )
 
 
 def main() -> None:
@@ -122,9 +140,14 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=80, help="eval prompts (spread over the set) and Magpie samples")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer; the replay's horizon")
     ap.add_argument("--plain", action="store_true", help="Magpie under the template's default system message only")
-    ap.add_argument("--recipe", action="append", default=[], metavar="OVERRIDES",
-                    help="a candidate recipe's data (space-separated overrides of the recipe), its Magpie samples "
-                         "one more set (repeatable), e.g. 'magpie=topics_detailed train.data.max_prompt_tokens=128'")
+    ap.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="OVERRIDES",
+        help="a candidate recipe's data (space-separated overrides of the recipe), its Magpie samples "
+        "one more set (repeatable), e.g. 'magpie=topics_detailed train.data.max_prompt_tokens=128'",
+    )
     ap.add_argument("--misses", action="store_true", help="also the first draft's misses, set by set")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()  # overrides may follow the options
@@ -135,11 +158,23 @@ def main() -> None:
     for overrides in [""] + args.recipe:  # the recipe's own Magpie samples, then each candidate's
         d = compose_run_config("+experiment=train_eagle3_smollm2", *overrides.split()).train.data
         name = overrides or ("magpie (plain)" if args.plain else "magpie")
-        sets[name] = synthesize_data(loaded, dataclasses.replace(
-            d, num_samples=args.limit, batch_size=min(args.limit, d.batch_size), max_answer_tokens=args.tokens,
-            seed=12345, sync_every=16, system_prompts=[] if args.plain and not overrides else list(d.system_prompts)))
-        print(f"{name}: median user message {statistics.median(len(tok.encode(s.user)) for s in sets[name]):g} "
-              f"tokens, {cut_share(sets[name]):.2f} cut", flush=True)
+        sets[name] = synthesize_data(
+            loaded,
+            dataclasses.replace(
+                d,
+                num_samples=args.limit,
+                batch_size=min(args.limit, d.batch_size),
+                max_answer_tokens=args.tokens,
+                seed=12345,
+                sync_every=16,
+                system_prompts=[] if args.plain and not overrides else list(d.system_prompts),
+            ),
+        )
+        print(
+            f"{name}: median user message {statistics.median(len(tok.encode(s.user)) for s in sets[name]):g} "
+            f"tokens, {cut_share(sets[name]):.2f} cut",
+            flush=True,
+        )
         n_tasks = passage_task_count(args.limit, d.passage_share, d.passage_tasks)
         if n_tasks:  # the passage tasks (the last n_tasks samples) also as a set of their own
             sets[f"{name} [tasks]"] = sets[name][-n_tasks:]
@@ -156,21 +191,31 @@ def main() -> None:
     w = max(16, *map(len, sets))  # the name column
     to_draft = trainer.vocab.to_draft.cpu()
     if not head.shares_lm_head:  # how far the head's lm_head rows moved from the target's they started from
-        cos = torch.nn.functional.cosine_similarity(head.lm_head.weight.float(),
-                                                    target.lm_head.weight[trainer.vocab.used].float(), dim=-1)
+        cos = torch.nn.functional.cosine_similarity(
+            head.lm_head.weight.float(), target.lm_head.weight[trainer.vocab.used].float(), dim=-1
+        )
         print(f"the head's lm_head rows against the target's: median cosine {cos.median():.3f}")
-    print(f"{'set':{w}} {'n':>3} {'tokens':>6} " + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS)
-          + f" {'out_of_vocab':>12} {'oov_in_context':>14}")
+    print(
+        f"{'set':{w}} {'n':>3} {'tokens':>6} "
+        + " ".join(f"{c.removeprefix('val_'):>22}" for c in COLUMNS)
+        + f" {'out_of_vocab':>12} {'oov_in_context':>14}"
+    )
     for name, samples in sets.items():
         trainer.heldout = samples
         m = trainer.evaluate()
         oov, in_context = out_of_vocab(samples, to_draft)
-        print(f"{name:{w}} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
-              + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS) + f" {oov:>12.3f} {in_context:>14.3f}", flush=True)
+        print(
+            f"{name:{w}} {len(samples):>3} {sum(len(s.answer_ids) for s in samples):>6} "
+            + " ".join(f"{m[c]:>22.3f}" for c in COLUMNS)
+            + f" {oov:>12.3f} {in_context:>14.3f}",
+            flush=True,
+        )
     if args.misses:
-        print("\nfirst draft's misses (step 0, answer positions with a draft-vocab greedy token; p_top: the "
-              "target's probability of its greedy token;\nnear_tie: misses where it is below 0.5; "
-              "second_choice: misses where the draft took the target's second token)")
+        print(
+            "\nfirst draft's misses (step 0, answer positions with a draft-vocab greedy token; p_top: the "
+            "target's probability of its greedy token;\nnear_tie: misses where it is below 0.5; "
+            "second_choice: misses where the draft took the target's second token)"
+        )
         cols = ("positions", "miss", "second_choice", "near_tie", "p_top_miss", "p_top_hit")
         print(f"{'set':{w}} " + " ".join(f"{c:>14}" for c in cols))
         for name, samples in sets.items():

@@ -31,9 +31,9 @@ import argparse
 import dataclasses
 
 import torch
+from accept_shift import first_drafts, head_and_eval_answers, scoring_trainer  # benchmarks/, the script's dir
 from tqdm import tqdm
 
-from accept_shift import first_drafts, head_and_eval_answers, scoring_trainer  # benchmarks/, the script's dir
 from engine.train.selfdistill import Sample
 from engine.train.trainer import Trainer
 from pipeline.config import compose_run_config
@@ -67,8 +67,11 @@ def positions(trainer: Trainer, samples: list[Sample], embed: torch.Tensor) -> d
                 rows["own_max"].append(lg.max(-1).values)
                 d = to_draft[label]  # [n]
                 rows["own_hit"].append((lg.argmax(-1) == d) & (d >= 0))
-                rows["own_label"].append(torch.where(d >= 0, lg.gather(-1, d.clamp(min=0)[:, None])[:, 0],
-                                                     torch.full_like(lg[:, 0], float("-inf"))))
+                rows["own_label"].append(
+                    torch.where(
+                        d >= 0, lg.gather(-1, d.clamp(min=0)[:, None])[:, 0], torch.full_like(lg[:, 0], float("-inf"))
+                    )
+                )
                 t = torch.tensor(toks, dtype=torch.long, device=x.device)  # [C]
                 f = torch.tensor(first, dtype=torch.long, device=x.device)  # [C]
                 hit = (label[:, None] == t[None, :]) & (f[None, :] <= ps[:, None] + 1)  # [n, C]
@@ -140,17 +143,19 @@ def project(r: dict, embed: torch.Tensor, u: torch.Tensor, v: torch.Tensor) -> t
     return _padded([_scores(xs, embed[t].float(), f, ps) for xs, (t, f, ps) in zip(parts, r["groups"])])
 
 
-def fit_projection(r: dict, embed: torch.Tensor, rank: int, steps: int = 200,
-                   weight_decay: float = 1e-2) -> tuple[float, float, torch.Tensor, torch.Tensor]:
+def fit_projection(
+    r: dict, embed: torch.Tensor, rank: int, steps: int = 200, weight_decay: float = 1e-2
+) -> tuple[float, float, torch.Tensor, torch.Tensor]:
     """a, b and a rank-`rank` correction U V^T of the lm_head input (starting at the identity: V = 0),
     fitted together by the same cross-entropy as `fit` on every position (the head frozen). Every position
     trains it: a copyable one to pick its copy, an own-vocabulary one to keep the extras below."""
     h = r["x"].shape[1]
-    u = (torch.randn(h, rank, generator=torch.Generator().manual_seed(0)) / h ** 0.5).requires_grad_()
+    u = (torch.randn(h, rank, generator=torch.Generator().manual_seed(0)) / h**0.5).requires_grad_()
     v = torch.zeros(h, rank, requires_grad=True)
     a, b = torch.ones((), requires_grad=True), torch.zeros((), requires_grad=True)
-    opt = torch.optim.AdamW([{"params": [u, v], "weight_decay": weight_decay},
-                             {"params": [a, b], "weight_decay": 0.0}], lr=0.01)
+    opt = torch.optim.AdamW(
+        [{"params": [u, v], "weight_decay": weight_decay}, {"params": [a, b], "weight_decay": 0.0}], lr=0.01
+    )
     _fit(r, lambda: project(r, embed, u, v), a, b, opt, steps)
     return a.item(), b.item(), u.detach(), v.detach()
 
@@ -163,9 +168,12 @@ def report(name: str, r: dict[str, torch.Tensor], a: float, b: float, extra: tor
     with_extras = (r["own_hit"] & ~extra_wins) | extra_right
     copyable = r["extra_label"] >= 0
     n = len(r["own_hit"])
-    print(f"{name:12} {n:>9} {r['own_hit'].float().mean():>9.3f} {with_extras.float().mean():>11.3f} "
-          f"{copyable.float().mean():>9.3f} {extra_right.sum() / max(int(copyable.sum()), 1):>14.3f} "
-          f"{(r['own_hit'] & extra_wins).float().mean():>13.4f}", flush=True)
+    print(
+        f"{name:12} {n:>9} {r['own_hit'].float().mean():>9.3f} {with_extras.float().mean():>11.3f} "
+        f"{copyable.float().mean():>9.3f} {extra_right.sum() / max(int(copyable.sum()), 1):>14.3f} "
+        f"{(r['own_hit'] & extra_wins).float().mean():>13.4f}",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -175,9 +183,13 @@ def main() -> None:
     ap.add_argument("--limit", type=int, default=40, help="eval prompts (spread over the set)")
     ap.add_argument("--train", type=int, default=256, help="self-distilled samples a and b are fitted on")
     ap.add_argument("--tokens", type=int, default=256, help="new tokens per answer")
-    ap.add_argument("--rank", type=int, default=0,
-                    help="also fit a rank-R correction of x with a and b (`fit_projection`) on the first 3/4 of "
-                         "the self-distilled samples, reported on the last 1/4 and on the eval set")
+    ap.add_argument(
+        "--rank",
+        type=int,
+        default=0,
+        help="also fit a rank-R correction of x with a and b (`fit_projection`) on the first 3/4 of "
+        "the self-distilled samples, reported on the last 1/4 and on the eval set",
+    )
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_intermixed_args()
     plan, loaded, head, _, evalset = head_and_eval_answers(args)
@@ -185,9 +197,17 @@ def main() -> None:
         raise SystemExit(f"{args.head}: the head drafts over the target's whole vocabulary; nothing is out of it")
     recipe = compose_run_config("+experiment=train_eagle3_smollm2")
     d = recipe.train.data
-    train = synthesize_data(loaded, dataclasses.replace(
-        d, num_samples=args.train, batch_size=min(args.train, 128), max_answer_tokens=args.tokens, seed=4242,
-        sync_every=16))
+    train = synthesize_data(
+        loaded,
+        dataclasses.replace(
+            d,
+            num_samples=args.train,
+            batch_size=min(args.train, 128),
+            max_answer_tokens=args.tokens,
+            seed=4242,
+            sync_every=16,
+        ),
+    )
     everything = evalset + train
     trainer = scoring_trainer(plan, loaded, head, everything, recipe, "copy_probe")
     embed = loaded.model.lm_head.weight  # [V, H]: tied to the embedding in SmolLM2
@@ -199,8 +219,10 @@ def main() -> None:
     sets.append((args.dataset, evaluated))
     a, b = fit(fitted)
     print(f"extras' logits: {a:.3f} * (x . E[tok]) + {b:.3f}, fitted on {cut} self-distilled samples")
-    header = (f"{'set':12} {'positions':>9} {'own acc':>9} {'with extras':>11} {'copyable':>9} "
-              f"{'copies right':>14} {'own hits lost':>13}")
+    header = (
+        f"{'set':12} {'positions':>9} {'own acc':>9} {'with extras':>11} {'copyable':>9} "
+        f"{'copies right':>14} {'own hits lost':>13}"
+    )
     print(header)
     for name, r in sets:
         report(name, r, a, b)

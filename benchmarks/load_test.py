@@ -64,10 +64,16 @@ class LevelResult:
         return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]  # nearest rank
 
     def row(self) -> dict:
-        return {"clients": self.clients, "requests": self.requests, "failures": self.failures,
-                "tokens_per_s": round(self.tokens_per_s, 1), "req_per_s": round(self.requests / self.duration_s, 2),
-                "p50_s": round(self.pct(50), 3), "p99_s": round(self.pct(99), 3),
-                "ttft_p50_s": round(self.pct(50, self.ttfts), 3) if self.ttfts else None}
+        return {
+            "clients": self.clients,
+            "requests": self.requests,
+            "failures": self.failures,
+            "tokens_per_s": round(self.tokens_per_s, 1),
+            "req_per_s": round(self.requests / self.duration_s, 2),
+            "p50_s": round(self.pct(50), 3),
+            "p99_s": round(self.pct(99), 3),
+            "ttft_p50_s": round(self.pct(50, self.ttfts), 3) if self.ttfts else None,
+        }
 
 
 def load_prompts(path: Optional[str]) -> list[str]:
@@ -110,21 +116,37 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
         res.errors.append(repr(e)[:300])
 
 
-async def run_level(base_url: str, model: str, clients: int, duration_s: float, max_tokens: int,
-                    prompts: list[str], temperature: float = 0.0, stream: bool = False,
-                    timeout_s: float = 600.0, chat: bool = False, ignore_eos: bool = False) -> LevelResult:
+async def run_level(
+    base_url: str,
+    model: str,
+    clients: int,
+    duration_s: float,
+    max_tokens: int,
+    prompts: list[str],
+    temperature: float = 0.0,
+    stream: bool = False,
+    timeout_s: float = 600.0,
+    chat: bool = False,
+    ignore_eos: bool = False,
+) -> LevelResult:
     """`clients` loops sending completions until `duration_s` is up; in-flight requests finish."""
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     res = LevelResult(clients, duration_s)
     deadline = time.perf_counter() + duration_s
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
+
         async def loop(c: int) -> None:
             i = c
             while time.perf_counter() < deadline:
                 text = prompts[i % len(prompts)]
-                body = {"model": model, "max_tokens": max_tokens, "temperature": temperature, "stream": stream,
-                        **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text})}
+                body = {
+                    "model": model,
+                    "max_tokens": max_tokens,
+                    "temperature": temperature,
+                    "stream": stream,
+                    **({"messages": [{"role": "user", "content": text}]} if chat else {"prompt": text}),
+                }
                 if ignore_eos:
                     body["ignore_eos"] = True
                 if stream:
@@ -166,8 +188,10 @@ def table(results: list[LevelResult]) -> str:
     lines = [head]
     for r in results:
         x = r.row()
-        line = (f"{x['clients']:>7} {x['requests']:>8} {x['failures']:>8} {x['tokens_per_s']:>9.1f} "
-                f"{x['req_per_s']:>7.2f} {x['p50_s']:>7.3f} {x['p99_s']:>7.3f}")
+        line = (
+            f"{x['clients']:>7} {x['requests']:>8} {x['failures']:>8} {x['tokens_per_s']:>9.1f} "
+            f"{x['req_per_s']:>7.2f} {x['p50_s']:>7.3f} {x['p99_s']:>7.3f}"
+        )
         if x["ttft_p50_s"] is not None:
             line += f" {x['ttft_p50_s']:>10.3f}"
         lines.append(line)
@@ -184,22 +208,42 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", default=None, help="a question.jsonl (first turns); default: built-in")
     ap.add_argument("--stream", action="store_true", help="stream (SSE) and report time to first token")
-    ap.add_argument("--chat", action="store_true", help="/v1/chat/completions (the chat template) instead of "
-                    "/v1/completions")
-    ap.add_argument("--ignore-eos", action="store_true", help="every request generates exactly --max-tokens "
-                    "(the server's ignore_eos extension, as vLLM's)")
+    ap.add_argument(
+        "--chat", action="store_true", help="/v1/chat/completions (the chat template) instead of /v1/completions"
+    )
+    ap.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="every request generates exactly --max-tokens (the server's ignore_eos extension, as vLLM's)",
+    )
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--label", default="", help="a label printed above the table (e.g. the server's config)")
-    ap.add_argument("--wait-s", type=float, default=0.0, help="first wait up to this long for GET /health "
-                    "to answer 200 (a server just started)")
+    ap.add_argument(
+        "--wait-s",
+        type=float,
+        default=0.0,
+        help="first wait up to this long for GET /health to answer 200 (a server just started)",
+    )
     a = ap.parse_args(argv)
     if a.wait_s > 0:
         wait_ready(a.url, a.wait_s)
     model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)
     results = []
     for n in a.clients:
-        r = asyncio.run(run_level(a.url, model, n, a.duration, a.max_tokens, prompts, a.temperature, a.stream,
-                                  chat=a.chat, ignore_eos=a.ignore_eos))
+        r = asyncio.run(
+            run_level(
+                a.url,
+                model,
+                n,
+                a.duration,
+                a.max_tokens,
+                prompts,
+                a.temperature,
+                a.stream,
+                chat=a.chat,
+                ignore_eos=a.ignore_eos,
+            )
+        )
         results.append(r)
         for e in r.errors[:3]:
             print(f"  [{n} clients] failed: {e}")

@@ -43,7 +43,6 @@ from pipeline.plan import build_plan
 from stages.eval import encode_prompts, sampling_params
 
 
-
 class PhaseRanges:
     """A generator's phase hook: each phase of a round inside a profiler range `phase:<name>`."""
 
@@ -72,8 +71,11 @@ def _phase_table(prof, cuda: bool) -> dict[str, tuple[int, float]]:
                 totals[evt.name.removeprefix("phase:")][1] += sum(c.cpu_time_total for c in evt.cpu_children)
         return {k: (n, us) for k, (n, us) in totals.items()}
     on_device = [e for e in events if e.device_type == DeviceType.CUDA]
-    ranges = sorted((e.time_range.start, e.time_range.end, e.name.removeprefix("phase:"))
-                    for e in on_device if e.name.startswith("phase:"))
+    ranges = sorted(
+        (e.time_range.start, e.time_range.end, e.name.removeprefix("phase:"))
+        for e in on_device
+        if e.name.startswith("phase:")
+    )
     starts = [r[0] for r in ranges]
     for e in on_device:
         if e.name.startswith("phase:"):
@@ -94,7 +96,7 @@ def _profile(gen: Generator, data, params, target, rng, batch: int, n: int):
     results, t0 = [], time.perf_counter()
     with profile(activities=acts) as prof:
         for i in range(0, n, batch):
-            results += gen.generate(data.encoded[i: min(i + batch, n)], params, target.tokenizer.eos_token_ids, rng)
+            results += gen.generate(data.encoded[i : min(i + batch, n)], params, target.tokenizer.eos_token_ids, rng)
     gen.phase_hook = None
     return prof, results, time.perf_counter() - t0
 
@@ -102,11 +104,17 @@ def _profile(gen: Generator, data, params, target, rng, batch: int, n: int):
 def report(name: str, gen: Generator, prof, results, wall: float, cuda: bool) -> str:
     stats, rounds = gen.stats, max(gen.stats.rounds, 1)
     table = _phase_table(prof, cuda)
-    span = {"draft": stats.draft_s - stats.extend_s, "verify": stats.verify_s, "extend": stats.extend_s,
-            "host": stats.host_s}
+    span = {
+        "draft": stats.draft_s - stats.extend_s,
+        "verify": stats.verify_s,
+        "extend": stats.extend_s,
+        "host": stats.host_s,
+    }
     unit = "kernels" if cuda else "cpu ops"
-    lines = [f"{name}: {rounds} rounds, {sum(len(r.tokens) for r in results)} tokens in {wall:.2f} s",
-             f"  {'phase':<8} {unit + ' / round':>16} {'us / round':>12} {'stream us / round':>18}"]
+    lines = [
+        f"{name}: {rounds} rounds, {sum(len(r.tokens) for r in results)} tokens in {wall:.2f} s",
+        f"  {'phase':<8} {unit + ' / round':>16} {'us / round':>12} {'stream us / round':>18}",
+    ]
     for phase in (*PHASES, "host"):
         n, us = table.get(phase, (0, 0.0))
         if phase != "host" or stats.host_s:
@@ -114,10 +122,14 @@ def report(name: str, gen: Generator, prof, results, wall: float, cuda: bool) ->
     round_us = 1e6 * (stats.round_s + stats.host_s) / rounds
     accepts = [a for r in results for a in r.accepts]
     per_round = sum(a + 1 for a in accepts) / max(len(accepts), 1)
-    lines.append(f"  round    {sum(table.get(p, (0, 0))[0] for p in PHASES) / rounds:>16.1f} "
-                 f"{sum(table.get(p, (0, 0.0))[1] for p in PHASES) / rounds:>12.1f} {round_us:>18.1f}")
-    lines.append(f"  tokens / round and row {per_round:.3f}: {1e6 * per_round / round_us:.0f} tokens/s per row "
-                 "at this round time")
+    lines.append(
+        f"  round    {sum(table.get(p, (0, 0))[0] for p in PHASES) / rounds:>16.1f} "
+        f"{sum(table.get(p, (0, 0.0))[1] for p in PHASES) / rounds:>12.1f} {round_us:>18.1f}"
+    )
+    lines.append(
+        f"  tokens / round and row {per_round:.3f}: {1e6 * per_round / round_us:.0f} tokens/s per row "
+        "at this round time"
+    )
     return "\n".join(lines)
 
 
@@ -145,14 +157,17 @@ def main() -> None:
     k = cfg.draft.num_steps if env.draft_plan is not None else 0
     runs = [("no draft", Generator(target.model, batch, graphs=graphs))]
     if env.draft_plan is not None:
-        draft = make_draft(env.draft_plan, context.get("draft_head"), target.model, batch, k, cfg=cfg.draft,
-                           graphs=graphs)
+        draft = make_draft(
+            env.draft_plan, context.get("draft_head"), target.model, batch, k, cfg=cfg.draft, graphs=graphs
+        )
         runs.append((f"{cfg.draft.algorithm} k={k}", Generator(target.model, batch, draft, k, graphs=graphs)))
     cuda = torch.cuda.is_available()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    text = [f"{cfg.experiment_name}: {e.dataset} x{n}, batch {batch}, {e.max_new_tokens} new tokens, graph "
-            f"{cfg.graph.target}/{cfg.graph.draft}, {torch.cuda.get_device_name() if cuda else 'cpu'}"]
+    text = [
+        f"{cfg.experiment_name}: {e.dataset} x{n}, batch {batch}, {e.max_new_tokens} new tokens, graph "
+        f"{cfg.graph.target}/{cfg.graph.draft}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
+    ]
     for name, gen in runs:
         gen.generate(data.encoded[:batch], params, target.tokenizer.eos_token_ids, rng)  # warm-up
         prof, results, wall = _profile(gen, data, params, target, rng, batch, n)

@@ -32,9 +32,18 @@ def main() -> None:
     print(f"{'temperature':>11} {'limit':>5} {'cut':>5} {'median tokens':>13}")
     for temperature in map(float, args.temperatures.split(",")):
         for limit in map(int, args.limits.split(",")):
-            samples = synthesize_data(loaded, dataclasses.replace(
-                d, num_samples=args.n, batch_size=args.n, max_prompt_tokens=limit, max_answer_tokens=1,
-                prompt_temperature=temperature, sync_every=16))
+            samples = synthesize_data(
+                loaded,
+                dataclasses.replace(
+                    d,
+                    num_samples=args.n,
+                    batch_size=args.n,
+                    max_prompt_tokens=limit,
+                    max_answer_tokens=1,
+                    prompt_temperature=temperature,
+                    sync_every=16,
+                ),
+            )
             tokens = statistics.median(len(loaded.tokenizer.encode(s.user)) for s in samples)
             print(f"{temperature:>11g} {limit:>5} {cut_share(samples):>5.2f} {tokens:>13g}", flush=True)
 

@@ -40,8 +40,11 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256, help="generation batch")
     ap.add_argument("--sizes", default="8192,12288,16384")
     ap.add_argument("--dataset", default="mt_bench")
-    ap.add_argument("--rates", default="0.674,0.468,0.337,0.259,0.200",
-                    help="accept_rate_pos of a head with the first size (default: e3a's on MT-bench, 2.938)")
+    ap.add_argument(
+        "--rates",
+        default="0.674,0.468,0.337,0.259,0.200",
+        help="accept_rate_pos of a head with the first size (default: e3a's on MT-bench, 2.938)",
+    )
     ap.add_argument("--head", help="an EAGLE3 head directory: its own vocabulary's coverage too")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
@@ -49,13 +52,20 @@ def main() -> None:
     loaded = build_plan(cfg).set_up("load")["target"]
     tok, d, vocab = loaded.tokenizer, cfg.train.data, loaded.model.args.vocab_size
     eos = sorted(set(loaded.model.args.eos_token_ids))
-    samples = synthesize_data(loaded, dataclasses.replace(d, num_samples=args.samples, batch_size=args.batch,
-                                                          sync_every=16))
+    samples = synthesize_data(
+        loaded, dataclasses.replace(d, num_samples=args.samples, batch_size=args.batch, sync_every=16)
+    )
     prompts = [tok.encode_chat(p.text) for p in load_prompts(args.dataset)]
-    answers = [r.tokens for r in Generator(loaded.model, len(prompts)).generate(
-        prompts, SamplingParams(max_new_tokens=d.max_answer_tokens), tok.eos_token_ids, sync_every=16)]
-    print(f"{len(samples)} samples ({sum(len(s.answer_ids) for s in samples)} answer tokens); {args.dataset}: "
-          f"{len(answers)} answers, {sum(map(len, answers))} tokens")
+    answers = [
+        r.tokens
+        for r in Generator(loaded.model, len(prompts)).generate(
+            prompts, SamplingParams(max_new_tokens=d.max_answer_tokens), tok.eos_token_ids, sync_every=16
+        )
+    ]
+    print(
+        f"{len(samples)} samples ({sum(len(s.answer_ids) for s in samples)} answer tokens); {args.dataset}: "
+        f"{len(answers)} answers, {sum(map(len, answers))} tokens"
+    )
     if args.head:
         with safe_open(f"{args.head}/model.safetensors", "pt") as f:
             t2d = f.get_tensor("t2d").bool()  # [V]: the head's draft tokens (public EAGLE3 format)

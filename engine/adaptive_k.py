@@ -54,8 +54,9 @@ class AdaptiveK:
         return {size: self.choose(size) for size in self.sizes}
 
 
-def measure_round_costs(run: Callable[[int, int], None], sizes: list[int], ks: list[int], device: torch.device,
-                        repeats: int = 5) -> dict[int, dict[int, float]]:
+def measure_round_costs(
+    run: Callable[[int, int], None], sizes: list[int], ks: list[int], device: torch.device, repeats: int = 5
+) -> dict[int, dict[int, float]]:
     """{B: {k: seconds}}: the median of `repeats` timed calls of run(B, k) (one round over B rows with
     k drafts, on rows that are not live: every write goes to the dummy slot), after one untimed."""
     cuda = device.type == "cuda"

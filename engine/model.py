@@ -223,8 +223,15 @@ class AttnInputs:
     dtype: torch.dtype  # the activations'
 
     @classmethod
-    def build(cls, positions: Tensor, valid: Optional[Tensor], rope_cos: Tensor, rope_sin: Tensor,
-              dummy_slot: int, dtype: torch.dtype) -> "AttnInputs":
+    def build(
+        cls,
+        positions: Tensor,
+        valid: Optional[Tensor],
+        rope_cos: Tensor,
+        rope_sin: Tensor,
+        dummy_slot: int,
+        dtype: torch.dtype,
+    ) -> "AttnInputs":
         if valid is not None:
             slots = torch.where(valid, positions, dummy_slot)
             positions = torch.where(valid, positions, 0)
@@ -249,8 +256,17 @@ class AttnInputs:
 
     def rope_write(self, qkv: Tensor, cache: StaticKVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
         """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
-        return rope_cache_write(qkv, self.rope_cos, self.rope_sin, self.rope_pos, self.slots, cache.k[layer],
-                                cache.v[layer], heads, kv_heads)
+        return rope_cache_write(
+            qkv,
+            self.rope_cos,
+            self.rope_sin,
+            self.rope_pos,
+            self.slots,
+            cache.k[layer],
+            cache.v[layer],
+            heads,
+            kv_heads,
+        )
 
 
 class Attention(nn.Module):
@@ -289,8 +305,15 @@ class Attention(nn.Module):
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
-    def attend(self, q: Tensor, cache: StaticKVCache, mask: Optional[Tensor], a: AttnInputs,
-               causal: bool = False, max_rows: Optional[int] = None) -> Tensor:
+    def attend(
+        self,
+        q: Tensor,
+        cache: StaticKVCache,
+        mask: Optional[Tensor],
+        a: AttnInputs,
+        causal: bool = False,
+        max_rows: Optional[int] = None,
+    ) -> Tensor:
         """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the
         mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos).
         `causal`: the queries are positions 0..t-1 just written to fresh rows, so SDPA's causal kernel
@@ -301,15 +324,17 @@ class Attention(nn.Module):
         b, _, t, _ = q.shape
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
         if causal:
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True,
-                                                 enable_gqa=self.n_kv != self.n_heads)
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True, enable_gqa=self.n_kv != self.n_heads
+            )
         elif mask is None:
             one_split = max_rows is not None and b * t > max_rows
             out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None)
         else:
             kv_len = mask.shape[-1]
-            out = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask,
-                                                 enable_gqa=self.n_kv != self.n_heads)  # [b, heads, t, d]
+            out = F.scaled_dot_product_attention(
+                q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
+            )  # [b, heads, t, d]
         return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
 
@@ -353,8 +378,9 @@ class DecoderLayer(nn.Module):
 
     # The residual stream is carried as (x, delta): the add of a sublayer's output happens in the next
     # norm, which lets the fused path do add + RMSNorm in one kernel; the plain path adds first.
-    def pre(self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs,
-            fused: bool) -> tuple[Tensor, Tensor]:
+    def pre(
+        self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs, fused: bool
+    ) -> tuple[Tensor, Tensor]:
         """-> (the residual stream entering this layer, q [b, heads, t, d]); writes k/v to the cache."""
         att, norm = self.self_attn, self.input_layernorm
         if not fused:
@@ -374,9 +400,18 @@ class DecoderLayer(nn.Module):
             h = h + self.self_attn.o_proj(o)
             return h, self.mlp(norm(h))
         o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
-        if _rows_kernel(h, self.max_rows):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
-            h, act = add_rmsnorm_gemv(h, gemv(o, o_proj.weight, o_proj.bias), norm.weight, norm.variance_epsilon,
-                                      self.gate_up_weight, self.gate_up_bias, swiglu=True)  # [b, t, h], [b, t, inter]
+        if _rows_kernel(
+            h, self.max_rows
+        ):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
+            h, act = add_rmsnorm_gemv(
+                h,
+                gemv(o, o_proj.weight, o_proj.bias),
+                norm.weight,
+                norm.variance_epsilon,
+                self.gate_up_weight,
+                self.gate_up_bias,
+                swiglu=True,
+            )  # [b, t, h], [b, t, inter]
             return h, gemv(act, down.weight, down.bias)
         h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
         return h, self.mlp(n)  # prefill: cuBLAS through the gate / up views of the interleaved weight
@@ -396,9 +431,9 @@ def fuse_linears(mods: list[nn.Linear]) -> tuple[Tensor, Optional[Tensor]]:
     offset = 0
     for m in mods:
         rows = m.weight.shape[0]
-        m.weight = nn.Parameter(w[offset: offset + rows], requires_grad=False)
+        m.weight = nn.Parameter(w[offset : offset + rows], requires_grad=False)
         if bias is not None:
-            m.bias = nn.Parameter(bias[offset: offset + rows], requires_grad=False)
+            m.bias = nn.Parameter(bias[offset : offset + rows], requires_grad=False)
         offset += rows
     return w, bias
 
@@ -485,8 +520,9 @@ class LlamaModel(nn.Module):
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
 
     # -- forward ----------------------------------------------------------------------------------
-    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False,
-                greedy: bool = False) -> list[Step]:
+    def program(
+        self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False, greedy: bool = False
+    ) -> list[Step]:
         """The forward as segments and attention breaks over an env dict (see `engine.program.Step`).
 
         env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
@@ -505,8 +541,9 @@ class LlamaModel(nn.Module):
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
             env["embeds"] = env["x"] = x
             env["delta"] = None  # residual stream = x + delta
-            env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                           cache.dummy_slot, x.dtype)
+            env["attn"] = AttnInputs.build(
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, x.dtype
+            )
             env["aux_list"] = []
 
         def pre(i):
@@ -514,6 +551,7 @@ class LlamaModel(nn.Module):
                 env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
                 if i in aux_ids:  # the stream entering layer i
                     env["aux_list"].append(env["x"])
+
             return fn
 
         def attend(i):
@@ -522,11 +560,13 @@ class LlamaModel(nn.Module):
                 if i == 0:
                     env["mask"] = None if kernel or causal else env["attn"].mask(env["kv_len"])
                 env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"], causal, max_rows)
+
             return fn
 
         def post(i):
             def fn(env):
                 env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
+
             return fn
 
         def finish(env):
@@ -557,8 +597,12 @@ class LlamaModel(nn.Module):
         steps = [Step("embed+pre0", chain(start, pre(0)))]
         for i in range(n):
             steps.append(Step(f"attn{i}", attend(i), is_break=True))
-            steps.append(Step(f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
-                              chain(post(i), pre(i + 1) if i + 1 < n else finish)))
+            steps.append(
+                Step(
+                    f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
+                    chain(post(i), pre(i + 1) if i + 1 < n else finish),
+                )
+            )
         for s in steps:
             s.meta = {"aux_layer_ids": aux_ids}
         return steps
@@ -583,9 +627,16 @@ class LlamaModel(nn.Module):
     ) -> ForwardOutput:
         """Eager: the program's steps run in order. With `causal`, padding queries read slots this call
         did not write (their outputs are meaningless; no valid position reads them)."""
-        env = {"tokens": tokens, "positions": positions, "valid": valid, "input_embeds": input_embeds,
-               "logits_index": logits_index, "kv_len": cache.max_seq_len if kv_len is None else kv_len,
-               "causal": causal}
-        run_steps(self.program(cache, embeds_input=input_embeds is not None,
-                               logits_at_index=logits_index is not None), env)
+        env = {
+            "tokens": tokens,
+            "positions": positions,
+            "valid": valid,
+            "input_embeds": input_embeds,
+            "logits_index": logits_index,
+            "kv_len": cache.max_seq_len if kv_len is None else kv_len,
+            "causal": causal,
+        }
+        run_steps(
+            self.program(cache, embeds_input=input_embeds is not None, logits_at_index=logits_index is not None), env
+        )
         return ForwardOutput.from_env(env)

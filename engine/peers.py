@@ -42,12 +42,21 @@ def hf_model(loaded: LoadedModel, device: torch.device, dtype: torch.dtype):
         model = AutoModelForCausalLM.from_pretrained(loaded.hf_dir, dtype=dtype)
     else:  # random-init target: mirror its args into a LlamaConfig and copy the weights
         a = loaded.model.args
-        model = LlamaForCausalLM(LlamaConfig(
-            vocab_size=a.vocab_size, hidden_size=a.hidden_size, intermediate_size=a.intermediate_size,
-            num_hidden_layers=a.num_layers, num_attention_heads=a.num_heads, num_key_value_heads=a.num_kv_heads,
-            head_dim=a.head_dim, rms_norm_eps=a.rms_norm_eps, rope_theta=a.rope_theta,
-            tie_word_embeddings=a.tie_word_embeddings, max_position_embeddings=loaded.model.max_seq_len,
-        ))
+        model = LlamaForCausalLM(
+            LlamaConfig(
+                vocab_size=a.vocab_size,
+                hidden_size=a.hidden_size,
+                intermediate_size=a.intermediate_size,
+                num_hidden_layers=a.num_layers,
+                num_attention_heads=a.num_heads,
+                num_key_value_heads=a.num_kv_heads,
+                head_dim=a.head_dim,
+                rms_norm_eps=a.rms_norm_eps,
+                rope_theta=a.rope_theta,
+                tie_word_embeddings=a.tie_word_embeddings,
+                max_position_embeddings=loaded.model.max_seq_len,
+            )
+        )
         model.load_state_dict(loaded.model.state_dict(), strict=False)
     return model.to(device=device, dtype=dtype).eval()
 
@@ -63,8 +72,16 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
     """A transformers `generate` peer with `extra` generation kwargs."""
 
     @torch.inference_mode()
-    def peer(loaded: LoadedModel, prompts: list[list[int]], params: SamplingParams, batch_size: int,
-             stop_ids: frozenset[int], device: torch.device, dtype: torch.dtype, seed: int = 0) -> PeerResult:
+    def peer(
+        loaded: LoadedModel,
+        prompts: list[list[int]],
+        params: SamplingParams,
+        batch_size: int,
+        stop_ids: frozenset[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        seed: int = 0,
+    ) -> PeerResult:
         model = hf_model(loaded, device, dtype)
         pad = next(iter(stop_ids), 0)
         batch_size = min(batch_size, max_batch or batch_size)
@@ -84,8 +101,8 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, p in enumerate(batch):  # left padding, as decoder-only generate expects
-                ids[i, width - len(p):] = torch.tensor(p)
-                mask[i, width - len(p):] = 1
+                ids[i, width - len(p) :] = torch.tensor(p)
+                mask[i, width - len(p) :] = 1
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs(max_new))
             stop = frozenset() if params.ignore_eos else stop_ids
             return [_cut(row[width:].tolist(), stop) for row in out]
@@ -96,7 +113,7 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
         for i in range(0, len(prompts), batch_size):
             sync(device)
             t0 = time.perf_counter()
-            outputs += run(prompts[i: i + batch_size])
+            outputs += run(prompts[i : i + batch_size])
             sync(device)
             wall += time.perf_counter() - t0
         return PeerResult(outputs, wall)

@@ -42,6 +42,7 @@ def chain(*fns: Callable[[dict], None]) -> Callable[[dict], None]:
     def run(env: dict) -> None:
         for f in fns:
             f(env)
+
     return run
 
 
@@ -76,6 +77,7 @@ def scoped(prefix: str, steps: list[Step], kv_offset: int = 0) -> list[Step]:
             for k, v in local.items():
                 if k not in HOST_KEYS:
                     env[prefix + k] = v
+
         return run
 
     return [replace(s, name=prefix + s.name, fn=wrap(s.fn)) for s in steps]
@@ -87,8 +89,7 @@ def merge_runs(steps: list[Step]) -> list[Step]:
     for s in steps:
         prev = out[-1] if out else None
         if prev is not None and not prev.is_break and not s.is_break and prev.phase == s.phase:
-            out[-1] = replace(prev, name=f"{prev.name}+{s.name}", fn=chain(prev.fn, s.fn),
-                              meta={**prev.meta, **s.meta})
+            out[-1] = replace(prev, name=f"{prev.name}+{s.name}", fn=chain(prev.fn, s.fn), meta={**prev.meta, **s.meta})
         else:
             out.append(s)
     return out

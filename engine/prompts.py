@@ -57,14 +57,22 @@ def read_question_jsonl(path: Path) -> list[Prompt]:
                 has_turn = isinstance(turns, list) and turns and isinstance(turns[0], str) and turns[0].strip()
                 if ids is None and not has_turn:  # else the model would answer an empty prompt
                     raise KeyError("turns: a non-empty first user message (or prompt_token_ids)")
-                prompts.append(Prompt(
-                    str(q["question_id"]), turns[0] if has_turn else "", q.get("category", ""),
-                    tuple(ids) if ids is not None else None,
-                    str((path.parent / embeds).resolve()) if embeds is not None else None,
-                ))
+                prompts.append(
+                    Prompt(
+                        str(q["question_id"]),
+                        turns[0] if has_turn else "",
+                        q.get("category", ""),
+                        tuple(ids) if ids is not None else None,
+                        str((path.parent / embeds).resolve()) if embeds is not None else None,
+                    )
+                )
             except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
-                raise ConfigError("eval.dataset", str(path), f"line {n} is not a question record ({e!r})",
-                                  "JSON lines with question_id and turns") from None
+                raise ConfigError(
+                    "eval.dataset",
+                    str(path),
+                    f"line {n} is not a question record ({e!r})",
+                    "JSON lines with question_id and turns",
+                ) from None
     return prompts
 
 
@@ -89,8 +97,12 @@ DATASETS: dict[str, Callable[[], list[Prompt]]] = {
 def check_dataset(name: str) -> None:
     """Plan-time check: a registered name, or an existing question.jsonl file whose records all parse."""
     if name not in DATASETS and not Path(name).expanduser().is_file():
-        raise ConfigError("eval.dataset", name, "neither a registered prompt set nor an existing file",
-                          [*sorted(DATASETS), "a path to a question.jsonl file"])
+        raise ConfigError(
+            "eval.dataset",
+            name,
+            "neither a registered prompt set nor an existing file",
+            [*sorted(DATASETS), "a path to a question.jsonl file"],
+        )
     if name not in DATASETS:  # parse every record now: a bad line fails the plan, before weights load
         if not read_question_jsonl(Path(name).expanduser()):
             raise ConfigError("eval.dataset", name, "holds no prompts", "a non-empty question.jsonl")

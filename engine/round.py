@@ -55,8 +55,13 @@ PHASES = ("draft", "verify", "extend")  # in this order in every round
 def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
     """The round's state buffers (per row, kept across calls), the draft's own included."""
     row = lambda tail, dtype, pad: InputSpec(tail, dtype, pad, per_row=True, state=True)  # noqa: E731
-    specs = {"last": row((), torch.long, 0), "lengths": row((), torch.long, 0), "live": row((), torch.bool, False),
-             "draft": row((k,), torch.long, 0), "out": row((k + 2,), torch.long, None)}
+    specs = {
+        "last": row((), torch.long, 0),
+        "lengths": row((), torch.long, 0),
+        "live": row((), torch.bool, False),
+        "draft": row((k,), torch.long, 0),
+        "out": row((k + 2,), torch.long, None),
+    }
     if draft is not None:
         specs.update(draft.state_specs(k))
     return specs
@@ -79,6 +84,7 @@ def side_breaks(steps: list[Step], policy: str, attention_kernel: bool) -> list[
 def _accept(k: int, sampled: bool, kernels: bool):
     """-> out [b, k+2] = [a, the emitted tokens], accepted, bonus, emitted (views of out where they can
     be). kernels: one launch (kernels/accept.py) for the greedy rule, else plain torch."""
+
     def fn(env: dict) -> None:
         draft, out = env["draft"][:, :k], env["out"]  # [b, k], [b, K+2]
         sampling = env.get("sampling")
@@ -90,7 +96,8 @@ def _accept(k: int, sampled: bool, kernels: bool):
             else:
                 accepted, bonus = accept_greedy(env["t.ids"], draft)  # [b], [b]
             write_out_reference(draft, accepted, bonus, out)
-        env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1: k + 2]
+        env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1 : k + 2]
+
     return fn
 
 
@@ -101,18 +108,30 @@ def _verify_inputs(k: int):
         env["t.tokens"] = torch.cat([env["last"][:, None], env["draft"][:, :k]], 1)  # [b, k+1]
         env["t.positions"] = lengths[:, None] + torch.arange(k + 1, device=lengths.device)  # [b, k+1]
         env["t.valid"] = live[:, None].expand(b, k + 1)
+
     return fn
 
 
 def _advance(kernels: bool):
     def fn(env: dict) -> None:
-        (advance if kernels else advance_reference)(env["lengths"], env["last"], env["live"], env["accepted"],
-                                                    env["bonus"])
+        (advance if kernels else advance_reference)(
+            env["lengths"], env["last"], env["live"], env["accepted"], env["bonus"]
+        )
+
     return fn
 
 
-def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draft], k: int, rows: int, *,
-                  sampled: bool = False, target_policy: str = "none", draft_policy: str = "none") -> list[Step]:
+def round_program(
+    target: LlamaModel,
+    cache: StaticKVCache,
+    draft: Optional[Draft],
+    k: int,
+    rows: int,
+    *,
+    sampled: bool = False,
+    target_policy: str = "none",
+    draft_policy: str = "none",
+) -> list[Step]:
     """The round over the first `rows` rows of the target's cache and of the draft's: a list of steps
     in phases draft, verify, extend. `draft` is a device draft (its steps run here) or None (no draft,
     or a host draft whose tokens the caller copies into `draft`)."""
@@ -125,8 +144,12 @@ def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draf
         steps += with_phase(chain, "draft")
     verify_steps = side_breaks(target.program(cache, greedy=not sampled), target_policy, target.attention_kernel)
     kernels = target.fused  # the Triton kernels run (CUDA, or the interpreter in tests)
-    steps += with_phase([Step("verify_in", _verify_inputs(k))] + scoped("t.", merge_runs(verify_steps), k + 1)
-                        + [Step("accept", _accept(k, sampled, kernels), is_break=sampled)], "verify")
+    steps += with_phase(
+        [Step("verify_in", _verify_inputs(k))]
+        + scoped("t.", merge_runs(verify_steps), k + 1)
+        + [Step("accept", _accept(k, sampled, kernels), is_break=sampled)],
+        "verify",
+    )
     tail: list[Step] = []
     if device_draft:
         tail += side_breaks(draft.commit_steps(draft_cache, k), draft_policy, draft.attention_kernel)
@@ -137,4 +160,3 @@ def round_program(target: LlamaModel, cache: StaticKVCache, draft: Optional[Draf
         meta.update(s.meta)
     steps[0].meta = meta  # what the runner checks against the models at every call
     return steps
-

@@ -53,13 +53,24 @@ class RowSampling:
 
     @classmethod
     def uniform(cls, params: SamplingParams, generator: Optional[torch.Generator] = None) -> "RowSampling":
-        return cls(params.temperature, params.top_p, params.greedy, not params.greedy,
-                   not params.greedy and params.top_p < 1.0, generator)
+        return cls(
+            params.temperature,
+            params.top_p,
+            params.greedy,
+            not params.greedy,
+            not params.greedy and params.top_p < 1.0,
+            generator,
+        )
 
     @classmethod
-    def per_row(cls, temperature: Sequence[float], top_p: Sequence[float],
-                generators: Sequence[Optional[torch.Generator]], device,
-                shared: Optional[torch.Generator] = None) -> "RowSampling":
+    def per_row(
+        cls,
+        temperature: Sequence[float],
+        top_p: Sequence[float],
+        generators: Sequence[Optional[torch.Generator]],
+        device,
+        shared: Optional[torch.Generator] = None,
+    ) -> "RowSampling":
         greedy = [t <= 0.0 for t in temperature]
         temps = [1.0 if g else t for t, g in zip(temperature, greedy)]
         tops = [1.0 if g else p for p, g in zip(top_p, greedy)]
@@ -67,10 +78,12 @@ class RowSampling:
             torch.tensor(temps, dtype=torch.float32, device=device)[:, None],
             torch.tensor(tops, dtype=torch.float32, device=device)[:, None],
             torch.tensor(greedy, dtype=torch.bool, device=device),
-            any_sampled=not all(greedy), any_top_p=any(p < 1.0 for p in tops),
+            any_sampled=not all(greedy),
+            any_top_p=any(p < 1.0 for p in tops),
             generator=shared,
-            row_generators=tuple((i, g) for i, (g, gr) in enumerate(zip(generators, greedy))
-                                 if g is not None and not gr),
+            row_generators=tuple(
+                (i, g) for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr
+            ),
         )
 
     @property
@@ -84,14 +97,28 @@ class RowSampling:
         greedy = self.greedy[:b]
         gens = tuple((i, g) for i, g in self.row_generators if i < b)
         any_sampled = bool((~greedy).any())  # a host sync, once per change of the batch's rows
-        return RowSampling(self.temperature[:b], self.top_p[:b], greedy, any_sampled,
-                           any_sampled and bool((self.top_p[:b] < 1.0).any()), self.generator, gens)
+        return RowSampling(
+            self.temperature[:b],
+            self.top_p[:b],
+            greedy,
+            any_sampled,
+            any_sampled and bool((self.top_p[:b] < 1.0).any()),
+            self.generator,
+            gens,
+        )
 
     def repeat_rows(self, n: int) -> "RowSampling":
         """Each row's setting n times ([b] -> [b * n]): for [b, n, vocab] logits viewed as [b * n, vocab]."""
         rep = lambda x: x.repeat_interleave(n, 0) if isinstance(x, Tensor) else x  # noqa: E731
-        return RowSampling(rep(self.temperature), rep(self.top_p), rep(self.greedy), self.any_sampled,
-                           self.any_top_p, self.generator, ())
+        return RowSampling(
+            rep(self.temperature),
+            rep(self.top_p),
+            rep(self.greedy),
+            self.any_sampled,
+            self.any_top_p,
+            self.generator,
+            (),
+        )
 
     # -- random numbers: shared generator, then each seeded row redrawn from its own ---------------
     def rand(self, b: int, k: int, device) -> Tensor:
@@ -109,8 +136,9 @@ class RowSampling:
         return (probs / e).argmax(-1)
 
 
-def probs_from_logits(logits: Tensor, temperature: float | Tensor, top_p: float | Tensor,
-                      any_top_p: Optional[bool] = None) -> Tensor:
+def probs_from_logits(
+    logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, any_top_p: Optional[bool] = None
+) -> Tensor:
     """[batch, vocab] logits -> [batch, vocab] float32 probabilities after temperature and top-p.
 
     temperature / top_p: scalars, or [batch, 1] per row. any_top_p: whether a row filters (host-side,
@@ -132,8 +160,7 @@ def as_rows(params: SamplingParams | RowSampling, generator: Optional[torch.Gene
     return params if isinstance(params, RowSampling) else RowSampling.uniform(params, generator)
 
 
-def sample(logits: Tensor, params: SamplingParams | RowSampling,
-           generator: Optional[torch.Generator] = None) -> Tensor:
+def sample(logits: Tensor, params: SamplingParams | RowSampling, generator: Optional[torch.Generator] = None) -> Tensor:
     """logits [batch, vocab] -> next tokens [batch]."""
     s = as_rows(params, generator)
     greedy = logits.argmax(dim=-1)
@@ -143,8 +170,9 @@ def sample(logits: Tensor, params: SamplingParams | RowSampling,
     return drawn if isinstance(s.greedy, bool) else torch.where(s.greedy, greedy, drawn)
 
 
-def draft_draw(logits: Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
-               ) -> tuple[Tensor, Optional[Tensor]]:
+def draft_draw(
+    logits: Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
+) -> tuple[Tensor, Optional[Tensor]]:
     """A draft's proposal from its logits [..., vocab] -> (ids [...], probs [..., vocab] or None).
 
     Greedy: the argmax, no probs (verification treats the draft as one-hot). Else a draw from the

@@ -34,14 +34,18 @@ def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
     return accept_greedy(logits.argmax(-1), draft)
 
 
-def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams | RowSampling,
-                    generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+def verify_sampling(
+    logits: Tensor,
+    draft: Tensor,
+    q: Optional[Tensor],
+    params: SamplingParams | RowSampling,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[Tensor, Tensor]:
     s = as_rows(params, generator)
     b, k1, vocab = logits.shape
     k = k1 - 1
     flat = s.repeat_rows(k1)  # each row's temperature / top-p for its k+1 positions
-    p = probs_from_logits(logits.reshape(b * k1, vocab), flat.temperature, flat.top_p, s.any_top_p
-                          ).view(b, k1, vocab)
+    p = probs_from_logits(logits.reshape(b * k1, vocab), flat.temperature, flat.top_p, s.any_top_p).view(b, k1, vocab)
     if q is None:
         q = F.one_hot(draft, vocab).to(p.dtype)  # [b, k, vocab]
     p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]  # [b, k]
@@ -58,8 +62,13 @@ def verify_sampling(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: 
     return accepted, s.race(residual)
 
 
-def verify(logits: Tensor, draft: Tensor, q: Optional[Tensor], params: SamplingParams | RowSampling,
-           generator: Optional[torch.Generator] = None) -> tuple[Tensor, Tensor]:
+def verify(
+    logits: Tensor,
+    draft: Tensor,
+    q: Optional[Tensor],
+    params: SamplingParams | RowSampling,
+    generator: Optional[torch.Generator] = None,
+) -> tuple[Tensor, Tensor]:
     s = as_rows(params, generator)
     if s.all_greedy:
         return verify_greedy(logits, draft)

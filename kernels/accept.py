@@ -71,8 +71,18 @@ def accept_greedy(target: Tensor, draft: Tensor, out: Tensor) -> tuple[Tensor, T
         return out[:, 0], bonus
     bonus = torch.empty(b, dtype=torch.long, device=target.device)
     target = target.contiguous()
-    _accept_kernel[(b,)](target, target.stride(0), draft, draft.stride(0), out, out.stride(0), bonus,
-                         K=k, KP=triton.next_power_of_2(k + 1), num_warps=1)
+    _accept_kernel[(b,)](
+        target,
+        target.stride(0),
+        draft,
+        draft.stride(0),
+        out,
+        out.stride(0),
+        bonus,
+        K=k,
+        KP=triton.next_power_of_2(k + 1),
+        num_warps=1,
+    )
     return out[:, 0], bonus
 
 
@@ -83,7 +93,7 @@ def write_out_reference(draft: Tensor, accepted: Tensor, bonus: Tensor, out: Ten
     emitted = torch.cat([draft, bonus[:, None]], 1)  # [b, k+1]: d_1..d_k, bonus
     emitted[torch.arange(draft.shape[0], device=draft.device), accepted] = bonus
     out[:, :1].copy_(accepted[:, None])
-    out[:, 1: k + 2].copy_(emitted)
+    out[:, 1 : k + 2].copy_(emitted)
 
 
 def advance_reference(lengths: Tensor, last: Tensor, live: Tensor, accepted: Tensor, bonus: Tensor) -> None:
@@ -97,5 +107,6 @@ def advance(lengths: Tensor, last: Tensor, live: Tensor, accepted: Tensor, bonus
     b = lengths.shape[0]
     assert lengths.is_contiguous() and last.is_contiguous() and live.is_contiguous()
     block = min(1024, triton.next_power_of_2(b))
-    _advance_kernel[(triton.cdiv(b, block),)](lengths, last, live.view(torch.uint8), accepted, accepted.stride(0),
-                                              bonus, b, BLOCK=block, num_warps=1)
+    _advance_kernel[(triton.cdiv(b, block),)](
+        lengths, last, live.view(torch.uint8), accepted, accepted.stride(0), bonus, b, BLOCK=block, num_warps=1
+    )

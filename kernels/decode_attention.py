@@ -76,8 +76,9 @@ def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor) ->
     kv_len = int(qpos.max()) + 1
     key_pos = torch.arange(kv_len, device=q.device)
     mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, t, kv_len]
-    return F.scaled_dot_product_attention(q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(
+        q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
+    )
 
 
 if triton is not None:
@@ -85,13 +86,41 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["T", "ROW_BLOCKS"])  # decode (t = 1) runs the same binary as a verify
     def _split_kernel(
-        Q, K, V, QPOS, O_PART, LSE_PART, OUT, qk_scale,
-        s_qb, s_qh, s_qt, s_kb, s_kh, s_ks, s_vb, s_vh, s_vs, s_pb, s_pt,
-        s_wb, s_wh, s_wt,  # lse_part's strides; o_part is lse_part's layout with a trailing HEAD_DIM
-        s_ob, s_oh, s_ot,  # OUT's strides (DIRECT: one split writes the final output, no combine)
-        T, ROW_BLOCKS,
-        GROUP: tl.constexpr, ROWS: tl.constexpr, NUM_SPLITS: tl.constexpr, DIRECT: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        Q,
+        K,
+        V,
+        QPOS,
+        O_PART,
+        LSE_PART,
+        OUT,
+        qk_scale,
+        s_qb,
+        s_qh,
+        s_qt,
+        s_kb,
+        s_kh,
+        s_ks,
+        s_vb,
+        s_vh,
+        s_vs,
+        s_pb,
+        s_pt,
+        s_wb,
+        s_wh,
+        s_wt,  # lse_part's strides; o_part is lse_part's layout with a trailing HEAD_DIM
+        s_ob,
+        s_oh,
+        s_ot,  # OUT's strides (DIRECT: one split writes the final output, no combine)
+        T,
+        ROW_BLOCKS,
+        GROUP: tl.constexpr,
+        ROWS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DIRECT: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
     ):
         b, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kvh, rb = pid // ROW_BLOCKS, pid % ROW_BLOCKS
@@ -141,8 +170,18 @@ if triton is not None:
 
     @triton.jit
     def _combine_kernel(
-        O_PART, LSE_PART, OUT, s_wb, s_wh, s_wt, s_ob, s_oh, s_ot,
-        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr,
+        O_PART,
+        LSE_PART,
+        OUT,
+        s_wb,
+        s_wh,
+        s_wt,
+        s_ob,
+        s_oh,
+        s_ot,
+        NUM_SPLITS: tl.constexpr,
+        SPLITS_P2: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
     ):
         b, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         sp = tl.arange(0, SPLITS_P2)
@@ -165,8 +204,9 @@ def num_splits_for(slots: int, block_n: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(slots, block_n)))
 
 
-def decode_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int = 64,
-                     num_splits: int | None = None) -> Tensor:
+def decode_attention(
+    q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int = 64, num_splits: int | None = None
+) -> Tensor:
     """Split-KV Triton kernels (see module docstring); the reference where triton is missing.
     `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks)."""
     if triton is None:
@@ -194,17 +234,53 @@ def decode_attention(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int
     # both contiguous: o_part's element (b, h, i, s, :) sits at lse_part's index * d
     s_w = lse_part.stride()[:3] if not direct else (0, 0, 0)
     _split_kernel[(b, kv_heads * row_blocks, num_splits)](
-        q, k, v, qpos, o_part, lse_part, out, _LOG2E / math.sqrt(d),
-        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), qpos.stride(0), qpos.stride(1), *s_w,
-        out.stride(0), out.stride(1), out.stride(2), t, row_blocks,
-        GROUP=group, ROWS=rows, NUM_SPLITS=num_splits, DIRECT=direct,
-        HEAD_DIM=d, BLOCK_N=block_n, DOT_DTYPE=dot_dtype, DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        q,
+        k,
+        v,
+        qpos,
+        o_part,
+        lse_part,
+        out,
+        _LOG2E / math.sqrt(d),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        k.stride(0),
+        k.stride(1),
+        k.stride(2),
+        v.stride(0),
+        v.stride(1),
+        v.stride(2),
+        qpos.stride(0),
+        qpos.stride(1),
+        *s_w,
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        t,
+        row_blocks,
+        GROUP=group,
+        ROWS=rows,
+        NUM_SPLITS=num_splits,
+        DIRECT=direct,
+        HEAD_DIM=d,
+        BLOCK_N=block_n,
+        DOT_DTYPE=dot_dtype,
+        DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
         num_warps=4,
     )
     if not direct:
         _combine_kernel[(b, heads, t)](
-            o_part, lse_part, out, *s_w, out.stride(0), out.stride(1), out.stride(2),
-            NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits), HEAD_DIM=d, num_warps=1,
+            o_part,
+            lse_part,
+            out,
+            *s_w,
+            out.stride(0),
+            out.stride(1),
+            out.stride(2),
+            NUM_SPLITS=num_splits,
+            SPLITS_P2=triton.next_power_of_2(num_splits),
+            HEAD_DIM=d,
+            num_warps=1,
         )
     return out

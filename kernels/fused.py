@@ -38,8 +38,7 @@ def rotate_half(x: Tensor) -> Tensor:  # RoPE's half rotation: [x1, x2] -> [-x2,
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads: int,
-                               kv_heads: int) -> Tensor:
+def rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads: int, kv_heads: int) -> Tensor:
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
     cos, sin = cos[positions], sin[positions]  # [b, t, d]
@@ -80,11 +79,32 @@ if triton is not None:
         tl.store(Y + row * n_cols + cols, (w * n).to(Y.dtype.element_ty), mask=m)
 
     @triton.jit
-    def _rope_cache_kernel(QKV, COS, SIN, POS, SLOTS, KC, VC, QO,
-                           s_qkv_b, s_qkv_t, s_cs, s_pos_b, s_sl_b, s_kc_b, s_kc_h, s_kc_s,
-                           s_qo_b, s_qo_h, s_qo_t,
-                           HEADS: tl.constexpr, KV_HEADS: tl.constexpr, D: tl.constexpr,
-                           NH: tl.constexpr, NKV: tl.constexpr):
+    def _rope_cache_kernel(
+        QKV,
+        COS,
+        SIN,
+        POS,
+        SLOTS,
+        KC,
+        VC,
+        QO,
+        s_qkv_b,
+        s_qkv_t,
+        s_cs,
+        s_pos_b,
+        s_sl_b,
+        s_kc_b,
+        s_kc_h,
+        s_kc_s,
+        s_qo_b,
+        s_qo_h,
+        s_qo_t,
+        HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        D: tl.constexpr,
+        NH: tl.constexpr,
+        NKV: tl.constexpr,
+    ):
         # one program per token: its q and k heads as one [NH, D/2] tile (NH: heads + kv_heads, padded
         # to a power of two), its v heads as one [NKV, D] tile
         b, t = tl.program_id(0), tl.program_id(1)
@@ -125,13 +145,23 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> 
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else x2
     h = torch.empty_like(x2) if delta is not None else x2
     y = torch.empty_like(x2)
-    _add_rmsnorm_kernel[(x2.shape[0],)](x2, d2, weight, h, y, eps, n, HAS_DELTA=delta is not None,
-                                        BLOCK=triton.next_power_of_2(n))
+    _add_rmsnorm_kernel[(x2.shape[0],)](
+        x2, d2, weight, h, y, eps, n, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n)
+    )
     return h.view(shape), y.view(shape)
 
 
-def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, slots: Tensor, k_cache: Tensor,
-                     v_cache: Tensor, heads: int, kv_heads: int) -> Tensor:
+def rope_cache_write(
+    qkv: Tensor,
+    cos: Tensor,
+    sin: Tensor,
+    positions: Tensor,
+    slots: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    heads: int,
+    kv_heads: int,
+) -> Tensor:
     if triton is None:
         return rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
     b, t, _ = qkv.shape
@@ -142,10 +172,29 @@ def rope_cache_write(qkv: Tensor, cos: Tensor, sin: Tensor, positions: Tensor, s
     assert positions.stride(-1) == 1 and slots.stride(-1) == 1
     q = torch.empty(b, heads, t, d, dtype=qkv.dtype, device=qkv.device)
     _rope_cache_kernel[(b, t)](
-        qkv, cos, sin, positions, slots, k_cache, v_cache, q,
-        qkv.stride(0), qkv.stride(1), cos.stride(0), positions.stride(0), slots.stride(0),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), q.stride(0), q.stride(1), q.stride(2),
-        HEADS=heads, KV_HEADS=kv_heads, D=d, NH=triton.next_power_of_2(heads + kv_heads),
+        qkv,
+        cos,
+        sin,
+        positions,
+        slots,
+        k_cache,
+        v_cache,
+        q,
+        qkv.stride(0),
+        qkv.stride(1),
+        cos.stride(0),
+        positions.stride(0),
+        slots.stride(0),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        HEADS=heads,
+        KV_HEADS=kv_heads,
+        D=d,
+        NH=triton.next_power_of_2(heads + kv_heads),
         NKV=triton.next_power_of_2(kv_heads),
     )
     return q

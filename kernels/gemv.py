@@ -87,8 +87,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.runtime import triton
 from kernels.fused import add_rmsnorm_reference, silu_mul_reference
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl
@@ -107,15 +107,25 @@ def gemv_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.to(x.dtype)
 
 
-def add_rmsnorm_gemv_reference(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor,
-                               bias: Tensor | None = None) -> tuple[Tensor, Tensor]:
+def add_rmsnorm_gemv_reference(
+    x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
     h, n = add_rmsnorm_reference(x, delta, norm_w, eps)
     return h, gemv_reference(n.to(x.dtype), w, bias)
 
 
-def cat_rmsnorm_gemv_reference(x1: Tensor, x2: Tensor, norm_w1: Tensor | None, norm_w2: Tensor | None, eps: float,
-                               w: Tensor, bias: Tensor | None = None, *, index1: Tensor | None = None,
-                               norm: bool = True) -> Tensor:
+def cat_rmsnorm_gemv_reference(
+    x1: Tensor,
+    x2: Tensor,
+    norm_w1: Tensor | None,
+    norm_w2: Tensor | None,
+    eps: float,
+    w: Tensor,
+    bias: Tensor | None = None,
+    *,
+    index1: Tensor | None = None,
+    norm: bool = True,
+) -> Tensor:
     a1 = x1 if index1 is None else x1[index1]  # [..., K1]
     a2 = x2  # [..., K2]
     if norm:
@@ -157,8 +167,21 @@ if triton is not None:
         return x.to(DT).to(tl.float32)
 
     @triton.jit
-    def _rstd(x_rows, d_rows, H, offs_m, row_mask, n_cols, eps, store_h, DT: tl.constexpr,
-              HAS_DELTA: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr):
+    def _rstd(
+        x_rows,
+        d_rows,
+        H,
+        offs_m,
+        row_mask,
+        n_cols,
+        eps,
+        store_h,
+        DT: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        RNE: tl.constexpr,
+    ):
         """RMSNorm pass 1 over a source's rows [BLOCK_M, 1] (pointers): 1 / sqrt(mean(h^2) + eps) [BLOCK_M],
         h = round(x + delta) (x without a delta); with a delta it also stores h (where store_h)."""
         offs_k = tl.arange(0, BLOCK_K)
@@ -176,18 +199,36 @@ if triton is not None:
 
     @triton.jit(do_not_specialize=["M"])  # M = 1 runs the same binary as any other M
     def _gemv_kernel(
-        X1, stride_x1, IDX1, NW1,  # source 1: columns [0, K1); x1[IDX1[m]] if HAS_INDEX
-        X2, stride_x2, NW2,  # source 2: columns [K1, K)
-        D, stride_d, H,  # delta [M, K1], h out [M, K1] contiguous (HAS_DELTA)
-        W, stride_w,  # weight [N, K], unit last stride
+        X1,
+        stride_x1,
+        IDX1,
+        NW1,  # source 1: columns [0, K1); x1[IDX1[m]] if HAS_INDEX
+        X2,
+        stride_x2,
+        NW2,  # source 2: columns [K1, K)
+        D,
+        stride_d,
+        H,  # delta [M, K1], h out [M, K1] contiguous (HAS_DELTA)
+        W,
+        stride_w,  # weight [N, K], unit last stride
         B,  # bias [N] (HAS_BIAS)
-        Y, stride_y,  # y out [M, N], unit last stride (not ARGMAX)
-        PMAX, PIDX,  # argmax partials [M, n_tiles] (ARGMAX): max of the rounded row over the tile, its index
-        M, N, eps,
-        K: tl.constexpr, K1: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        Y,
+        stride_y,  # y out [M, N], unit last stride (not ARGMAX)
+        PMAX,
+        PIDX,  # argmax partials [M, n_tiles] (ARGMAX): max of the rounded row over the tile, its index
+        M,
+        N,
+        eps,
+        K: tl.constexpr,
+        K1: tl.constexpr,
+        BLOCK_M: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_K: tl.constexpr,
         PROLOGUE: tl.constexpr,  # 0: plain, 1: RMSNorm per source
-        HAS_INDEX: tl.constexpr, HAS_DELTA: tl.constexpr, HAS_BIAS: tl.constexpr, ARGMAX: tl.constexpr,
+        HAS_INDEX: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+        HAS_BIAS: tl.constexpr,
+        ARGMAX: tl.constexpr,
         SWIGLU: tl.constexpr,  # epilogue: y holds [g0, u0, g1, u1, ...]; store round(silu(g) * u) [M, N / 2]
         RNE: tl.constexpr,  # round fp32 -> bf16 by hand (the interpreter, bf16 only)
         DOT_DTYPE: tl.constexpr,  # the dot's operand type: the activations' (fp32 under the interpreter)
@@ -203,8 +244,12 @@ if triton is not None:
         w_cols = W + offs_n[None, :] * stride_w  # [1, BLOCK_N]: the columns of w^T
         if K <= BLOCK_K:
             # One chunk: the whole weight share, requested before anything touches the activations.
-            w_all = tl.load(w_cols + offs_k[:, None], mask=(offs_k < K)[:, None] & nmask[None, :], other=0.0,
-                            eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+            w_all = tl.load(
+                w_cols + offs_k[:, None],
+                mask=(offs_k < K)[:, None] & nmask[None, :],
+                other=0.0,
+                eviction_policy="evict_first",
+            )  # [BLOCK_K, BLOCK_N]
 
         rows1 = offs_m
         if HAS_INDEX:
@@ -213,11 +258,9 @@ if triton is not None:
         x2_rows = X2 + offs_m[:, None] * stride_x2
         d_rows = D + offs_m[:, None] * stride_d
         if PROLOGUE == 1:  # pass 1: each source's rstd [BLOCK_M] (and h, stored by column tile 0)
-            rstd1 = _rstd(x1_rows, d_rows, H, offs_m, mmask, K1, eps, pid_n == 0, DT, HAS_DELTA, BLOCK_M,
-                          BLOCK_K, RNE)
+            rstd1 = _rstd(x1_rows, d_rows, H, offs_m, mmask, K1, eps, pid_n == 0, DT, HAS_DELTA, BLOCK_M, BLOCK_K, RNE)
             if TWO:
-                rstd2 = _rstd(x2_rows, d_rows, H, offs_m, mmask, K - K1, eps, False, DT, False, BLOCK_M,
-                              BLOCK_K, RNE)
+                rstd2 = _rstd(x2_rows, d_rows, H, offs_m, mmask, K - K1, eps, False, DT, False, BLOCK_M, BLOCK_K, RNE)
 
         acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
         for k0 in range(0, K, BLOCK_K):  # a fixed order over K; one trip when K <= BLOCK_K
@@ -245,8 +288,12 @@ if triton is not None:
             if K <= BLOCK_K:
                 w = w_all
             else:
-                w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & nmask[None, :], other=0.0,
-                            eviction_policy="evict_first")  # [BLOCK_K, BLOCK_N]
+                w = tl.load(
+                    w_cols + k[:, None],
+                    mask=(k < K)[:, None] & nmask[None, :],
+                    other=0.0,
+                    eviction_policy="evict_first",
+                )  # [BLOCK_K, BLOCK_N]
             acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
 
         # ---- epilogue: y = round(acc + bias), stored, or reduced to this tile's argmax per row
@@ -263,15 +310,22 @@ if triton is not None:
             g, u = tl.split(tl.reshape(_round(y, DT, RNE), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, BLOCK_N / 2]
             act = _round(g / (1.0 + tl.exp(-g)) * u, DT, RNE)
             offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
-            tl.store(Y + offs_m[:, None] * stride_y + offs_a[None, :], act.to(DT),
-                     mask=mmask[:, None] & (offs_a < N // 2)[None, :])
+            tl.store(
+                Y + offs_m[:, None] * stride_y + offs_a[None, :],
+                act.to(DT),
+                mask=mmask[:, None] & (offs_a < N // 2)[None, :],
+            )
         else:
-            tl.store(Y + offs_m[:, None] * stride_y + offs_n[None, :], _round(y, DT, RNE).to(DT),
-                     mask=mmask[:, None] & nmask[None, :])
+            tl.store(
+                Y + offs_m[:, None] * stride_y + offs_n[None, :],
+                _round(y, DT, RNE).to(DT),
+                mask=mmask[:, None] & nmask[None, :],
+            )
 
     @triton.jit
-    def _argmax_reduce_kernel(PMAX, PIDX, OFFSETS, IDS, M, n_tiles, ROWS: tl.constexpr, BLOCK_T: tl.constexpr,
-                              HAS_OFFSETS: tl.constexpr):
+    def _argmax_reduce_kernel(
+        PMAX, PIDX, OFFSETS, IDS, M, n_tiles, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_OFFSETS: tl.constexpr
+    ):
         """ids[m] = the index of row m's largest tile maximum, the lowest tile on ties (+ offsets[id]);
         ROWS rows per program. Exact: the result does not depend on how rows are grouped."""
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
@@ -298,9 +352,18 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def gemv_config(n: int, k: int, device: torch.device, *, block_n: int | None = None, block_k: int | None = None,
-                num_warps: int | None = None, num_stages: int | None = None,
-                itemsize: int = 2, act_tiles: int = 2) -> GemvConfig:
+def gemv_config(
+    n: int,
+    k: int,
+    device: torch.device,
+    *,
+    block_n: int | None = None,
+    block_k: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+    itemsize: int = 2,
+    act_tiles: int = 2,
+) -> GemvConfig:
     """The launch configuration for an [N, K] weight: a function of N, K and the prologue's loads
     (act_tiles: [BLOCK_M, BLOCK_K] activation tiles read per chunk), never of M (which keeps a row's
     result independent of the batch it is computed in). Any field can be overridden.
@@ -332,11 +395,25 @@ def _as_rows(t: Tensor, k: int, name: str) -> Tensor:
     return t2
 
 
-def _launch(prologue: int, x1: Tensor, w: Tensor, bias: Tensor | None, *, m: int, k1: int,
-            x2: Tensor | None = None, index1: Tensor | None = None, delta: Tensor | None = None,
-            norm_w1: Tensor | None = None, norm_w2: Tensor | None = None, eps: float = 0.0,
-            argmax: bool = False, offsets: Tensor | None = None, swiglu: bool = False,
-            **tuning) -> tuple[Tensor | None, Tensor]:
+def _launch(
+    prologue: int,
+    x1: Tensor,
+    w: Tensor,
+    bias: Tensor | None,
+    *,
+    m: int,
+    k1: int,
+    x2: Tensor | None = None,
+    index1: Tensor | None = None,
+    delta: Tensor | None = None,
+    norm_w1: Tensor | None = None,
+    norm_w2: Tensor | None = None,
+    eps: float = 0.0,
+    argmax: bool = False,
+    offsets: Tensor | None = None,
+    swiglu: bool = False,
+    **tuning,
+) -> tuple[Tensor | None, Tensor]:
     """Rows of the sources -> (h [M, K1] or None, y [M, N] or ids [M]). x1 [M, K1] (a table with index1),
     x2 [M, K - K1] (None: K = K1)."""
     n, k = w.shape
@@ -362,27 +439,62 @@ def _launch(prologue: int, x1: Tensor, w: Tensor, bias: Tensor | None, *, m: int
     if m == 0:
         return h, out
     interpret = _interpreting()
-    dot_dtype = tl.float32 if interpret or dtype == torch.float32 else (tl.bfloat16 if dtype == torch.bfloat16
-                                                                         else tl.float16)
+    dot_dtype = (
+        tl.float32 if interpret or dtype == torch.float32 else (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
+    )
     d = delta if delta is not None else x2
     _gemv_kernel[(n_tiles, triton.cdiv(m, BLOCK_M))](
-        x1, x1.stride(0), index1 if index1 is not None else x1, norm_w1 if norm_w1 is not None else x1,
-        x2, x2.stride(0), norm_w2 if norm_w2 is not None else x2,
-        d, d.stride(0), h if h is not None else x2,
-        w, w.stride(0), bias if bias is not None else w, y, y.stride(0), pmax, pidx,
-        m, n, eps,
-        K=k, K1=k1, BLOCK_M=BLOCK_M, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, PROLOGUE=prologue,
-        HAS_INDEX=index1 is not None, HAS_DELTA=delta is not None, HAS_BIAS=bias is not None, ARGMAX=argmax,
-        SWIGLU=swiglu, RNE=dtype == torch.bfloat16 and interpret, DOT_DTYPE=dot_dtype,
+        x1,
+        x1.stride(0),
+        index1 if index1 is not None else x1,
+        norm_w1 if norm_w1 is not None else x1,
+        x2,
+        x2.stride(0),
+        norm_w2 if norm_w2 is not None else x2,
+        d,
+        d.stride(0),
+        h if h is not None else x2,
+        w,
+        w.stride(0),
+        bias if bias is not None else w,
+        y,
+        y.stride(0),
+        pmax,
+        pidx,
+        m,
+        n,
+        eps,
+        K=k,
+        K1=k1,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k,
+        PROLOGUE=prologue,
+        HAS_INDEX=index1 is not None,
+        HAS_DELTA=delta is not None,
+        HAS_BIAS=bias is not None,
+        ARGMAX=argmax,
+        SWIGLU=swiglu,
+        RNE=dtype == torch.bfloat16 and interpret,
+        DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # (tf32: ignored for 16-bit operands)
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )
     if argmax:
         block_t = triton.next_power_of_2(n_tiles)
         rows = max(1, min(BLOCK_M, 4096 // block_t))  # up to 4096 partials per program
         _argmax_reduce_kernel[(triton.cdiv(m, rows),)](
-            pmax, pidx, offsets if offsets is not None else out, out, m, n_tiles,
-            ROWS=rows, BLOCK_T=block_t, HAS_OFFSETS=offsets is not None, num_warps=4,
+            pmax,
+            pidx,
+            offsets if offsets is not None else out,
+            out,
+            m,
+            n_tiles,
+            ROWS=rows,
+            BLOCK_T=block_t,
+            HAS_OFFSETS=offsets is not None,
+            num_warps=4,
         )
     return h, out
 
@@ -391,8 +503,9 @@ def _shape_out(y: Tensor, lead: torch.Size, argmax: bool) -> Tensor:
     return y.view(*lead) if argmax else y.view(*lead, y.shape[-1])
 
 
-def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, *, argmax: bool = False, offsets: Tensor | None = None,
-         **tuning) -> Tensor:
+def gemv(
+    x: Tensor, w: Tensor, bias: Tensor | None = None, *, argmax: bool = False, offsets: Tensor | None = None, **tuning
+) -> Tensor:
     """y = x @ w^T (+ bias): x [..., K], w [N, K] -> y [..., N] in x's dtype; with argmax, the ids [...]
     (int64) of round(y)'s maxima, the first on ties (+ offsets[ids]), instead. tuning: `gemv_config`'s
     overrides (block_n, block_k, num_warps, num_stages), for tests and tuning."""
@@ -405,9 +518,19 @@ def gemv(x: Tensor, w: Tensor, bias: Tensor | None = None, *, argmax: bool = Fal
     return _shape_out(y, x.shape[:-1], argmax)
 
 
-def add_rmsnorm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor,
-                     bias: Tensor | None = None, *, argmax: bool = False, offsets: Tensor | None = None,
-                     swiglu: bool = False, **tuning) -> tuple[Tensor, Tensor]:
+def add_rmsnorm_gemv(
+    x: Tensor,
+    delta: Tensor | None,
+    norm_w: Tensor,
+    eps: float,
+    w: Tensor,
+    bias: Tensor | None = None,
+    *,
+    argmax: bool = False,
+    offsets: Tensor | None = None,
+    swiglu: bool = False,
+    **tuning,
+) -> tuple[Tensor, Tensor]:
     """(h, y): h = x + delta (x when delta is None), y = (norm_w * rmsnorm(h)) @ w^T (+ bias);
     x, delta [..., K], norm_w [K], w [N, K] -> h [..., K], y [..., N] (argmax, tuning: see gemv).
     swiglu: w holds interleaved gate / up rows (`interleave_gate_up`): y = silu(gate) * up [..., N / 2],
@@ -424,14 +547,39 @@ def add_rmsnorm_gemv(x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float
         assert delta.shape == x.shape, f"delta {tuple(delta.shape)} != x {tuple(x.shape)}"
         d2 = _as_rows(delta, k, "delta")
     assert norm_w.shape == (k,) and norm_w.is_contiguous()
-    h, y = _launch(_RMSNORM, x2, w, bias, m=x2.shape[0], k1=k, delta=d2, norm_w1=norm_w, eps=float(eps),
-                   argmax=argmax, offsets=offsets, swiglu=swiglu, **tuning)
+    h, y = _launch(
+        _RMSNORM,
+        x2,
+        w,
+        bias,
+        m=x2.shape[0],
+        k1=k,
+        delta=d2,
+        norm_w1=norm_w,
+        eps=float(eps),
+        argmax=argmax,
+        offsets=offsets,
+        swiglu=swiglu,
+        **tuning,
+    )
     return (x if h is None else h.view(x.shape)), _shape_out(y, x.shape[:-1], argmax)
 
 
-def cat_rmsnorm_gemv(x1: Tensor, x2: Tensor, norm_w1: Tensor | None, norm_w2: Tensor | None, eps: float, w: Tensor,
-                     bias: Tensor | None = None, *, index1: Tensor | None = None, norm: bool = True,
-                     argmax: bool = False, offsets: Tensor | None = None, **tuning) -> Tensor:
+def cat_rmsnorm_gemv(
+    x1: Tensor,
+    x2: Tensor,
+    norm_w1: Tensor | None,
+    norm_w2: Tensor | None,
+    eps: float,
+    w: Tensor,
+    bias: Tensor | None = None,
+    *,
+    index1: Tensor | None = None,
+    norm: bool = True,
+    argmax: bool = False,
+    offsets: Tensor | None = None,
+    **tuning,
+) -> Tensor:
     """y = a @ w^T (+ bias), a = [norm_w1 * rmsnorm(x1_row), norm_w2 * rmsnorm(x2_row)] (each half with
     its own rstd; the plain concatenation with norm=False): x2 [..., K2], w [N, K1 + K2] -> y [..., N]
     (argmax, tuning: see gemv). x1 [..., K1] as x2, or with index1 (int64, x2's leading shape) a table
@@ -454,7 +602,20 @@ def cat_rmsnorm_gemv(x1: Tensor, x2: Tensor, norm_w1: Tensor | None, norm_w2: Te
     if norm:
         assert norm_w1 is not None and norm_w1.shape == (k1,) and norm_w1.is_contiguous()
         assert norm_w2 is not None and norm_w2.shape == (k2,) and norm_w2.is_contiguous()
-    _, y = _launch(_RMSNORM if norm else _PLAIN, x1r, w, bias, m=x2r.shape[0], k1=k1, x2=x2r, index1=idx,
-                   norm_w1=norm_w1 if norm else None, norm_w2=norm_w2 if norm else None, eps=float(eps),
-                   argmax=argmax, offsets=offsets, **tuning)
+    _, y = _launch(
+        _RMSNORM if norm else _PLAIN,
+        x1r,
+        w,
+        bias,
+        m=x2r.shape[0],
+        k1=k1,
+        x2=x2r,
+        index1=idx,
+        norm_w1=norm_w1 if norm else None,
+        norm_w2=norm_w2 if norm else None,
+        eps=float(eps),
+        argmax=argmax,
+        offsets=offsets,
+        **tuning,
+    )
     return _shape_out(y, lead, argmax)

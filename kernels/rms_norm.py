@@ -27,8 +27,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.runtime import triton
 from kernels.fused import add_rmsnorm_reference
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl
@@ -56,8 +56,7 @@ if triton is not None:
         tl.store(RSTD + row, rstd)
 
     @triton.jit
-    def _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols,
-                             ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _rms_norm_bwd_kernel(X, W, DY, RSTD, DX, DW_PART, n_rows, n_cols, ROWS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -97,17 +96,30 @@ class _RMSNorm(torch.autograd.Function):
         programs = triton.cdiv(n, _ROWS)
         dx = torch.empty_like(x2)
         dw_part = torch.empty(programs, h, dtype=torch.float32, device=x2.device)
-        _rms_norm_bwd_kernel[(programs,)](x2, weight, dy.reshape(-1, h).contiguous(), rstd, dx, dw_part, n, h,
-                                          ROWS=_ROWS, BLOCK=triton.next_power_of_2(h))
+        _rms_norm_bwd_kernel[(programs,)](
+            x2,
+            weight,
+            dy.reshape(-1, h).contiguous(),
+            rstd,
+            dx,
+            dw_part,
+            n,
+            h,
+            ROWS=_ROWS,
+            BLOCK=triton.next_power_of_2(h),
+        )
         return dx.view(ctx.shape), dw_part.sum(0).to(weight.dtype), None, None
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float, out_dtype: Optional[torch.dtype] = None,
-             kernel: str = "torch") -> Tensor:
+def rms_norm(
+    x: Tensor, weight: Tensor, eps: float, out_dtype: Optional[torch.dtype] = None, kernel: str = "torch"
+) -> Tensor:
     """`kernel`: torch (the reference) or triton (one fused kernel forward, one backward)."""
     if kernel == "torch":
         return rms_norm_reference(x, weight, eps, out_dtype)
     if kernel != "triton" or triton is None:
-        raise ValueError(f"rms_norm: kernel={kernel!r}; valid: ['torch', 'triton']"
-                         + (" (triton is not installed)" if kernel == "triton" else ""))
+        raise ValueError(
+            f"rms_norm: kernel={kernel!r}; valid: ['torch', 'triton']"
+            + (" (triton is not installed)" if kernel == "triton" else "")
+        )
     return _RMSNorm.apply(x, weight, eps, out_dtype or torch.promote_types(x.dtype, weight.dtype))

@@ -24,8 +24,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from kernels.runtime import triton
 from kernels.fused import rotate_half
+from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl
@@ -42,8 +42,9 @@ def rope_reference(x: Tensor, cos: Tensor, sin: Tensor, heads: int, out_dtype: O
 if triton is not None:
 
     @triton.jit
-    def _rope_kernel(X, COS, SIN, Y, t_len, HEADS: tl.constexpr, D: tl.constexpr, NH: tl.constexpr,
-                     INVERSE: tl.constexpr):
+    def _rope_kernel(
+        X, COS, SIN, Y, t_len, HEADS: tl.constexpr, D: tl.constexpr, NH: tl.constexpr, INVERSE: tl.constexpr
+    ):
         # forward: X [B, T, HEADS * D] -> Y [B, HEADS, T, D]; inverse (the backward): X is dY in Y's
         # layout, Y is dX in X's layout
         tok = tl.program_id(0).to(tl.int64)  # b * t_len + t
@@ -67,8 +68,9 @@ if triton is not None:
 
 
 def _launch(x: Tensor, cos: Tensor, sin: Tensor, y: Tensor, t: int, heads: int, d: int, inverse: bool) -> None:
-    _rope_kernel[(cos.shape[0] * t,)](x, cos, sin, y, t, HEADS=heads, D=d, NH=triton.next_power_of_2(heads),
-                                      INVERSE=inverse)
+    _rope_kernel[(cos.shape[0] * t,)](
+        x, cos, sin, y, t, HEADS=heads, D=d, NH=triton.next_power_of_2(heads), INVERSE=inverse
+    )
 
 
 class _Rope(torch.autograd.Function):
@@ -92,12 +94,15 @@ class _Rope(torch.autograd.Function):
         return dx, None, None, None, None
 
 
-def rope(x: Tensor, cos: Tensor, sin: Tensor, heads: int, out_dtype: Optional[torch.dtype] = None,
-         kernel: str = "torch") -> Tensor:
+def rope(
+    x: Tensor, cos: Tensor, sin: Tensor, heads: int, out_dtype: Optional[torch.dtype] = None, kernel: str = "torch"
+) -> Tensor:
     """`kernel`: torch (the reference) or triton (one kernel forward, one backward); cos/sin get no gradient."""
     if kernel == "torch":
         return rope_reference(x, cos, sin, heads, out_dtype)
     if kernel != "triton" or triton is None:
-        raise ValueError(f"rope: kernel={kernel!r}; valid: ['torch', 'triton']"
-                         + (" (triton is not installed)" if kernel == "triton" else ""))
+        raise ValueError(
+            f"rope: kernel={kernel!r}; valid: ['torch', 'triton']"
+            + (" (triton is not installed)" if kernel == "triton" else "")
+        )
     return _Rope.apply(x, cos, sin, heads, out_dtype or torch.promote_types(x.dtype, cos.dtype))

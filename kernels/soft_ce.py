@@ -36,9 +36,13 @@ SOFT_CE_KERNELS = ("torch", "triton")
 _BLOCK = 1024  # columns a program reads at once (the draft vocabularies here: 8192..49152)
 
 
-def soft_cross_entropy_reference(logits: Tensor, target_logits: Tensor, temperature: float,
-                                 rows: Optional[Tensor] = None,
-                                 probs: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def soft_cross_entropy_reference(
+    logits: Tensor,
+    target_logits: Tensor,
+    temperature: float,
+    rows: Optional[Tensor] = None,
+    probs: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     p = (target_logits.float() / temperature).softmax(-1) if probs is None else probs  # [N, V]
     ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [N]
     arg = logits.argmax(-1)
@@ -50,8 +54,9 @@ def soft_cross_entropy_reference(logits: Tensor, target_logits: Tensor, temperat
 if triton is not None:
 
     @triton.jit
-    def _soft_ce_fwd_kernel(Z, T, ROWS, CE, LSE_Z, LSE_T, ARG, n_cols, inv_temp,
-                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _soft_ce_fwd_kernel(
+        Z, T, ROWS, CE, LSE_Z, LSE_T, ARG, n_cols, inv_temp, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row = tl.program_id(0).to(tl.int64)
         n = n_cols
         if HAS_ROWS:
@@ -87,8 +92,9 @@ if triton is not None:
         tl.store(ARG + row, tl.where(live, best_i, -1).to(tl.int64))
 
     @triton.jit
-    def _soft_ce_bwd_kernel(Z, T, ROWS, LSE_Z, LSE_T, G, DZ, n_cols, inv_temp,
-                            HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr):
+    def _soft_ce_bwd_kernel(
+        Z, T, ROWS, LSE_Z, LSE_T, G, DZ, n_cols, inv_temp, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr
+    ):
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -111,8 +117,19 @@ class _SoftCrossEntropy(torch.autograd.Function):
         lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
         arg = torch.empty(n, dtype=torch.int64, device=logits.device)
         flags = rows if rows is not None else ce  # a placeholder pointer when every row is live
-        _soft_ce_fwd_kernel[(n,)](logits, target_logits, flags, ce, lse_z, lse_t, arg, v, 1.0 / temperature,
-                                  HAS_ROWS=rows is not None, BLOCK=_BLOCK)
+        _soft_ce_fwd_kernel[(n,)](
+            logits,
+            target_logits,
+            flags,
+            ce,
+            lse_z,
+            lse_t,
+            arg,
+            v,
+            1.0 / temperature,
+            HAS_ROWS=rows is not None,
+            BLOCK=_BLOCK,
+        )
         ctx.save_for_backward(logits, target_logits, flags, lse_z, lse_t)
         ctx.has_rows, ctx.inv_temp = rows is not None, 1.0 / temperature
         ctx.mark_non_differentiable(arg)
@@ -123,23 +140,42 @@ class _SoftCrossEntropy(torch.autograd.Function):
         logits, target_logits, flags, lse_z, lse_t = ctx.saved_tensors
         n, v = logits.shape
         dz = torch.empty_like(logits)
-        _soft_ce_bwd_kernel[(n, triton.cdiv(v, _BLOCK))](logits, target_logits, flags, lse_z, lse_t,
-                                                         g_ce.float().contiguous(), dz, v, ctx.inv_temp,
-                                                         HAS_ROWS=ctx.has_rows, BLOCK=_BLOCK)
+        _soft_ce_bwd_kernel[(n, triton.cdiv(v, _BLOCK))](
+            logits,
+            target_logits,
+            flags,
+            lse_z,
+            lse_t,
+            g_ce.float().contiguous(),
+            dz,
+            v,
+            ctx.inv_temp,
+            HAS_ROWS=ctx.has_rows,
+            BLOCK=_BLOCK,
+        )
         return dz, None, None, None
 
 
-def soft_cross_entropy(logits: Tensor, target_logits: Tensor, temperature: float = 1.0,
-                       rows: Optional[Tensor] = None, kernel: str = "torch",
-                       probs: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+def soft_cross_entropy(
+    logits: Tensor,
+    target_logits: Tensor,
+    temperature: float = 1.0,
+    rows: Optional[Tensor] = None,
+    kernel: str = "torch",
+    probs: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor]:
     """(ce [N] fp32, argmax [N]); `kernel`: torch (the reference) or triton (the fused kernels)."""
     if logits.shape != target_logits.shape or logits.dim() != 2:
-        raise ValueError(f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
-                         f"{tuple(target_logits.shape)} must both be [N, V]")
+        raise ValueError(
+            f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
+            f"{tuple(target_logits.shape)} must both be [N, V]"
+        )
     if kernel == "torch":
         return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs)
     if kernel != "triton" or triton is None:
-        raise ValueError(f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
-                         + (" (triton is not installed)" if kernel == "triton" else ""))
+        raise ValueError(
+            f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
+            + (" (triton is not installed)" if kernel == "triton" else "")
+        )
     rows = rows.to(torch.uint8).contiguous() if rows is not None else None
     return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, temperature)

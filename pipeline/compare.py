@@ -15,8 +15,18 @@ from pipeline.paths import outputs_dir
 from pipeline.tracking import default_tracking_uri
 
 KEY_METRICS = (
-    "tokens_per_s", "ttft_ms", "tpot_ms", "generated_tokens", "peak_mem_mb",
-    "accept_length", "speedup", "match_baseline", "capture_s", "graph_mem_mb", "graph_replays", "graph_fallbacks",
+    "tokens_per_s",
+    "ttft_ms",
+    "tpot_ms",
+    "generated_tokens",
+    "peak_mem_mb",
+    "accept_length",
+    "speedup",
+    "match_baseline",
+    "capture_s",
+    "graph_mem_mb",
+    "graph_replays",
+    "graph_fallbacks",
 )
 
 
@@ -32,18 +42,26 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join([line(header), "  ".join("-" * w for w in widths), *(line(r) for r in rows)])
 
 
-def compare(experiment: str, tracking_uri: Optional[str] = None, last: int = 10,
-            metrics: Optional[list[str]] = None, include_failed: bool = False) -> str:
+def compare(
+    experiment: str,
+    tracking_uri: Optional[str] = None,
+    last: int = 10,
+    metrics: Optional[list[str]] = None,
+    include_failed: bool = False,
+) -> str:
     from mlflow.tracking import MlflowClient
 
     client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri(outputs_dir()))
     exp = client.get_experiment_by_name(experiment)
     if exp is None:
         names = sorted(e.name for e in client.search_experiments())
-        raise SystemExit(f"error: --experiment={experiment!r}: no such experiment (valid: {', '.join(names) or 'none yet'})")
+        raise SystemExit(
+            f"error: --experiment={experiment!r}: no such experiment (valid: {', '.join(names) or 'none yet'})"
+        )
     status = "" if include_failed else "attributes.status = 'FINISHED'"
-    runs = client.search_runs([exp.experiment_id], filter_string=status, order_by=["attributes.start_time DESC"],
-                              max_results=last)
+    runs = client.search_runs(
+        [exp.experiment_id], filter_string=status, order_by=["attributes.start_time DESC"], max_results=last
+    )
     runs = [r for r in runs if "sweep.overrides" not in r.data.tags]  # sweep parents hold no results
     if not runs:
         return f"experiment {experiment!r}: no {'' if include_failed else 'finished '}runs"
@@ -52,19 +70,32 @@ def compare(experiment: str, tracking_uri: Optional[str] = None, last: int = 10,
     keys = sorted(set().union(*(r.data.params for r in runs)))
     differ = [k for k in keys if len({r.data.params.get(k) for r in runs}) > 1]
     same = [k for k in keys if k not in differ]
-    rows = [["status", *(r.info.status for r in runs)], ["run_id", *(r.info.run_id[:8] for r in runs)],
-            ["git_sha", *(r.data.tags.get("git_sha", "-")[:10] for r in runs)],
-            ["device_name", *(r.data.tags.get("device", "-") for r in runs)]]
+    rows = [
+        ["status", *(r.info.status for r in runs)],
+        ["run_id", *(r.info.run_id[:8] for r in runs)],
+        ["git_sha", *(r.data.tags.get("git_sha", "-")[:10] for r in runs)],
+        ["device_name", *(r.data.tags.get("device", "-") for r in runs)],
+    ]
     rows += [[k, *(_fmt(r.data.params.get(k)) for r in runs)] for k in differ]
     wanted = metrics or [m for m in KEY_METRICS if any(m in r.data.metrics for r in runs)]
-    wanted += [m for m in sorted(set().union(*(r.data.metrics for r in runs)))
-               if not metrics and (m.startswith("ratio_vs.") or m.startswith("peer_tokens_per_s."))]
+    wanted += [
+        m
+        for m in sorted(set().union(*(r.data.metrics for r in runs)))
+        if not metrics and (m.startswith("ratio_vs.") or m.startswith("peer_tokens_per_s."))
+    ]
     rows += [[m, *(_fmt(r.data.metrics.get(m)) for r in runs)] for m in wanted]
     random_target = runs[0].data.params.get("model.source") == "random"
-    shared = ", ".join(f"{k}={runs[0].data.params[k]}" for k in same
-                       if k.split(".")[0] in ("model", "eval", "draft", "graph")
-                       and (random_target or not k.startswith("model.random.")))
-    return f"experiment {experiment!r}: {len(runs)} run(s)\n" + _table(header, rows) + (f"\nshared: {shared}" if shared else "")
+    shared = ", ".join(
+        f"{k}={runs[0].data.params[k]}"
+        for k in same
+        if k.split(".")[0] in ("model", "eval", "draft", "graph")
+        and (random_target or not k.startswith("model.random."))
+    )
+    return (
+        f"experiment {experiment!r}: {len(runs)} run(s)\n"
+        + _table(header, rows)
+        + (f"\nshared: {shared}" if shared else "")
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> None:

@@ -60,14 +60,22 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
             if found := re.search(r"Could not override '([^']+)'\. No match in the defaults list", str(e)):
                 key = found.group(1)
                 value = _value(overrides, key)
-                return ConfigError(key, value, "not in the defaults list: a group added on the command line "
-                                   "takes a +", f"+{key}={value}")
+                return ConfigError(
+                    key,
+                    value,
+                    "not in the defaults list: a group added on the command line takes a +",
+                    f"+{key}={value}",
+                )
             if found := re.search(r"Could not override '([^']+)'", first):
                 key = found.group(1)
                 keys = _keys(compose(config_name="config"))
                 close = difflib.get_close_matches(key, keys, n=3)
-                return ConfigError(key, _value(overrides, key), "no such key",
-                                   close or "a key of the config (python -m pipeline --cfg job lists them)")
+                return ConfigError(
+                    key,
+                    _value(overrides, key),
+                    "no such key",
+                    close or "a key of the config (python -m pipeline --cfg job lists them)",
+                )
             if found := re.match(r"Error merging override ([^=]+)=(.*)$", first):
                 key, value = found.groups()
                 cause = str(e.__cause__).splitlines()[0] if e.__cause__ else first

@@ -235,13 +235,6 @@ class TrainConfig:
     eval_every: int = 250
     save_every: int = 250
     eval_k: int = 5  # drafts per chain for the held-out accept_length
-    # Extra loss weight of the chains where the greedy loop, replayed on the batch with the head's own
-    # chains, starts a round (0: every chain weighs the same). See engine.train.eagle3.round_weights.
-    round_weight: float = 0.0
-    # Loss weight (0..1) put on the TTT steps inference drafts: step s of a chain weighs 1 where the head's
-    # drafts 0..s-1 of that chain were right, 1 - reach_weight elsewhere (0: every step weighs the same).
-    # See engine.train.eagle3.ttt_loss.
-    reach_weight: float = 0.0
     # The training labels: the target's distribution over the draft vocabulary at this temperature,
     # softmax(z / T). Below 1 it leans toward the target's greedy token, the one greedy drafting is scored
     # on; the held-out figures (val_loss included) always use the target's own distribution (T = 1).

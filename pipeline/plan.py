@@ -4,8 +4,8 @@
     plan.describe() -> str            what dry_run prints: stages, model, device, memory estimate
 
 Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> `capture_graphs`
-(when a graph policy is not `none`) -> `cfg.task`. Validation, in order: the registries named by the config (task, draft,
-graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
+(when a graph policy is not `none`) -> `cfg.task`. Validation, in order: the registries named by the
+config (task, draft, graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
 downgrade), the target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint
 config, fc width against the aux layers, aux ids in range), then each stage's own `check`, then the
 requires/provides chain and the rule that aux capture is configured before any stage runs the target.
@@ -27,6 +27,7 @@ from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir, outputs_problem
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
+
 
 class PlanError(Exception):
     """One or more ConfigErrors found while planning; the message lists them all."""
@@ -99,8 +100,10 @@ class Plan:
             lines.append(f"  {i}. {s.name:<22} requires [{req}] provides [{prov}]")
             if d := s.describe(self.cfg, env):
                 lines.append(f"     {d}")
-        lines.append(f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
-                     f"({run_batch(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)")
+        lines.append(
+            f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
+            f"({run_batch(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)"
+        )
         lines += [f"note: {n}" for n in env.notes]
         return "\n".join(lines)
 
@@ -111,8 +114,11 @@ def _check_registries(cfg: RunConfig) -> list[ConfigError]:
         errors.append(ConfigError("task", cfg.task, "not a stage that can end a plan", final_stages()))
     if cfg.draft.algorithm not in ALGORITHMS:
         errors.append(ConfigError("draft.algorithm", cfg.draft.algorithm, "unknown draft algorithm", ALGORITHMS))
-    for key, policy in (("graph.policy", cfg.graph.policy), ("graph.target_policy", cfg.graph.target_policy),
-                        ("graph.draft_policy", cfg.graph.draft_policy)):
+    for key, policy in (
+        ("graph.policy", cfg.graph.policy),
+        ("graph.target_policy", cfg.graph.target_policy),
+        ("graph.draft_policy", cfg.graph.draft_policy),
+    ):
         if policy is not None and policy not in POLICIES:
             errors.append(ConfigError(key, policy, "unknown graph policy", POLICIES))
     return errors
@@ -127,8 +133,14 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
         if needs_aux and s.runs_target and "aux_layers" not in available:
             missing.append("aux_layers")
         if missing:
-            errors.append(ConfigError("stages", s.name, f"requires {missing}, which no earlier stage provides",
-                                      f"a plan where a stage providing {missing} comes first"))
+            errors.append(
+                ConfigError(
+                    "stages",
+                    s.name,
+                    f"requires {missing}, which no earlier stage provides",
+                    f"a plan where a stage providing {missing} comes first",
+                )
+            )
         available.update(s.provides)
     return errors
 
@@ -137,8 +149,16 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     errors = _check_registries(cfg)
     outputs = outputs or outputs_dir()
     if (problem := outputs_problem(outputs)) is not None:  # weights cache, MLflow store, training outputs
-        raise PlanError([ConfigError("SPECPIPE_OUTPUTS", str(outputs), f"the outputs folder {problem}",
-                                     "a writable directory (set SPECPIPE_OUTPUTS to one)")])
+        raise PlanError(
+            [
+                ConfigError(
+                    "SPECPIPE_OUTPUTS",
+                    str(outputs),
+                    f"the outputs folder {problem}",
+                    "a writable directory (set SPECPIPE_OUTPUTS to one)",
+                )
+            ]
+        )
     device, dtype, target_args = torch.device("cpu"), torch.float32, None
     try:
         device = resolve_device(cfg.device)
@@ -156,8 +176,7 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     except ConfigError as e:
         raise PlanError([e]) from None
 
-    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs, target_args=target_args,
-                   draft_plan=draft)
+    env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs, target_args=target_args, draft_plan=draft)
     if draft is not None and draft.random_weights and cfg.task != "train_draft":
         env.notes.append(draft.random_weights_warning())
     stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]

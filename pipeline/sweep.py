@@ -32,8 +32,11 @@ class SweepParentRun(Callback):
         tracker = Tracker(cfg, outputs_dir(), device=None)
         client: MlflowClient = tracker.client
         overrides = " ".join(config.hydra.overrides.task)
-        run = client.create_run(tracker.experiment_id(cfg.experiment_name),
-                                run_name=f"sweep: {overrides}"[:250], tags={"sweep.overrides": overrides})
+        run = client.create_run(
+            tracker.experiment_id(cfg.experiment_name),
+            run_name=f"sweep: {overrides}"[:250],
+            tags={"sweep.overrides": overrides},
+        )
         os.environ[PARENT_ENV] = run.info.run_id
         self.client, self.run_id = client, run.info.run_id
         print(f"[mlflow] sweep parent run {run.info.run_id} ({overrides})", flush=True)

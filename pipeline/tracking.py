@@ -36,8 +36,13 @@ def git_sha() -> str:
         if out.returncode != 0:  # not a checkout (e.g. a copied tree)
             return os.environ.get("SPECPIPE_GIT_SHA", "unknown")
         sha = out.stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=REPO,
-                               capture_output=True, text=True, timeout=5).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
         return (sha + ("-dirty" if dirty else "")) if sha else "unknown"
     except (OSError, subprocess.SubprocessError):
         return "unknown"
@@ -83,7 +88,7 @@ class Tracker:
             params = flatten(cfg)
             keys = list(params)
             for i in range(0, len(keys), 100):
-                self.log_params({k: params[k] for k in keys[i: i + 100]})
+                self.log_params({k: params[k] for k in keys[i : i + 100]})
             tags = {"git_sha": git_sha(), "device": device_name(self.device), "torch_version": torch.__version__}
             if os.environ.get(PARENT_ENV):  # a job of a Hydra sweep: nest under the sweep's run
                 tags["mlflow.parentRunId"] = os.environ[PARENT_ENV]
@@ -108,13 +113,14 @@ class Tracker:
         self.client.log_batch(self.run_id, params=[Param(k, str(v)[:MAX_PARAM_LEN]) for k, v in params.items()])
 
     def log_metrics(self, metrics: dict[str, Any], step: int = 0) -> None:
-        from mlflow.entities import Metric
         import time
+
+        from mlflow.entities import Metric
 
         now = int(time.time() * 1000)
         batch = [Metric(k, float(v), now, step) for k, v in metrics.items()]
         for i in range(0, len(batch), 1000):
-            self.client.log_batch(self.run_id, metrics=batch[i: i + 1000])
+            self.client.log_batch(self.run_id, metrics=batch[i : i + 1000])
 
     def log_text(self, text: str, artifact_file: str) -> None:
         with tempfile.TemporaryDirectory() as d:

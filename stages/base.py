@@ -83,5 +83,3 @@ def register_stage(cls: type[Stage]) -> type[Stage]:
 
 def final_stages() -> list[str]:
     return sorted(n for n, s in STAGES.items() if s.final)
-
-

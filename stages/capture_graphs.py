@@ -73,61 +73,88 @@ class CaptureGraphsStage(Stage):
 
     def check(self, cfg, env: StageEnv) -> None:
         g = cfg.graph
-        for key, policy in (("graph.policy", g.policy), ("graph.target_policy", g.target),
-                            ("graph.draft_policy", g.draft)):
+        for key, policy in (
+            ("graph.policy", g.policy),
+            ("graph.target_policy", g.target),
+            ("graph.draft_policy", g.draft),
+        ):
             if policy not in POLICIES:
                 raise ConfigError(key, policy, "unknown graph policy", POLICIES)
         if env.device.type != "cuda":
             for key, policy in (("graph.target_policy", g.target), ("graph.draft_policy", g.draft)):
                 if policy in NEEDS_CUDA:
-                    raise ConfigError(key, policy, f"captures CUDA graphs but the run's device is {env.device}",
-                                      "graph=none (eager) or graph=debug (the runner logic, eagerly)")
+                    raise ConfigError(
+                        key,
+                        policy,
+                        f"captures CUDA graphs but the run's device is {env.device}",
+                        "graph=none (eager) or graph=debug (the runner logic, eagerly)",
+                    )
         sizes = capture_sizes(cfg)
         if min(sizes) < 1:
             raise ConfigError("graph.capture_sizes", list(g.capture_sizes), "batch sizes must be >= 1", ">= 1")
         key, batch = run_batch(cfg)
         if max(sizes) > max_batch(cfg):
-            raise ConfigError("graph.capture_sizes", sizes, f"larger than the cache's {max_batch(cfg)} rows",
-                              f"sizes <= graph.max_batch_size (or {key}) = {max_batch(cfg)}")
+            raise ConfigError(
+                "graph.capture_sizes",
+                sizes,
+                f"larger than the cache's {max_batch(cfg)} rows",
+                f"sizes <= graph.max_batch_size (or {key}) = {max_batch(cfg)}",
+            )
         if max_batch(cfg) < batch:
-            raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below {key}={batch}",
-                              f">= {batch}, or null")
+            raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below {key}={batch}", f">= {batch}, or null")
         if batch > max(sizes):
             k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
             env.notes.append(
                 f"batches of {max(sizes) + 1}..{batch} rows ({(max(sizes) + 1) * (k + 1)}+ verify "
-                f"tokens) exceed the largest capture size {max(sizes)}: they run eagerly (counted as fallbacks)")
+                f"tokens) exceed the largest capture size {max(sizes)}: they run eagerly (counted as fallbacks)"
+            )
 
     def describe(self, cfg, env: StageEnv) -> str:
         k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
         sizes = capture_sizes(cfg)
-        line = (f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
-                f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), rounds of k in {round_ks(cfg, k)}"
-                f"{' (adaptive k)' if adaptive_k(cfg) else ''}, largest first, one memory pool")
+        line = (
+            f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
+            f"{sizes} (verify tokens {[b * (k + 1) for b in sizes]}), rounds of k in {round_ks(cfg, k)}"
+            f"{' (adaptive k)' if adaptive_k(cfg) else ''}, largest first, one memory pool"
+        )
         if cfg.graph.target != "none" and cfg.graph.prefill_buckets:
-            line += (f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens"
-                     + (" (one request at a time, into a staging row)" if cfg.task == "serve" else ""))
+            line += f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens" + (
+                " (one request at a time, into a staging row)" if cfg.task == "serve" else ""
+            )
         return line
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         plan, head, target = env.draft_plan, inputs["draft_head"], inputs["target"].model
         if head is not None and head.embed is not target.model.embed_tokens:
-            raise RuntimeError("the draft head does not share the target's embedding: capturing its graphs now "
-                               "would bake in memory that is not the target's")
+            raise RuntimeError(
+                "the draft head does not share the target's embedding: capturing its graphs now "
+                "would bake in memory that is not the target's"
+            )
         k = cfg.draft.num_steps if plan is not None else 0
         batch = max_batch(cfg)
         draft = None  # a device draft: its caches and state buffers are what the rounds replay over
         if plan is not None and DRAFTS[plan.algorithm].head is not None:
             draft = make_draft(plan, head, target, batch, k, cfg=cfg.draft)
         graphs = GraphSet(
-            target, draft, batch, k, cfg.graph.target, cfg.graph.draft if plan is not None else "none",
-            capture_sizes(cfg), [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
-            features=plan is not None and plan.features.value != "none", sampled=samples(cfg),
-            round_ks=round_ks(cfg, k), prefill_rows=1 if cfg.task == "serve" else None,
+            target,
+            draft,
+            batch,
+            k,
+            cfg.graph.target,
+            cfg.graph.draft if plan is not None else "none",
+            capture_sizes(cfg),
+            [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
+            features=plan is not None and plan.features.value != "none",
+            sampled=samples(cfg),
+            round_ks=round_ks(cfg, k),
+            prefill_rows=1 if cfg.task == "serve" else None,
         ).capture()
         m = graphs.metrics()
         if env.tracker is not None:
             env.tracker.log_metrics({k: v for k, v in m.items() if k.startswith(("capture_s", "graph_mem_mb"))})
-        print(f"[capture_graphs] {len(graphs.runners)} phases, {sum(len(r.buckets) for r in graphs.runners.values())} "
-              f"graphs in {m['capture_s']:.2f}s, {m['graph_mem_mb']:.1f} MB", flush=True)
+        print(
+            f"[capture_graphs] {len(graphs.runners)} phases, {sum(len(r.buckets) for r in graphs.runners.values())} "
+            f"graphs in {m['capture_s']:.2f}s, {m['graph_mem_mb']:.1f} MB",
+            flush=True,
+        )
         return {"graphs": graphs}

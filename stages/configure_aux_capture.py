@@ -27,8 +27,12 @@ class ConfigureAuxCaptureStage(Stage):
         aux = env.draft_plan.aux
         inputs["target"].model.set_aux_layers(aux.input_of)
         if env.tracker is not None:
-            env.tracker.log_params({"aux_layer_ids.input_of": list(aux.input_of),
-                                    "aux_layer_ids.output_of": list(aux.output_of),
-                                    "aux_layer_ids.source": aux.source})
+            env.tracker.log_params(
+                {
+                    "aux_layer_ids.input_of": list(aux.input_of),
+                    "aux_layer_ids.output_of": list(aux.output_of),
+                    "aux_layer_ids.source": aux.source,
+                }
+            )
         print(f"[configure_aux_capture] {aux.describe()}", flush=True)
         return {"aux_layers": aux}

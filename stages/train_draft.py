@@ -45,7 +45,6 @@ from kernels.soft_ce import SOFT_CE_KERNELS
 from pipeline.paths import REPO
 from stages.base import Stage, StageEnv, device_name, register_stage
 
-
 DATA_GRAPHS = ("auto", "none", "full", "debug")
 TRAIN_ATTENTION = ("auto", "eager", "flex")
 TRAIN_KERNELS = ("auto", *SOFT_CE_KERNELS)
@@ -80,29 +79,52 @@ def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]
     """The self-distillation's decode graphs (`policy` of `data_graph`; none: eager) over `batch_size` rows."""
     if policy == "none":
         return None
-    return GraphSet(model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False,
-                    sampled=True).capture()
+    return GraphSet(
+        model, None, batch_size, 0, policy, "none", default_sizes(batch_size), [], False, sampled=True
+    ).capture()
 
 
 def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
     """`synthesize` with the settings of a `train.data` config (TrainDataConfig); a script passes a
     `dataclasses.replace` of the recipe's."""
-    return synthesize(loaded, d.num_samples, d.batch_size, d.max_prompt_tokens, d.max_answer_tokens,
-                      d.prompt_temperature, d.prompt_top_p, seed=d.seed, min_prompt_chars=d.min_prompt_chars, graphs=graphs,
-                      sync_every=d.sync_every, system_prompts=list(d.system_prompts), drop_cut=d.drop_cut_prompts,
-                      passage_share=d.passage_share, passage_tasks=list(d.passage_tasks),
-                      passage_tokens=tuple(d.passage_tokens), passage_temperature=d.passage_temperature,
-                      phase_s=phase_s)
+    return synthesize(
+        loaded,
+        d.num_samples,
+        d.batch_size,
+        d.max_prompt_tokens,
+        d.max_answer_tokens,
+        d.prompt_temperature,
+        d.prompt_top_p,
+        seed=d.seed,
+        min_prompt_chars=d.min_prompt_chars,
+        graphs=graphs,
+        sync_every=d.sync_every,
+        system_prompts=list(d.system_prompts),
+        drop_cut=d.drop_cut_prompts,
+        passage_share=d.passage_share,
+        passage_tasks=list(d.passage_tasks),
+        passage_tokens=tuple(d.passage_tokens),
+        passage_temperature=d.passage_temperature,
+        phase_s=phase_s,
+    )
 
 
 def check_passages(d) -> None:
     """train.data's passage tasks: a share in [0, 1), templates that each take the passage, a token range."""
     if not 0.0 <= d.passage_share < 1.0:
-        raise ConfigError("train.data.passage_share", d.passage_share, "the share of samples that are passage tasks",
-                          "0 <= passage_share < 1 (0: off)")
+        raise ConfigError(
+            "train.data.passage_share",
+            d.passage_share,
+            "the share of samples that are passage tasks",
+            "0 <= passage_share < 1 (0: off)",
+        )
     if d.passage_share and not d.passage_tasks:
-        raise ConfigError("train.data.passage_tasks", list(d.passage_tasks), "no task to ask about the passages",
-                          "templates with a {passage} slot, e.g. passages=tasks")
+        raise ConfigError(
+            "train.data.passage_tasks",
+            list(d.passage_tasks),
+            "no task to ask about the passages",
+            "templates with a {passage} slot, e.g. passages=tasks",
+        )
     for task in d.passage_tasks:
         try:
             task.format(passage="")  # any other field or a lone brace raises
@@ -110,15 +132,27 @@ def check_passages(d) -> None:
         except (KeyError, IndexError, ValueError):
             ok = False
         if not ok:
-            raise ConfigError("train.data.passage_tasks", task, "not a template of the passage",
-                              "text with one {passage} slot and no other braces ({{ }} for literal ones)")
+            raise ConfigError(
+                "train.data.passage_tasks",
+                task,
+                "not a template of the passage",
+                "text with one {passage} slot and no other braces ({{ }} for literal ones)",
+            )
     if d.passage_temperature < 0:
-        raise ConfigError("train.data.passage_temperature", d.passage_temperature,
-                          "the temperature the passages are sampled at", ">= 0 (0: the greedy answers)")
+        raise ConfigError(
+            "train.data.passage_temperature",
+            d.passage_temperature,
+            "the temperature the passages are sampled at",
+            ">= 0 (0: the greedy answers)",
+        )
     low_high = list(d.passage_tokens)
     if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
-        raise ConfigError("train.data.passage_tokens", low_high, "the passages' length range in tokens",
-                          "[min, max] with 1 <= min <= max")
+        raise ConfigError(
+            "train.data.passage_tokens",
+            low_high,
+            "the passages' length range in tokens",
+            "[min, max] with 1 <= min <= max",
+        )
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -144,57 +178,99 @@ class TrainDraftStage(Stage):
             raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
         if TRAIN_SPECS[d.algorithm].check is not None:
             TRAIN_SPECS[d.algorithm].check(cfg, env.draft_plan)
-        check_values([_at_least(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
-                      for key in ("steps", "warmup_steps", "ttt_steps", "max_tokens", "max_len", "eval_every",
-                                  "save_every", "eval_k")]
-                     + [_at_least(f"train.data.{key}", getattr(t.data, key))
-                        for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every")])
+        check_values(
+            [
+                _at_least(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
+                for key in (
+                    "steps",
+                    "warmup_steps",
+                    "ttt_steps",
+                    "max_tokens",
+                    "max_len",
+                    "eval_every",
+                    "save_every",
+                    "eval_k",
+                )
+            ]
+            + [
+                _at_least(f"train.data.{key}", getattr(t.data, key))
+                for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every")
+            ]
+        )
         if not 0.0 < t.heldout < 1.0:
             raise ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1")
         if t.data.num_samples < 2 or round(t.data.num_samples * t.heldout) >= t.data.num_samples:
-            raise ConfigError("train.data.num_samples", t.data.num_samples,
-                              f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
-                              ">= 2, or a smaller train.heldout")
+            raise ConfigError(
+                "train.data.num_samples",
+                t.data.num_samples,
+                f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
+                ">= 2, or a smaller train.heldout",
+            )
         if t.attention not in TRAIN_ATTENTION:
             raise ConfigError("train.attention", t.attention, "attention of the training forward", TRAIN_ATTENTION)
         if t.attention == "flex" and not flex_trains(d.algorithm, env.device):
-            raise ConfigError("train.attention", t.attention, f"FlexAttention trains {d.algorithm} on CUDA only "
-                              f"(this run: {d.algorithm} on {env.device})", "eager or auto")
+            raise ConfigError(
+                "train.attention",
+                t.attention,
+                f"FlexAttention trains {d.algorithm} on CUDA only (this run: {d.algorithm} on {env.device})",
+                "eager or auto",
+            )
         if t.kernels not in TRAIN_KERNELS:
             raise ConfigError("train.kernels", t.kernels, "the training step's fused kernels", TRAIN_KERNELS)
-        if t.kernels == "triton" and (triton is None or (env.device.type != "cuda"
-                                                             and os.environ.get("TRITON_INTERPRET") != "1")):
-            raise ConfigError("train.kernels", t.kernels,
-                              f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
-                              f"{'installed' if triton is not None else 'not installed'}", "torch or auto")
-        if t.round_weight < 0:
-            raise ConfigError("train.round_weight", t.round_weight, "a loss weight", ">= 0 (0: off)")
-        if not 0.0 <= t.reach_weight <= 1.0:
-            raise ConfigError("train.reach_weight", t.reach_weight,
-                              "the loss weight taken off the TTT steps no chain reaches",
-                              "0 <= reach_weight <= 1 (0: off)")
+        if t.kernels == "triton" and (
+            triton is None or (env.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
+        ):
+            raise ConfigError(
+                "train.kernels",
+                t.kernels,
+                f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
+                f"{'installed' if triton is not None else 'not installed'}",
+                "torch or auto",
+            )
         if not 0.0 <= t.ema_decay < 1.0:
-            raise ConfigError("train.ema_decay", t.ema_decay, "the decay of the exported weight average",
-                              "0 <= ema_decay < 1 (0: off; 0.999: about the last 1000 steps)")
+            raise ConfigError(
+                "train.ema_decay",
+                t.ema_decay,
+                "the decay of the exported weight average",
+                "0 <= ema_decay < 1 (0: off; 0.999: about the last 1000 steps)",
+            )
         if not t.label_temperature > 0:
-            raise ConfigError("train.label_temperature", t.label_temperature,
-                              "the temperature of the target distribution the head learns", "> 0 (1: the target's own)")
+            raise ConfigError(
+                "train.label_temperature",
+                t.label_temperature,
+                "the temperature of the target distribution the head learns",
+                "> 0 (1: the target's own)",
+            )
         if not 0.0 <= t.min_lr_ratio <= 1.0:
-            raise ConfigError("train.min_lr_ratio", t.min_lr_ratio, "where the cosine schedule ends, as a share of lr",
-                              "0 <= min_lr_ratio <= 1")
+            raise ConfigError(
+                "train.min_lr_ratio",
+                t.min_lr_ratio,
+                "where the cosine schedule ends, as a share of lr",
+                "0 <= min_lr_ratio <= 1",
+            )
         check_passages(t.data)
         if not 0.0 < t.data.prompt_top_p <= 1.0:
-            raise ConfigError("train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1")
+            raise ConfigError(
+                "train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1"
+            )
         if t.lr <= 0:
             raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
         if t.max_len > cfg.model.max_seq_len:
-            raise ConfigError("train.max_len", t.max_len, f"longer than model.max_seq_len={cfg.model.max_seq_len}",
-                              f"<= {cfg.model.max_seq_len}")
+            raise ConfigError(
+                "train.max_len",
+                t.max_len,
+                f"longer than model.max_seq_len={cfg.model.max_seq_len}",
+                f"<= {cfg.model.max_seq_len}",
+            )
         if t.data.graph not in DATA_GRAPHS:
             raise ConfigError("train.data.graph", t.data.graph, "graph policy of the data generation", DATA_GRAPHS)
         if t.data.graph in NEEDS_CUDA and env.device.type != "cuda":
-            raise ConfigError("train.data.graph", t.data.graph, f"captures CUDA graphs but the run's device is "
-                              f"{env.device}", "none or debug")
+            raise ConfigError(
+                "train.data.graph",
+                t.data.graph,
+                f"captures CUDA graphs but the run's device is {env.device}",
+                "none or debug",
+            )
         vocab, dv = env.target_args.vocab_size, d.draft_vocab_size
         if d.init == "random" and dv is not None and dv < len(env.target_args.eos_token_ids) + 1:
             raise ConfigError("draft.draft_vocab_size", dv, "too small to hold the stop tokens", f"2..{vocab}")
@@ -202,15 +278,15 @@ class TrainDraftStage(Stage):
     def describe(self, cfg, env: StageEnv) -> str:
         t = cfg.train
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
-        return (f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
-                f"{steering(t.data.system_prompts)}{passage_words(dataclasses.asdict(t.data))}), hold out {t.heldout:.0%}; "
-                f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
-                f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
-                f"{f', round weight {t.round_weight:g}' if t.round_weight else ''}"
-                f"{f', reach weight {t.reach_weight:g}' if t.reach_weight else ''}"
-                f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}"
-                f"{f', EMA {t.ema_decay:g}' if t.ema_decay else ''}; "
-                f"-> {train_dir(cfg, env)}")
+        return (
+            f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
+            f"{steering(t.data.system_prompts)}{passage_words(dataclasses.asdict(t.data))}), hold out {t.heldout:.0%}; "
+            f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
+            f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
+            f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}"
+            f"{f', EMA {t.ema_decay:g}' if t.ema_decay else ''}; "
+            f"-> {train_dir(cfg, env)}"
+        )
 
     # ----------------------------------------------------------------------------------------------
     def run(self, cfg, inputs, env: StageEnv) -> dict:
@@ -219,29 +295,55 @@ class TrainDraftStage(Stage):
         out.mkdir(parents=True, exist_ok=True)
         log = env.tracker.log_metrics if env.tracker is not None else (lambda m, step=0: None)
 
-        samples, data_s, phase_s, reused = self._data(cfg, loaded, env.outputs_dir / "train" / "data",
-                                                      data_graph(cfg, env))
+        samples, data_s, phase_s, reused = self._data(
+            cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env)
+        )
         train, heldout = split(samples, t.heldout, cfg.seed)
-        data = {"samples": len(samples), "answer_tokens": sum(len(s.answer_ids) for s in samples),
-                "prompts_cut": cut_share(samples), "data_s": data_s}
-        log({"data_s": data_s, "data_reused": float(reused), "data_samples": data["samples"],
-             "data_prompts_cut": data["prompts_cut"], "data_answer_tokens": data["answer_tokens"],
-             "data_train_samples": len(train), "data_heldout_samples": len(heldout),
-             **{f"data_{k}_s": v for k, v in phase_s.items()}})
-        print(f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
-              f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
-              f"{data_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
-              f"{len(train)} train / {len(heldout)} held out", flush=True)
+        data = {
+            "samples": len(samples),
+            "answer_tokens": sum(len(s.answer_ids) for s in samples),
+            "prompts_cut": cut_share(samples),
+            "data_s": data_s,
+        }
+        log(
+            {
+                "data_s": data_s,
+                "data_reused": float(reused),
+                "data_samples": data["samples"],
+                "data_prompts_cut": data["prompts_cut"],
+                "data_answer_tokens": data["answer_tokens"],
+                "data_train_samples": len(train),
+                "data_heldout_samples": len(heldout),
+                **{f"data_{k}_s": v for k, v in phase_s.items()},
+            }
+        )
+        print(
+            f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
+            f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
+            f"{data_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
+            f"{len(train)} train / {len(heldout)} held out",
+            flush=True,
+        )
 
         spec = TRAIN_SPECS[cfg.draft.algorithm]
         student = self._student(cfg, head, target, train, env)
-        trainer = Trainer(student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log,
-                          spec)
+        trainer = Trainer(
+            student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec
+        )
         metrics = trainer.fit(resume=t.resume)
         if t.loop_eval_prompts > 0:
-            metrics.update(loop_acceptance(env.draft_plan, student, target, heldout[: t.loop_eval_prompts],
-                                           cfg.draft.num_steps, t.loop_eval_tokens, loaded.tokenizer.eos_token_ids,
-                                           env))
+            metrics.update(
+                loop_acceptance(
+                    env.draft_plan,
+                    student,
+                    target,
+                    heldout[: t.loop_eval_prompts],
+                    cfg.draft.num_steps,
+                    t.loop_eval_tokens,
+                    loaded.tokenizer.eos_token_ids,
+                    env,
+                )
+            )
             log({k: v for k, v in metrics.items() if k.startswith("heldout_")}, trainer.step)
 
         export = out / "head"
@@ -249,8 +351,9 @@ class TrainDraftStage(Stage):
         if trainer.last_weights is not None:  # EMA: the last step's own weights too, for comparison
             last = student.copy(env.device, torch.float32)
             own = dict(last.named_parameters())
-            torch._foreach_copy_([own[n].data for n, p in student.named_parameters() if p.requires_grad],
-                                 trainer.last_weights)
+            torch._foreach_copy_(
+                [own[n].data for n, p in student.named_parameters() if p.requires_grad], trainer.last_weights
+            )
             last_metrics = {k: v for k, v in metrics.items() if not k.startswith(("val_", "heldout_", "last_"))}
             last_metrics.update({k[5:]: v for k, v in metrics.items() if k.startswith("last_")})
             self._export(last, out / "head_last", cfg, last_metrics, data, env, ema=False)
@@ -263,9 +366,12 @@ class TrainDraftStage(Stage):
         if env.tracker is not None:
             for f in sorted(export.iterdir()):
                 env.tracker.client.log_artifact(env.tracker.run_id, str(f), "draft_head")
-        print(f"[train_draft] {metrics['train_steps']} steps in {metrics['train_s']:.0f}s: held-out "
-              f"accept_length(k={t.eval_k}) {metrics[f'val_accept_length_k{t.eval_k}']:.2f}, "
-              f"loss {metrics['val_loss']:.3f} -> {export}", flush=True)
+        print(
+            f"[train_draft] {metrics['train_steps']} steps in {metrics['train_s']:.0f}s: held-out "
+            f"accept_length(k={t.eval_k}) {metrics[f'val_accept_length_k{t.eval_k}']:.2f}, "
+            f"loss {metrics['val_loss']:.3f} -> {export}",
+            flush=True,
+        )
         return {"draft_checkpoint": str(export)}
 
     def _data(self, cfg, loaded, root: Path, graph: str):
@@ -308,14 +414,20 @@ class TrainDraftStage(Stage):
         shutil.rmtree(path, ignore_errors=True)
         export.save(path)
         facts = {
-            "experiment": cfg.experiment_name, "target": cfg.model.name,
-            "target_checkpoint": str(env.weights_dir), "device": device_name(env.device),
-            "samples": data["samples"], "answer_tokens": data["answer_tokens"],
-            "prompts_cut": round(data["prompts_cut"], 4), "data_s": round(data["data_s"], 1),
-            "data": dataclasses.asdict(cfg.train.data), "heldout": cfg.train.heldout,
+            "experiment": cfg.experiment_name,
+            "target": cfg.model.name,
+            "target_checkpoint": str(env.weights_dir),
+            "device": device_name(env.device),
+            "samples": data["samples"],
+            "answer_tokens": data["answer_tokens"],
+            "prompts_cut": round(data["prompts_cut"], 4),
+            "data_s": round(data["data_s"], 1),
+            "data": dataclasses.asdict(cfg.train.data),
+            "heldout": cfg.train.heldout,
             "train": {k: v for k, v in dataclasses.asdict(cfg.train).items() if k not in ("data",)},
             "weights": "ema" if ema and cfg.train.ema_decay else "last",
-            "algorithm": cfg.draft.algorithm, "architecture": export.architecture,
+            "algorithm": cfg.draft.algorithm,
+            "architecture": export.architecture,
             "draft_vocab_size": getattr(export, "draft_vocab_size", env.target_args.vocab_size),
             "lm_head": "target" if export.shares_lm_head else "own",
             "aux_layer_ids_output_of": list(env.draft_plan.aux.output_of) if env.draft_plan.aux else None,
@@ -328,8 +440,9 @@ class TrainDraftStage(Stage):
 
 
 @torch.no_grad()
-def loop_acceptance(plan, student, target, prompts, k: int, max_new_tokens: int, stop_ids: frozenset[int],
-                    env: StageEnv) -> dict[str, float]:
+def loop_acceptance(
+    plan, student, target, prompts, k: int, max_new_tokens: int, stop_ids: frozenset[int], env: StageEnv
+) -> dict[str, float]:
     """Acceptance through the real draft-and-verify loop (engine.generate) on held-out prompts: rounds
     start where the previous one stopped, unlike the per-anchor chain estimate of the training eval."""
     from engine.drafts.registry import make_draft
@@ -342,45 +455,72 @@ def loop_acceptance(plan, student, target, prompts, k: int, max_new_tokens: int,
     gen = Generator(target, batch, make_draft(plan, head, target, batch, k), k)
     accepts = []
     for i in range(0, len(prompts), batch):
-        for r in gen.generate([p.prompt_ids for p in prompts[i: i + batch]], params, stop_ids):
+        for r in gen.generate([p.prompt_ids for p in prompts[i : i + batch]], params, stop_ids):
             accepts += r.accepts
-    return {f"heldout_loop_accept_length_k{k}": sum(a + 1 for a in accepts) / max(len(accepts), 1),
-            "heldout_loop_prompts": float(len(prompts))}
+    return {
+        f"heldout_loop_accept_length_k{k}": sum(a + 1 for a in accepts) / max(len(accepts), 1),
+        "heldout_loop_prompts": float(len(prompts)),
+    }
 
 
 def settings(cfg, device: torch.device) -> TrainSettings:
     t = cfg.train
-    return TrainSettings(steps=t.steps, lr=t.lr, warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-                         grad_clip=t.grad_clip, ttt_steps=t.ttt_steps, loss_decay=t.loss_decay,
-                         max_tokens=t.max_tokens, max_len=t.max_len, eval_every=t.eval_every,
-                         save_every=t.save_every, eval_k=t.eval_k, loop_horizon=t.loop_eval_tokens,
-                         round_weight=t.round_weight, label_temperature=t.label_temperature,
-                         min_lr_ratio=t.min_lr_ratio, reach_weight=t.reach_weight, ema_decay=t.ema_decay,
-                         attention=train_attention(cfg, device), kernels=train_kernels(cfg, device),
-                         max_time_s=t.max_time_s, seed=cfg.seed)
+    return TrainSettings(
+        steps=t.steps,
+        lr=t.lr,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        ttt_steps=t.ttt_steps,
+        loss_decay=t.loss_decay,
+        max_tokens=t.max_tokens,
+        max_len=t.max_len,
+        eval_every=t.eval_every,
+        save_every=t.save_every,
+        eval_k=t.eval_k,
+        loop_horizon=t.loop_eval_tokens,
+        label_temperature=t.label_temperature,
+        min_lr_ratio=t.min_lr_ratio,
+        ema_decay=t.ema_decay,
+        attention=train_attention(cfg, device),
+        kernels=train_kernels(cfg, device),
+        max_time_s=t.max_time_s,
+        seed=cfg.seed,
+    )
 
 
 def model_card(f: dict) -> str:
     m, k = f["metrics"], f["train"]["eval_k"]
     rates = ", ".join(f"{m[f'val_accept_rate_pos_{i}']:.2f}" for i in range(k) if f"val_accept_rate_pos_{i}" in m)
-    return f"""# {f['algorithm']} draft head for {f['target']}
+    d, t = f["data"], f["train"]
+    command = f"python -m pipeline +experiment={card_experiment(f)}{lever_overrides(f)}"
+    sampling = (
+        f"Magpie, temperature {d['prompt_temperature']}, top-p {d.get('prompt_top_p', 0.95)}"
+        f"{steering(d.get('system_prompts'))}; {cut_words(f)}"
+    )
+    vocab = "target's whole" if f.get("lm_head") == "target" else "draft"
+    optimiser = (
+        f"step weight {t['loss_decay']}^s), AdamW lr {t['lr']}{decay_words(f)}, {int(m.get('train_steps', 0))} steps"
+    )
+    return f"""# {f["algorithm"]} draft head for {f["target"]}
 
-{f['summary']}
+{f["summary"]}
 
 ## How it was trained
 
-- Stage `train_draft` of this repository (`python -m pipeline +experiment={card_experiment(f)}{lever_overrides(f)}`), on {f['device']}.
-- Data: {f['samples']} samples self-distilled from the target itself ({f['data_s']} s): user messages sampled
-  from the target's chat template (Magpie, temperature {f['data']['prompt_temperature']}, top-p {f['data'].get('prompt_top_p', 0.95)}{steering(f['data'].get('system_prompts'))}; {cut_words(f)}), answered by the target greedily
-  (up to {f['data']['max_answer_tokens']} tokens; {f['answer_tokens']} answer tokens){passage_words(f['data'], card=True)}. No benchmark prompt set was used.
-- {f['objective']}, loss against the target's distribution{label_words(f)} over the
-  {"target's whole" if f.get('lm_head') == 'target' else 'draft'} vocabulary (step weight {f['train']['loss_decay']}^s{weight_words(f)}), AdamW lr {f['train']['lr']}{decay_words(f)}, {int(m.get('train_steps', 0))} steps
-  of {f['train']['max_tokens']} tokens ({m.get('train_s', 0):.0f} s){average_words(f)}.
+- Stage `train_draft` of this repository (`{command}`), on {f["device"]}.
+- Data: {f["samples"]} samples self-distilled from the target itself ({f["data_s"]} s): user messages sampled
+  from the target's chat template ({sampling}), answered by the target greedily
+  (up to {d["max_answer_tokens"]} tokens; {f["answer_tokens"]} answer tokens){passage_words(d, card=True)}. \
+No benchmark prompt set was used.
+- {f["objective"]}, loss against the target's distribution{label_words(f)} over the
+  {vocab} vocabulary ({optimiser}
+  of {t["max_tokens"]} tokens ({m.get("train_s", 0):.0f} s){average_words(f)}.
 
 ## Acceptance measured
 
-On the held-out {f['heldout']:.0%} of the self-distilled samples, greedy chain drafting of k={k} tokens from every
-answer position: accept_length {m.get(f'val_accept_length_k{k}', float('nan')):.2f} (bonus token included);
+On the held-out {f["heldout"]:.0%} of the self-distilled samples, greedy chain drafting of k={k} tokens from every
+answer position: accept_length {m.get(f"val_accept_length_k{k}", float("nan")):.2f} (bonus token included);
 accept_rate_pos_i: {rates}.{loop_line(m, f)}
 """
 
@@ -391,15 +531,8 @@ def label_words(f: dict) -> str:
     return "" if t == 1 else f" at temperature {t:g} (sharpened toward its greedy token)"
 
 
-# The loss levers the recipe leaves off (0), each with the card's words for it when it was on.
-LOSS_LEVERS = {
-    "round_weight": lambda w: f"the chains where the replayed greedy loop starts a round weigh {1 + w:g}",
-    "reach_weight": lambda r: f"a step no greedy chain reaches weighs {1 - r:g}",
-}
-
-
-# With the loss levers, the others the card names as overrides where the run's value is not its recipe's.
-LEVERS = (*LOSS_LEVERS, "ema_decay", "weight_decay", "label_temperature", "lr", "max_time_s")
+# The levers the card names as overrides where the run's value is not its recipe's.
+LEVERS = ("ema_decay", "weight_decay", "label_temperature", "lr", "max_time_s")
 
 
 def card_experiment(f: dict) -> str:
@@ -424,8 +557,9 @@ def recipe_train(experiment: str) -> dict:
 def lever_overrides(f: dict) -> str:
     """The levers whose value in the run is not the recipe's, as the overrides that set them."""
     recipe = recipe_train(card_experiment(f))
-    return "".join(f" train.{k}={f['train'][k]:g}" for k in LEVERS
-                   if k in f["train"] and f["train"][k] != recipe.get(k))
+    return "".join(
+        f" train.{k}={f['train'][k]:g}" for k in LEVERS if k in f["train"] and f["train"][k] != recipe.get(k)
+    )
 
 
 def decay_words(f: dict) -> str:
@@ -444,11 +578,6 @@ def average_words(f: dict) -> str:
     return f"; the weights are an exponential moving average of the training weights (decay {decay:g})"
 
 
-def weight_words(f: dict) -> str:
-    """The loss levers that were on, in the card's words."""
-    return "".join(f"; {words(f['train'][k])}" for k, words in LOSS_LEVERS.items() if f["train"].get(k))
-
-
 def passage_words(d: dict, card: bool = False) -> str:
     """The plan's and the card's words for train.data's passage tasks ("" when off); `d`: train.data as a
     dict (an older card's has no passage keys)."""
@@ -458,8 +587,10 @@ def passage_words(d: dict, card: bool = False) -> str:
     if not card:
         return f", {share:.0%} of them tasks about passages"
     low, high = d.get("passage_tokens", [32, 160])
-    return (f"; {share:.0%} of the samples instead ask one of {len(tasks)} tasks (summarize, extract, rewrite, "
-            f"critique, ...) about one of the target's own complete answers of {low}-{high} tokens")
+    return (
+        f"; {share:.0%} of the samples instead ask one of {len(tasks)} tasks (summarize, extract, rewrite, "
+        f"critique, ...) about one of the target's own complete answers of {low}-{high} tokens"
+    )
 
 
 def cut_words(f: dict) -> str:
@@ -482,10 +613,14 @@ def loop_line(m: dict, f: dict) -> str:
     k, n = f["train"]["eval_k"], f["train"].get("loop_eval_tokens")
     out = ""
     if f"val_loop_accept_length_k{k}" in m:
-        out += (f"\nThe greedy loop replayed on every held-out answer (rounds start where the previous one "
-                f"stopped; up to {n} new tokens): accept_length {m[f'val_loop_accept_length_k{k}']:.2f}.")
+        out += (
+            f"\nThe greedy loop replayed on every held-out answer (rounds start where the previous one "
+            f"stopped; up to {n} new tokens): accept_length {m[f'val_loop_accept_length_k{k}']:.2f}."
+        )
     keys = [key for key in m if key.startswith("heldout_loop_accept_length_k")]
     if keys:
-        out += (f"\nThrough the real draft-and-verify loop (k={keys[0].rsplit('k', 1)[1]}, greedy, up to {n} new "
-                f"tokens) on {int(m['heldout_loop_prompts'])} held-out prompts: accept_length {m[keys[0]]:.2f}.")
+        out += (
+            f"\nThrough the real draft-and-verify loop (k={keys[0].rsplit('k', 1)[1]}, greedy, up to {n} new "
+            f"tokens) on {int(m['heldout_loop_prompts'])} held-out prompts: accept_length {m[keys[0]]:.2f}."
+        )
     return out

@@ -48,9 +48,19 @@ def outputs(tmp_path, monkeypatch) -> Path:
 def tiny_hf_config(**kw):
     from transformers import LlamaConfig
 
-    base = dict(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
-                num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0,
-                tie_word_embeddings=True, max_position_embeddings=512, bos_token_id=256, eos_token_id=257)
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
     base.update(kw)
     return LlamaConfig(**base)
 
@@ -65,8 +75,9 @@ def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> tor
     return model
 
 
-def assert_trained_beats_random(outputs: Path, tmp_path: Path, common: list[str], trained: list[str],
-                                random_: list[str]) -> None:
+def assert_trained_beats_random(
+    outputs: Path, tmp_path: Path, common: list[str], trained: list[str], random_: list[str]
+) -> None:
     """On the prompts the training synthesized (a question.jsonl written from the shared samples), a
     trained head drafts clearly better than a random one through the real loop, and both keep greedy
     output the target's. `common`: overrides for both evals, then each one's own."""
@@ -76,8 +87,12 @@ def assert_trained_beats_random(outputs: Path, tmp_path: Path, common: list[str]
 
     (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")
     qfile = tmp_path / "question.jsonl"
-    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [json.loads(line)["user"]]}) + "\n"
-                             for i, line in enumerate(open(data))))
+    qfile.write_text(
+        "".join(
+            json.dumps({"question_id": i, "turns": [json.loads(line)["user"]]}) + "\n"
+            for i, line in enumerate(open(data))
+        )
+    )
     both = [*common, f"eval.dataset={qfile}", "tracking=off"]
     good, bad = (run(compose_cfg(*both, *own))["eval_results"]["metrics"] for own in (trained, random_))
     assert good["match_baseline"] == 1.0 and bad["match_baseline"] == 1.0

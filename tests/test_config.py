@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import pytest
+from conftest import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
-from conftest import compose_cfg
 from engine.errors import ConfigError
 from pipeline.config import Device, DType, EvalConfig, RunConfig, compose_run_config, flatten, to_run_config
 
@@ -21,8 +21,17 @@ def test_defaults_compose_into_dataclasses():
 
 
 def test_experiment_and_overrides():
-    cfg = to_run_config(compose_cfg("+experiment=baseline", "model=tiny", "eval.limit=2",
-                                    "eval.batch_size=4", "eval.peers=[hf_generate]", "device=cpu", "dtype=bfloat16"))
+    cfg = to_run_config(
+        compose_cfg(
+            "+experiment=baseline",
+            "model=tiny",
+            "eval.limit=2",
+            "eval.batch_size=4",
+            "eval.peers=[hf_generate]",
+            "device=cpu",
+            "dtype=bfloat16",
+        )
+    )
     assert cfg.experiment_name == "baseline"
     assert cfg.model.source == "random" and cfg.model.random.hidden_size == 64
     assert (cfg.eval.limit, cfg.eval.batch_size, cfg.eval.peers) == (2, 4, ["hf_generate"])
@@ -51,23 +60,29 @@ def test_flatten_gives_dotted_params():
     assert flat["device"] == "auto"  # enums as their names
 
 
-@pytest.mark.parametrize("override, key", [
-    ("model.hidden=3", "hidden"),  # a key the schema does not have
-    ("eval.limt=2", "limt"),
-    ("+eval.limt=2", "limt"),  # even when appended with +
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("model.hidden=3", "hidden"),  # a key the schema does not have
+        ("eval.limt=2", "limt"),
+        ("+eval.limt=2", "limt"),  # even when appended with +
+    ],
+)
 def test_unknown_key_is_rejected(override, key):
     with pytest.raises((ConfigCompositionException, ConfigKeyError, ConfigError)) as e:
         to_run_config(compose_cfg(override))
     assert key in str(e.value) or key in str(e.value.__cause__)
 
 
-@pytest.mark.parametrize("override, needle", [
-    ("eval.limit=abc", "eval.limit"),
-    ("eval.batch_size=1.5", "eval.batch_size"),
-    ("device=gpu", "auto, cpu, cuda"),  # names the valid values
-    ("dtype=fp8", "float32"),
-])
+@pytest.mark.parametrize(
+    "override, needle",
+    [
+        ("eval.limit=abc", "eval.limit"),
+        ("eval.batch_size=1.5", "eval.batch_size"),
+        ("device=gpu", "auto, cpu, cuda"),  # names the valid values
+        ("dtype=fp8", "float32"),
+    ],
+)
 def test_wrong_value_is_rejected(override, needle):
     with pytest.raises((ConfigCompositionException, ValidationError)) as e:
         compose_cfg(override)
@@ -91,7 +106,9 @@ def test_magpie_group_sets_the_system_messages_of_self_distillation():
     assert wide.num_samples == 98304  # the rest of the recipe stays
     detailed = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2")).train.data  # the recipe's
     assert len(detailed.system_prompts) == 10 and detailed.system_prompts.count("") == 1
-    assert all(len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], topics.system_prompts[2:]))  # asking for more
+    assert all(
+        len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], topics.system_prompts[2:])
+    )  # asking for more
     plain = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=plain")).train.data
     assert plain.system_prompts == []
     with pytest.raises(ConfigCompositionException) as e:

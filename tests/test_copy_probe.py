@@ -8,14 +8,14 @@ import sys
 from pathlib import Path
 
 import torch
-
 from conftest import compose_cfg
+from test_train_draft import TRAIN
+
 from engine.train.data import VocabMap
 from engine.train.trainer import Trainer
 from pipeline.config import to_run_config
 from pipeline.plan import build_plan
 from stages.train_draft import settings, synthesize_data
-from test_train_draft import TRAIN
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from copy_probe import fit, fit_projection, positions, project, report  # noqa: E402
@@ -27,8 +27,16 @@ def test_copy_probe_rows_agree_with_the_trainers_first_draft_accuracy(outputs, c
     ctx = plan.set_up("load", "configure_aux_capture")
     target, head = ctx["target"], ctx["draft_head"]
     samples = synthesize_data(target, cfg.train.data)
-    trainer = Trainer(head, target.model, samples, samples, VocabMap.of(head), settings(cfg, plan.env.device),
-                      plan.env.outputs_dir / "copy_probe", lambda *a, **k: None)
+    trainer = Trainer(
+        head,
+        target.model,
+        samples,
+        samples,
+        VocabMap.of(head),
+        settings(cfg, plan.env.device),
+        plan.env.outputs_dir / "copy_probe",
+        lambda *a, **k: None,
+    )
     rows = positions(trainer, samples, target.model.lm_head.weight)
     n = len(rows["own_hit"])
     assert n == sum(min(len(s.ids), cfg.train.max_len) - len(s.prompt_ids) for s in samples)  # every answer token
@@ -57,8 +65,14 @@ def test_fit_finds_an_informative_copy_score_and_report_counts_the_copies(capsys
     extra[torch.arange(n)[label >= 0], label[label >= 0]] += 4
     extra[::5, 2] = float("-inf")  # not yet in the context
     label[(label == 2) & (extra[:, 2] == float("-inf"))] = -1
-    rows = {"own_lse": torch.zeros(n), "own_max": torch.full((n,), -1.0), "own_hit": torch.zeros(n, dtype=torch.bool),
-            "own_label": torch.where(label < 0, 0.0, float("-inf")), "extra": extra, "extra_label": label}
+    rows = {
+        "own_lse": torch.zeros(n),
+        "own_max": torch.full((n,), -1.0),
+        "own_hit": torch.zeros(n, dtype=torch.bool),
+        "own_label": torch.where(label < 0, 0.0, float("-inf")),
+        "extra": extra,
+        "extra_label": label,
+    }
     a, b = fit(rows)
     assert a > 1.5
     capsys.readouterr()

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import assert_trained_beats_random, compose_cfg, spread_init
 from safetensors import safe_open
-
-from conftest import compose_cfg, spread_init, assert_trained_beats_random
-from test_model import _prompts, pair
 from test_graphs import poison
+from test_model import _prompts, pair
 from test_speculative import AUX, oracle_prefix, tap
+
 from engine.drafts.base import SpecState
 from engine.drafts.dflash import DFlashDraft
 from engine.drafts.registry import load_head, make_draft, plan_draft
@@ -80,11 +80,12 @@ class Recorder:
 def run_batches(gen, prompts, params, batch):
     out = []
     for i in range(0, len(prompts), batch):
-        out += gen.generate(prompts[i: i + batch], params, row_ids=list(range(i, min(i + batch, len(prompts)))))
+        out += gen.generate(prompts[i : i + batch], params, row_ids=list(range(i, min(i + batch, len(prompts)))))
     return out
 
 
 # ------------------------------------------------------------------------------------------ lossless
+
 
 def _lossless(policy, batch, kernel=False):
     device = "cuda" if policy in ("full", "breakable") else "cpu"
@@ -100,8 +101,9 @@ def _lossless(policy, batch, kernel=False):
     rec = Recorder(draft, base, [len(p) for p in prompts])
     graphs = None
     if policy != "none":
-        graphs = GraphSet(target, draft, batch, K, policy, policy, [s for s in (1, 2, 4) if s <= batch], [16],
-                          features=True).capture()
+        graphs = GraphSet(
+            target, draft, batch, K, policy, policy, [s for s in (1, 2, 4) if s <= batch], [16], features=True
+        ).capture()
     gen = Generator(target, batch, draft, K, graphs=graphs)
     res = run_batches(gen, prompts, params, batch)
     assert [r.tokens for r in res] == base
@@ -169,8 +171,14 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
                 continue
             ids = torch.tensor([hists[i][:-1]])  # in the target cache; hists[i][-1]: the pending bonus token
             out = target(ids, torch.arange(ids.shape[1])[None], target.new_cache(1), kv_len=ids.shape[1])
-            fresh.begin(None, out.aux_hidden_states, ids, torch.ones_like(ids, dtype=torch.bool), None,
-                        torch.tensor([hists[i][-1]]))
+            fresh.begin(
+                None,
+                out.aux_hidden_states,
+                ids,
+                torch.ones_like(ids, dtype=torch.bool),
+                None,
+                torch.tensor([hists[i][-1]]),
+            )
             one = SpecState([hists[i]], [ids.shape[1]], [True], [0], "cpu")
             torch.testing.assert_close(draft_logits(draft, after)[i], draft_logits(fresh, one)[0], atol=1e-4, rtol=1e-4)
             assert torch.equal(nxt.tokens[i], fresh.propose(one, K).tokens[0])
@@ -192,8 +200,12 @@ def draft_logits(draft, state, last_token=None):
     tokens[:, 0] = torch.tensor([h[-1] for h in state.history], device=dev)
     if last_token is not None:
         tokens[:, -1] = last_token
-    env = {"tokens": tokens, "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
-           "valid": torch.ones(b, BLOCK, dtype=torch.bool, device=dev), "kv_len": max(state.lengths) + BLOCK}
+    env = {
+        "tokens": tokens,
+        "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
+        "valid": torch.ones(b, BLOCK, dtype=torch.bool, device=dev),
+        "kv_len": max(state.lengths) + BLOCK,
+    }
     return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
 
 
@@ -213,15 +225,15 @@ def _prefill(target, prompts):
 def test_begin_on_row_slices_equals_whole_batch(target):
     plan, head = make_head(target)
     prompts = _prompts(3, seed=21)
-    params = SamplingParams(max_new_tokens=8)
     whole, parts = DFlashDraft(head, 3, K), DFlashDraft(head, 3, K)
     whole.begin(None, *_prefill(target, prompts)[:3], None, _prefill(target, prompts)[3])
     for sl in (slice(0, 2), slice(2, 3)):
         feats, ids, valid, first = _prefill(target, prompts[sl])
         parts.begin(None, feats, ids, valid, None, first, rows=sl)
     firsts = _prefill(target, prompts)[3].tolist()
-    state = SpecState([list(p) + [f] for p, f in zip(prompts, firsts)], [len(p) for p in prompts], [True] * 3,
-                      [0, 1, 2], "cpu")
+    state = SpecState(
+        [list(p) + [f] for p, f in zip(prompts, firsts)], [len(p) for p in prompts], [True] * 3, [0, 1, 2], "cpu"
+    )
     torch.testing.assert_close(draft_logits(whole, state), draft_logits(parts, state), atol=1e-5, rtol=1e-5)
     assert torch.equal(whole.propose(state, K).tokens, parts.propose(state, K).tokens)
 
@@ -261,17 +273,21 @@ def test_plan_rejects_dflash_without_explicit_layer_ids(target, outputs):
         plan_draft(dflash_cfg(aux_layer_ids=None), target.args)
     assert "e.g. [" in str(e.value)
     with pytest.raises(PlanError, match=r"draft.aux_layer_ids=None"):
-        build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "draft.aux_layer_ids=null", "device=cpu")),
-                   outputs)
+        build_plan(
+            to_run_config(compose_cfg(*TINY, "+experiment=dflash", "draft.aux_layer_ids=null", "device=cpu")), outputs
+        )
 
 
-@pytest.mark.parametrize("override, key", [
-    (dict(num_steps=4), "draft.num_steps"),  # k = 4 > block 4 - 1
-    (dict(block_size=1, num_steps=1), "draft.block_size"),
-    (dict(mask_token_id=320), "draft.mask_token_id"),  # the tiny vocabulary has 320 ids
-    (dict(num_layers=0), "draft.num_layers"),
-    (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (dict(num_steps=4), "draft.num_steps"),  # k = 4 > block 4 - 1
+        (dict(block_size=1, num_steps=1), "draft.block_size"),
+        (dict(mask_token_id=320), "draft.mask_token_id"),  # the tiny vocabulary has 320 ids
+        (dict(num_layers=0), "draft.num_layers"),
+        (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
+    ],
+)
 def test_plan_names_the_bad_key(target, override, key):
     with pytest.raises(ConfigError) as e:
         plan_draft(dflash_cfg(**override), target.args)
@@ -279,8 +295,10 @@ def test_plan_names_the_bad_key(target, override, key):
 
 
 def test_aux_capture_is_configured_before_graph_capture(outputs):
-    plan = build_plan(to_run_config(compose_cfg(*TINY, "+experiment=dflash", "graph=debug", "device=cpu",
-                                                       "draft.num_layers=2")), outputs)
+    plan = build_plan(
+        to_run_config(compose_cfg(*TINY, "+experiment=dflash", "graph=debug", "device=cpu", "draft.num_layers=2")),
+        outputs,
+    )
     assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "eval"]
     assert "output_of [0, 1, 2] (from config)" in plan.describe()
     assert "block 8 (mask token 319), 2 layers" in plan.describe()
@@ -300,8 +318,10 @@ def test_checkpoint_round_trip(target, tmp_path):
     assert not any(n.startswith(("embed", "lm_head")) for n in names)  # the target's, not stored
 
     # Loads with the checkpoint's ids (none configured), and drafts exactly as the saved head.
-    loaded_plan = plan_draft(dflash_cfg(init="checkpoint", path=str(tmp_path), aux_layer_ids=None,
-                                        block_size=None, num_layers=None), target.args)
+    loaded_plan = plan_draft(
+        dflash_cfg(init="checkpoint", path=str(tmp_path), aux_layer_ids=None, block_size=None, num_layers=None),
+        target.args,
+    )
     assert loaded_plan.aux.input_of == (1, 2, 3) and loaded_plan.aux.source == "checkpoint"
     loaded = load_head(loaded_plan, target, 0, torch.device("cpu"), torch.float32)
     for k, v in head.state_dict().items():
@@ -329,23 +349,45 @@ def test_training_forward_equals_the_inference_block(target):
     for row in range(b):
         for j in (0, 4, t - 1):
             cache = head.new_cache(1)
-            run_steps(head.context_program(cache), {"feats": feats[row:row + 1, : j + 1],
-                                                    "positions": positions[:1, : j + 1], "valid": None})
-            env = {"tokens": torch.tensor([[int(tokens[row, j])] + [head.mask_token_id] * (BLOCK - 1)]),
-                   "positions": j + 1 + torch.arange(BLOCK)[None], "valid": torch.ones(1, BLOCK, dtype=torch.bool),
-                   "kv_len": j + 1 + BLOCK}
+            run_steps(
+                head.context_program(cache),
+                {"feats": feats[row : row + 1, : j + 1], "positions": positions[:1, : j + 1], "valid": None},
+            )
+            env = {
+                "tokens": torch.tensor([[int(tokens[row, j])] + [head.mask_token_id] * (BLOCK - 1)]),
+                "positions": j + 1 + torch.arange(BLOCK)[None],
+                "valid": torch.ones(1, BLOCK, dtype=torch.bool),
+                "kv_len": j + 1 + BLOCK,
+            }
             block = run_steps(head.block_program(cache, BLOCK - 1), env)["logits"][0]  # [B-1, vocab]
             for s in range(BLOCK - 1):
                 if j + s < t:
                     torch.testing.assert_close(logits[s][row, j + s], block[s], atol=2e-5, rtol=1e-4)
 
 
-TRAIN = ["+experiment=train_dflash_smollm2", *TINY, "model.random.init_std=0.15", "draft.block_size=4",
-         "draft.num_steps=3", "train.data.num_samples=16", "train.data.batch_size=8",
-         "train.data.max_prompt_tokens=12", "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1",
-         "train.heldout=0.25", "train.lr=1e-2", "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64",
-         "train.eval_every=30", "train.save_every=30", "train.ttt_steps=3", "train.eval_k=3",
-         "train.loop_eval_prompts=2", "train.loop_eval_tokens=16"]
+TRAIN = [
+    "+experiment=train_dflash_smollm2",
+    *TINY,
+    "model.random.init_std=0.15",
+    "draft.block_size=4",
+    "draft.num_steps=3",
+    "train.data.num_samples=16",
+    "train.data.batch_size=8",
+    "train.data.max_prompt_tokens=12",
+    "train.data.max_answer_tokens=24",
+    "train.data.min_prompt_chars=1",
+    "train.heldout=0.25",
+    "train.lr=1e-2",
+    "train.warmup_steps=5",
+    "train.max_tokens=1024",
+    "train.max_len=64",
+    "train.eval_every=30",
+    "train.save_every=30",
+    "train.ttt_steps=3",
+    "train.eval_k=3",
+    "train.loop_eval_prompts=2",
+    "train.loop_eval_tokens=16",
+]
 
 
 def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_path):
@@ -356,11 +398,21 @@ def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_pa
     card = (head_dir / "README.md").read_text()
     assert "DFlash block-diffusion drafter" in card and "accept_length" in card
 
-    common = ["+experiment=dflash", *TINY, "model.random.init_std=0.15", "eval.max_new_tokens=24",
-              "eval.batch_size=4", "draft.num_steps=3"]
+    common = [
+        "+experiment=dflash",
+        *TINY,
+        "model.random.init_std=0.15",
+        "eval.max_new_tokens=24",
+        "eval.batch_size=4",
+        "draft.num_steps=3",
+    ]
     assert_trained_beats_random(
-        outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}", "draft.block_size=null",
-                                    "draft.num_layers=null"], ["draft.init=random", "draft.block_size=4"])
+        outputs,
+        tmp_path,
+        common,
+        ["draft.init=checkpoint", f"draft.path={head_dir}", "draft.block_size=null", "draft.num_layers=null"],
+        ["draft.init=random", "draft.block_size=4"],
+    )
 
 
 def test_train_steps_beyond_the_block_are_one_clear_error(outputs):
@@ -381,8 +433,13 @@ def test_triton_attention_reads_the_whole_block():
     draft = DFlashDraft(head, 3, K)
     feats, ids, valid, first = _prefill(target, prompts)
     draft.begin(None, feats, ids, valid, None, first)
-    state = SpecState([list(p) + [f] for p, f in zip(prompts, first.tolist())], [len(p) for p in prompts],
-                      [True] * 3, [0, 1, 2], device)
+    state = SpecState(
+        [list(p) + [f] for p, f in zip(prompts, first.tolist())],
+        [len(p) for p in prompts],
+        [True] * 3,
+        [0, 1, 2],
+        device,
+    )
     sdpa = draft_logits(draft, state)
     head.attention_kernel = True
     try:

@@ -7,17 +7,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-
 from conftest import compose_cfg
+from safetensors import safe_open
 from test_model import _prompts, pair
 from test_pipeline import download_text, runs_of
+
 from engine import aux_layers
 from engine.drafts.heads import Eagle3Head, eagle3_config
-from engine.model import init_normal_
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
+from engine.model import init_normal_
 from engine.sampling import SamplingParams
 from pipeline.__main__ import run
 from pipeline.config import DraftConfig, to_run_config
@@ -35,13 +35,16 @@ def test_aux_conventions_and_defaults():
     assert "input_of [2, 15, 27] = output_of [1, 14, 26] (from default)" in a.describe()
 
 
-@pytest.mark.parametrize("ids, conv, needle", [
-    ([2, 2, 5], "input_of", "duplicate"),
-    ([0, 31], "input_of", "[0, 30]"),
-    ([30], "output_of", "[0, 29]"),
-    ([-1], "input_of", "out of range"),
-    ([1], "inputs_of", "draft.aux_layer_convention='inputs_of'"),
-])
+@pytest.mark.parametrize(
+    "ids, conv, needle",
+    [
+        ([2, 2, 5], "input_of", "duplicate"),
+        ([0, 31], "input_of", "[0, 30]"),
+        ([30], "output_of", "[0, 29]"),
+        ([-1], "input_of", "out of range"),
+        ([1], "inputs_of", "draft.aux_layer_convention='inputs_of'"),
+    ],
+)
 def test_bad_aux_ids(ids, conv, needle):
     with pytest.raises(ConfigError) as e:
         aux_layers.normalise(ids, conv, 30)
@@ -69,17 +72,26 @@ def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
     """draft.intermediate_size narrows a random-init head's MLP (room for a larger draft vocabulary in a
     size budget); the export says so in config.json and loads back as a checkpoint of that width."""
     _, target = pair()
-    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, intermediate_size=48,
-                      aux_layer_ids=[1, 2, 3])
+    cfg = DraftConfig(
+        algorithm="eagle3", init="random", draft_vocab_size=200, intermediate_size=48, aux_layer_ids=[1, 2, 3]
+    )
     plan = plan_draft(cfg, target.args)
     assert "draft vocab 200, MLP 48" in plan.describe()
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
-    assert head.midlayer.mlp.gate_proj.weight.shape == (48, target.args.hidden_size) != \
-        (target.args.intermediate_size, target.args.hidden_size)
+    assert (
+        head.midlayer.mlp.gate_proj.weight.shape
+        == (48, target.args.hidden_size)
+        != (target.args.intermediate_size, target.args.hidden_size)
+    )
     head.save(tmp_path / "narrow")
     assert json.loads((tmp_path / "narrow" / "config.json").read_text())["intermediate_size"] == 48
-    back = load_head(plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "narrow")),
-                                target.args), target, 1, torch.device("cpu"), torch.float32)
+    back = load_head(
+        plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "narrow")), target.args),
+        target,
+        1,
+        torch.device("cpu"),
+        torch.float32,
+    )
     assert all(torch.equal(back.state_dict()[k], v) for k, v in head.state_dict().items())
 
 
@@ -91,8 +103,15 @@ def test_eagle3_checkpoint_round_trip(tmp_path):
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "norm.weight",
-            "lm_head.weight", "d2t", "t2d"} <= keys
+    assert {
+        "fc.weight",
+        "midlayer.hidden_norm.weight",
+        "midlayer.self_attn.q_proj.weight",
+        "norm.weight",
+        "lm_head.weight",
+        "d2t",
+        "t2d",
+    } <= keys
     assert not any(k.startswith("embed_tokens") for k in keys)  # shared with the target, not saved
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * target.args.hidden_size
@@ -112,15 +131,24 @@ def test_eagle3_checkpoint_round_trip(tmp_path):
     draft = make_draft(plan, head, target, 2, 3)
     prompts = _prompts(2)
     assert draft.embed.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # shared storage
-    assert [r.tokens for r in Generator(target, 2, draft, 3).generate(prompts, params)] == \
-        [r.tokens for r in Generator(target, 2).generate(prompts, params)]
+    assert [r.tokens for r in Generator(target, 2, draft, 3).generate(prompts, params)] == [
+        r.tokens for r in Generator(target, 2).generate(prompts, params)
+    ]
 
 
 def test_fc_width_mismatch_fails_at_plan_time_with_both_numbers(tmp_path, outputs):
     _, target = pair()
     path = saved_head(tmp_path, target, aux_output_of=(0, 1, 2))  # fc takes 3 x 64 = 192
-    cfg = to_run_config(compose_cfg(*TINY, "draft=eagle3", "draft.init=checkpoint", f"draft.path={path}",
-                                    "draft.aux_layer_ids=[1,3]", "model.random.num_hidden_layers=3"))
+    cfg = to_run_config(
+        compose_cfg(
+            *TINY,
+            "draft=eagle3",
+            "draft.init=checkpoint",
+            f"draft.path={path}",
+            "draft.aux_layer_ids=[1,3]",
+            "model.random.num_hidden_layers=3",
+        )
+    )
     with pytest.raises(PlanError) as e:
         build_plan(cfg, outputs)
     text = str(e.value)
@@ -146,8 +174,16 @@ def test_wrong_architecture_and_missing_checkpoint(tmp_path, outputs):
 
 # ------------------------------------------------------------------------------------------ pipeline
 def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
-    ctx = run(compose_cfg("+experiment=eagle3", *TINY, "draft.init=random", "draft.aux_layer_ids=[1,2,3]",
-                          "draft.num_steps=2", "eval.batch_size=2"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=eagle3",
+            *TINY,
+            "draft.init=random",
+            "draft.aux_layer_ids=[1,2,3]",
+            "draft.num_steps=2",
+            "eval.batch_size=2",
+        )
+    )
     summary = capsys.readouterr().out  # the end-of-run table says the head is random, and what to run instead
     assert "eagle3 k=2 (random weights)" in summary and "WARNING: the eagle3 head has RANDOM WEIGHTS" in summary
     assert "+experiment=train_eagle3_smollm2" in summary
@@ -155,8 +191,17 @@ def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
     assert m["match_baseline"] == 1.0 and 1.0 <= m["accept_length"] <= 3.0
     (r,) = runs_of(outputs, "eagle3")
     assert r.info.status == "FINISHED"
-    for key in ("accept_length", "accept_rate_pos_0", "accept_rate_pos_1", "draft_ms", "verify_ms",
-                "tokens_per_s", "baseline_tokens_per_s", "speedup", "match_baseline"):
+    for key in (
+        "accept_length",
+        "accept_rate_pos_0",
+        "accept_rate_pos_1",
+        "draft_ms",
+        "verify_ms",
+        "tokens_per_s",
+        "baseline_tokens_per_s",
+        "speedup",
+        "match_baseline",
+    ):
         assert key in r.data.metrics, key
     assert r.data.params["aux_layer_ids.input_of"] == "[1, 2, 3]"
     assert r.data.params["aux_layer_ids.output_of"] == "[0, 1, 2]"
@@ -166,8 +211,17 @@ def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
 
 
 def test_oracle_job_reaches_full_acceptance(outputs):
-    ctx = run(compose_cfg("+experiment=oracle", "model=tiny", "eval.limit=2", "eval.max_new_tokens=13",
-                          "eval.ignore_eos=true", "device=cpu", "tracking=off"))  # 1 + 3 rounds of 4
+    ctx = run(
+        compose_cfg(
+            "+experiment=oracle",
+            "model=tiny",
+            "eval.limit=2",
+            "eval.max_new_tokens=13",
+            "eval.ignore_eos=true",
+            "device=cpu",
+            "tracking=off",
+        )
+    )  # 1 + 3 rounds of 4
     m = ctx["eval_results"]["metrics"]
     assert m["accept_length"] == 4.0 and m["accept_rate_pos_2"] == 1.0 and m["match_baseline"] == 1.0
 
@@ -186,7 +240,16 @@ def test_input_embeds_prompts_through_eval(tmp_path, outputs):
         rows.append({"question_id": f"mm{i}", "prompt_token_ids": [0] * len(ids), "input_embeds": f"e{i}.pt"})
     qs = tmp_path / "question.jsonl"
     qs.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    ctx = run(compose_cfg(*TINY, f"eval.dataset={qs}", "eval.limit=4", "+experiment=eagle3",
-                          "draft.init=random", "draft.aux_layer_ids=[1,2,3]", "tracking=off"))
+    ctx = run(
+        compose_cfg(
+            *TINY,
+            f"eval.dataset={qs}",
+            "eval.limit=4",
+            "+experiment=eagle3",
+            "draft.init=random",
+            "draft.aux_layer_ids=[1,2,3]",
+            "tracking=off",
+        )
+    )
     toks = {r.prompt.id: r.result.tokens for r in ctx["eval_results"]["records"]}
     assert toks["mm0"] == toks["real0"] and toks["mm1"] == toks["real1"]

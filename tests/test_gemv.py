@@ -26,6 +26,7 @@ ARGMAX_KINDS = ["gemv", "add_rmsnorm", "rmsnorm", "cat_rmsnorm", "cat_index", "c
 @dataclass
 class Case:
     """A call's arguments: `rows` are per row (cut to test row subsets), `fixed` are the weights."""
+
     kind: str
     rows: dict
     fixed: dict
@@ -40,11 +41,24 @@ class Case:
         if kind == "gemv":
             return (G.gemv(r["x"], f["w"], f["bias"], **kw),)
         if kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
-            return G.add_rmsnorm_gemv(r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"],
-                                      swiglu=kind == "swiglu", **kw)
+            return G.add_rmsnorm_gemv(
+                r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"], swiglu=kind == "swiglu", **kw
+            )
         x1 = f["table"] if kind == "cat_index" else r["x1"]
-        return (G.cat_rmsnorm_gemv(x1, r["x2"], f["nw1"], f["nw2"], EPS, f["w"], f["bias"], index1=r.get("index1"),
-                                   norm=kind != "cat_plain", **kw),)
+        return (
+            G.cat_rmsnorm_gemv(
+                x1,
+                r["x2"],
+                f["nw1"],
+                f["nw2"],
+                EPS,
+                f["w"],
+                f["bias"],
+                index1=r.get("index1"),
+                norm=kind != "cat_plain",
+                **kw,
+            ),
+        )
 
     def reference(self) -> tuple:
         r, f, kind = self.rows, self.fixed, self.kind
@@ -54,12 +68,34 @@ class Case:
             h, y = G.add_rmsnorm_gemv_reference(r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"])
             return h, (G.swiglu_reference(y) if kind == "swiglu" else y)
         x1 = f["table"] if kind == "cat_index" else r["x1"]
-        return (G.cat_rmsnorm_gemv_reference(x1, r["x2"], f["nw1"], f["nw2"], EPS, f["w"], f["bias"],
-                                             index1=r.get("index1"), norm=kind != "cat_plain"),)
+        return (
+            G.cat_rmsnorm_gemv_reference(
+                x1,
+                r["x2"],
+                f["nw1"],
+                f["nw2"],
+                EPS,
+                f["w"],
+                f["bias"],
+                index1=r.get("index1"),
+                norm=kind != "cat_plain",
+            ),
+        )
 
 
-def _case(kind: str, m: int, k: int, n: int, dtype, device, bias: bool, seed: int = 0, row_pad: int = 0,
-          lead: tuple = (), k1: int | None = None) -> Case:
+def _case(
+    kind: str,
+    m: int,
+    k: int,
+    n: int,
+    dtype,
+    device,
+    bias: bool,
+    seed: int = 0,
+    row_pad: int = 0,
+    lead: tuple = (),
+    k1: int | None = None,
+) -> Case:
     """Activations ~N(0, 1), w ~N(0, 1/K): outputs of magnitude ~1. Rows [*lead, m]; with row_pad, the
     activations are views with a row stride past their width. The cat kinds split K at k1 (K/2 + 8:
     the halves meet inside a chunk)."""
@@ -72,8 +108,10 @@ def _case(kind: str, m: int, k: int, n: int, dtype, device, bias: bool, seed: in
     def norm_w(cols):
         return (torch.rand(cols, generator=g) + 0.5).to(device=device, dtype=dtype)
 
-    fixed = {"w": (torch.randn(n, k, generator=g) / k ** 0.5).to(device=device, dtype=dtype),
-             "bias": torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None}
+    fixed = {
+        "w": (torch.randn(n, k, generator=g) / k**0.5).to(device=device, dtype=dtype),
+        "bias": torch.randn(n, generator=g).to(device=device, dtype=dtype) if bias else None,
+    }
     if kind == "gemv":
         return Case(kind, {"x": act(k)}, fixed)
     if kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
@@ -83,8 +121,9 @@ def _case(kind: str, m: int, k: int, n: int, dtype, device, bias: bool, seed: in
     fixed |= {"nw1": norm_w(k1), "nw2": norm_w(k - k1)}
     if kind == "cat_index":  # x1 is an embedding table, looked up in the prologue
         fixed["table"] = torch.randn(50, k1, generator=g).to(device=device, dtype=dtype)
-        return Case(kind, {"x2": act(k - k1), "index1": torch.randint(0, 50, (*lead, m), generator=g).to(device)},
-                    fixed)
+        return Case(
+            kind, {"x2": act(k - k1), "index1": torch.randint(0, 50, (*lead, m), generator=g).to(device)}, fixed
+        )
     return Case(kind, {"x1": act(k1), "x2": act(k - k1)}, fixed)
 
 
@@ -104,10 +143,12 @@ def _check(case: Case, got: tuple, dtype) -> None:
 
 # ------------------------------------------------------------------------------------- vs reference
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype, m, bias", [(torch.float32, 1, False), (torch.float32, 17, True)]
-                         + [(torch.bfloat16, m, bias) for m, bias in [(1, False), (6, True), (16, False), (17, True),
-                                                                      (48, False)]],
-                         ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, str(v)))
+@pytest.mark.parametrize(
+    "dtype, m, bias",
+    [(torch.float32, 1, False), (torch.float32, 17, True)]
+    + [(torch.bfloat16, m, bias) for m, bias in [(1, False), (6, True), (16, False), (17, True), (48, False)]],
+    ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, str(v)),
+)
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_reference(device, dtype, kind, m, bias):
     """K = 80 in chunks of 32 (the last one ragged; the cat kinds' halves meet inside a chunk), N = 24 in
@@ -120,8 +161,9 @@ def test_matches_reference(device, dtype, kind, m, bias):
 @pytest.mark.parametrize("device", DEVICES)
 @DTYPES
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("k, block_k", [(576, 256), (576, 1024), (2304, None)], ids=["576_chunked", "576_one_chunk",
-                                                                                   "2304"])
+@pytest.mark.parametrize(
+    "k, block_k", [(576, 256), (576, 1024), (2304, None)], ids=["576_chunked", "576_one_chunk", "2304"]
+)
 def test_k_sizes_match_reference(device, dtype, kind, k, block_k):
     """SmolLM2's hidden 576 in chunks of 256 (2 whole + 64), in one chunk (the weight loaded before the
     prologue), and K = 2304 > 2048 (9 chunks of the default 256)."""
@@ -135,7 +177,7 @@ def test_bf16_outputs_round_to_nearest_even(device):
     (and torch's) round-to-nearest-even bit for bit, ties included (under the interpreter, by hand)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(64, 2, generator=g) * torch.logspace(-3, 3, 64)[:, None]
-    one, half_ulp = 1.0, 2.0 ** -8  # bf16's ulp at 1 is 2^-7
+    one, half_ulp = 1.0, 2.0**-8  # bf16's ulp at 1 is 2^-7
     x[:4] = torch.tensor([[one, half_ulp], [one + 2 * half_ulp, half_ulp], [-one, -half_ulp], [one, 0.75 * half_ulp]])
     x = x.to(device, torch.bfloat16)
     w = torch.ones(16, 2, device=device, dtype=torch.bfloat16)
@@ -146,8 +188,9 @@ def test_bf16_outputs_round_to_nearest_even(device):
 
 # ------------------------------------------------------------------------------------- batch invariance
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype, block_k", [(torch.float32, None), (torch.bfloat16, 32)],
-                         ids=["fp32_one_chunk", "bf16_chunked"])
+@pytest.mark.parametrize(
+    "dtype, block_k", [(torch.float32, None), (torch.bfloat16, 32)], ids=["fp32_one_chunk", "bf16_chunked"]
+)
 @pytest.mark.parametrize("kind", KINDS)
 def test_row_is_independent_of_batch(device, dtype, block_k, kind):
     """Row 37 of a batch of 192 (row tile 2, position 5), the same row in a batch of 6 (position 3) and
@@ -157,10 +200,10 @@ def test_row_is_independent_of_batch(device, dtype, block_k, kind):
     variants = [(case, 37), (case.sub(slice(34, 40)), 3), (case.sub(slice(37, 38)), 0)]
     batch = case.run(block_k=block_k)
     _check(case, batch, dtype)
-    outs = [[t[i:i + 1] for t in (batch if c is case else c.run(block_k=block_k))] for c, i in variants]
+    outs = [[t[i : i + 1] for t in (batch if c is case else c.run(block_k=block_k))] for c, i in variants]
     if kind in ARGMAX_KINDS:
         for (c, i), out in zip(variants, outs):
-            out.append(c.run(block_k=block_k, argmax=True)[-1][i:i + 1])
+            out.append(c.run(block_k=block_k, argmax=True)[-1][i : i + 1])
     for out in outs[1:]:
         for a, b in zip(outs[0], out):
             assert torch.equal(a, b), kind
@@ -252,13 +295,27 @@ def test_rejects_what_it_does_not_handle(device):
     with pytest.raises(AssertionError, match="contiguous"):
         G.gemv(torch.randn(32, 4, device=device).t(), w)  # unit row stride, not unit column stride
     with pytest.raises(AssertionError, match="even N"):
-        G.add_rmsnorm_gemv(torch.randn(2, 32, device=device), None, torch.ones(32, device=device), EPS,
-                           torch.randn(15, 32, device=device), swiglu=True)  # gate / up pairs
+        G.add_rmsnorm_gemv(
+            torch.randn(2, 32, device=device),
+            None,
+            torch.ones(32, device=device),
+            EPS,
+            torch.randn(15, 32, device=device),
+            swiglu=True,
+        )  # gate / up pairs
     with pytest.raises(AssertionError, match="K1 \\+ K2"):
         G.cat_rmsnorm_gemv(torch.randn(2, 16), torch.randn(2, 8), None, None, EPS, w, norm=False)
     with pytest.raises(AssertionError, match="index1"):
-        G.cat_rmsnorm_gemv(torch.randn(9, 16), torch.randn(2, 16), None, None, EPS, w, norm=False,
-                           index1=torch.zeros(3, dtype=torch.int64))
+        G.cat_rmsnorm_gemv(
+            torch.randn(9, 16),
+            torch.randn(2, 16),
+            None,
+            None,
+            EPS,
+            w,
+            norm=False,
+            index1=torch.zeros(3, dtype=torch.int64),
+        )
     with pytest.raises(AssertionError, match="power of two"):
         G.gemv(torch.randn(2, 32, device=device), w, block_n=8)  # below tl.dot's 16
 
@@ -269,14 +326,30 @@ def test_config_depends_on_the_weight_only():
     lm_heads (3 stages)."""
     assert "m" not in inspect.signature(G.gemv_config).parameters
     cpu = torch.device("cpu")
-    shapes = {"qkv": (960, 576), "o_proj": (576, 576), "gate_up": (3072, 576), "down": (576, 1536),
-              "lm_head": (49152, 576), "draft_qkv": (960, 1152), "draft_gate_up": (1536, 576),
-              "draft_down": (576, 768), "draft_lm_head": (10240, 576)}
+    shapes = {
+        "qkv": (960, 576),
+        "o_proj": (576, 576),
+        "gate_up": (3072, 576),
+        "down": (576, 1536),
+        "lm_head": (49152, 576),
+        "draft_qkv": (960, 1152),
+        "draft_gate_up": (1536, 576),
+        "draft_down": (576, 768),
+        "draft_lm_head": (10240, 576),
+    }
     got = {name: G.gemv_config(n, k, cpu) for name, (n, k) in shapes.items()}
     C = G.GemvConfig  # (block_n, block_k, num_warps, num_stages)
-    assert got == {"qkv": C(32, 256, 4, 4), "o_proj": C(32, 256, 4, 4), "gate_up": C(64, 128, 8, 6),
-                   "down": C(32, 256, 4, 7), "lm_head": C(64, 64, 4, 3), "draft_qkv": C(32, 256, 4, 6),
-                   "draft_gate_up": C(64, 128, 8, 6), "draft_down": C(32, 256, 4, 4), "draft_lm_head": C(64, 64, 4, 3)}
+    assert got == {
+        "qkv": C(32, 256, 4, 4),
+        "o_proj": C(32, 256, 4, 4),
+        "gate_up": C(64, 128, 8, 6),
+        "down": C(32, 256, 4, 7),
+        "lm_head": C(64, 64, 4, 3),
+        "draft_qkv": C(32, 256, 4, 6),
+        "draft_gate_up": C(64, 128, 8, 6),
+        "draft_down": C(32, 256, 4, 4),
+        "draft_lm_head": C(64, 64, 4, 3),
+    }
     for bn, bk, _, stages in got.values():  # num_stages - 1 buffers of a weight chunk and two activation tiles
         assert (stages - 1) * (bk * bn + 2 * G.BLOCK_M * bk) * 2 <= G._SMEM_BUDGET
     assert G.gemv_config(576, 2048, cpu) == C(32, 256, 4, 7)  # K = 2048: 6 of 8 chunks in flight (the budget)
@@ -293,11 +366,21 @@ def test_smollm2_and_eagle3_shapes_bf16_on_gpu():
     references' roundings, h bit-exact, row 37 of 192 bitwise the same alone (M = 1), at position 5 of 6
     and at position 32 of 48, the lm_heads' argmax (and the draft's d2t offsets) equal to torch.argmax of
     the kernel's y, and replay inside a CUDA graph."""
-    cases = [("rmsnorm", 576, 960), ("add_rmsnorm", 576, 960), ("gemv", 576, 576), ("swiglu", 576, 3072),
-             ("gemv", 1536, 576), ("rmsnorm", 576, 49152), ("gemv", 576, 49152),  # target
-             ("cat_index", 1152, 960), ("cat_rmsnorm", 1152, 960), ("swiglu", 576, 1536),
-             ("gemv", 768, 576), ("rmsnorm", 576, 10240),  # EAGLE3 draft
-             ("gemv", 4096, 1024)]  # K > 2048
+    cases = [
+        ("rmsnorm", 576, 960),
+        ("add_rmsnorm", 576, 960),
+        ("gemv", 576, 576),
+        ("swiglu", 576, 3072),
+        ("gemv", 1536, 576),
+        ("rmsnorm", 576, 49152),
+        ("gemv", 576, 49152),  # target
+        ("cat_index", 1152, 960),
+        ("cat_rmsnorm", 1152, 960),
+        ("swiglu", 576, 1536),
+        ("gemv", 768, 576),
+        ("rmsnorm", 576, 10240),  # EAGLE3 draft
+        ("gemv", 4096, 1024),
+    ]  # K > 2048
     for kind, k, n in cases:
         case = _case(kind, 192, k, n, torch.bfloat16, "cuda", bias=False, seed=k + n, k1=576)
         batch = case.run()
@@ -306,7 +389,7 @@ def test_smollm2_and_eagle3_shapes_bf16_on_gpu():
         for m, start in ((1, 37), (6, 32), (48, 5)):
             sub = case.sub(slice(start, start + m)).run()
             for got_b, got_m in zip(row, sub):
-                assert torch.equal(got_b, got_m[37 - start:38 - start]), (kind, k, n, m)
+                assert torch.equal(got_b, got_m[37 - start : 38 - start]), (kind, k, n, m)
         if kind in ARGMAX_KINDS and n >= 10240:
             offsets = torch.randint(0, 1000, (n,), device="cuda")
             ids = case.run(argmax=True, offsets=offsets)[-1]

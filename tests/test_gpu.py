@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compose_cfg
 from test_model import _prompts, pair
+
 from engine.generate import Generator
 from engine.sampling import SamplingParams
 from pipeline.__main__ import run
@@ -27,14 +27,21 @@ def test_cuda_fp32_logits_and_greedy_match_transformers():
     batched = [r.tokens for r in Generator(ours, 4).generate(prompts, params)]
     for p, got in zip(prompts, batched):
         ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                          eos_token_id=None, pad_token_id=0)[0, len(p):].tolist()
+        ref = hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=24,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )[0, len(p) :].tolist()
         assert got == ref
 
 
 def test_auto_device_picks_cuda_in_bf16(outputs):
-    ctx = run(compose_cfg("model=tiny", "eval.limit=4", "eval.max_new_tokens=16", "eval.batch_size=2",
-                          "eval.ignore_eos=true"))
+    ctx = run(
+        compose_cfg("model=tiny", "eval.limit=4", "eval.max_new_tokens=16", "eval.batch_size=2", "eval.ignore_eos=true")
+    )
     m = ctx["eval_results"]["metrics"]
     target = ctx["target"].model
     assert target.lm_head.weight.is_cuda and target.lm_head.weight.dtype == torch.bfloat16
@@ -45,8 +52,16 @@ def test_auto_device_picks_cuda_in_bf16(outputs):
 
 @pytest.mark.slow
 def test_smollm2_on_cuda_fp32_matches_transformers(outputs):
-    ctx = run(compose_cfg("+experiment=baseline", "eval.limit=4", "eval.max_new_tokens=32", "dtype=float32",
-                          "eval.batch_size=2", "eval.peers=[hf_generate]"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=baseline",
+            "eval.limit=4",
+            "eval.max_new_tokens=32",
+            "dtype=float32",
+            "eval.batch_size=2",
+            "eval.peers=[hf_generate]",
+        )
+    )
     assert ctx["eval_results"]["metrics"]["peer_match.hf_generate"] == 1.0
 
 

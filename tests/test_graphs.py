@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compose_cfg
 from test_model import _prompts, pair
 from test_speculative import AUX
+
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
@@ -23,15 +23,25 @@ POLICIES = ["debug"] + (["full", "breakable"] if CUDA else [])
 M = CaptureHiddenMode
 
 
-def setup(algorithm="none", policy="debug", draft_policy=None, k=3, sizes=(1, 2), batch=4, device="cpu",
-          prefill=(16, 64), target_policy=None):
+def setup(
+    algorithm="none",
+    policy="debug",
+    draft_policy=None,
+    k=3,
+    sizes=(1, 2),
+    batch=4,
+    device="cpu",
+    prefill=(16, 64),
+    target_policy=None,
+):
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
     plan = head = draft = None
     if algorithm != "none":
-        cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=k,
-                          aux_layer_ids=AUX if algorithm == "eagle3" else None)
+        cfg = DraftConfig(
+            algorithm=algorithm, init="random", num_steps=k, aux_layer_ids=AUX if algorithm == "eagle3" else None
+        )
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())
         head = load_head(plan, target, 0, torch.device(device), torch.float32)
@@ -39,16 +49,34 @@ def setup(algorithm="none", policy="debug", draft_policy=None, k=3, sizes=(1, 2)
             draft = make_draft(plan, head, target, batch, k, cfg=cfg)
     else:
         k = 0
-    gs = GraphSet(target, draft, batch, k, target_policy or policy, draft_policy or policy, list(sizes),
-                  list(prefill), features=plan is not None and plan.features.value != "none",
-                  round_ks=sorted({0, k})).capture()
+    gs = GraphSet(
+        target,
+        draft,
+        batch,
+        k,
+        target_policy or policy,
+        draft_policy or policy,
+        list(sizes),
+        list(prefill),
+        features=plan is not None and plan.features.value != "none",
+        round_ks=sorted({0, k}),
+    ).capture()
     return target, plan, head, gs, k
 
 
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
     cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
-    draft = make_draft(plan, head, target, batch, k, references=references,
-                       prompt_lens=[len(p) for p in prompts] if prompts else None, cfg=cfg, graphs=gs)
+    draft = make_draft(
+        plan,
+        head,
+        target,
+        batch,
+        k,
+        references=references,
+        prompt_lens=[len(p) for p in prompts] if prompts else None,
+        cfg=cfg,
+        graphs=gs,
+    )
     return Generator(target, batch, draft, k, graphs=gs)
 
 
@@ -56,13 +84,23 @@ def decode_runner(target, policy, sizes, batch, device):
     """A target-only runner (the mechanics every runner shares: buckets, padding, slicing, fallback),
     over a cache of its own: [B, 1] decode buckets of the target's program."""
     cache = target.new_cache(batch)
-    runner = GraphRunner("decode", policy, lambda b: target.program(cache.rows(b)),
-                         {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0),
-                          "valid": InputSpec((), torch.bool, False)},
-                         {M.NULL: ("logits",), M.FULL: ("logits", "hidden", "aux", "embeds")}, M.NULL,
-                         [(b, 1) for b in sizes], torch.device(device), target.max_seq_len,
-                         lambda: {"aux_layer_ids": target.aux_layer_ids},
-                         torch.cuda.graph_pool_handle() if policy != "debug" else None)
+    runner = GraphRunner(
+        "decode",
+        policy,
+        lambda b: target.program(cache.rows(b)),
+        {
+            "tokens": InputSpec((), torch.long, 0),
+            "positions": InputSpec((), torch.long, 0),
+            "valid": InputSpec((), torch.bool, False),
+        },
+        {M.NULL: ("logits",), M.FULL: ("logits", "hidden", "aux", "embeds")},
+        M.NULL,
+        [(b, 1) for b in sizes],
+        torch.device(device),
+        target.max_seq_len,
+        lambda: {"aux_layer_ids": target.aux_layer_ids},
+        torch.cuda.graph_pool_handle() if policy != "debug" else None,
+    )
     return runner.capture(), cache
 
 
@@ -73,8 +111,11 @@ def eager_forward(target, live, kv_len):
 
 def live_batch(b, t=4, start=0, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    live = {"tokens": torch.randint(0, 256, (b, t), generator=g),
-            "positions": torch.arange(start, start + t).expand(b, t), "valid": torch.ones(b, t, dtype=torch.bool)}
+    live = {
+        "tokens": torch.randint(0, 256, (b, t), generator=g),
+        "positions": torch.arange(start, start + t).expand(b, t),
+        "valid": torch.ones(b, t, dtype=torch.bool),
+    }
     return {k: v.to(device) for k, v in live.items()}
 
 
@@ -93,10 +134,19 @@ def test_hazard_1_aux_capture_after_graph_capture(outputs, monkeypatch):
     # The plan rejects the order ...
     import pipeline.plan as plan_mod
 
-    monkeypatch.setattr(plan_mod, "resolve_stage_names",
-                        lambda cfg, draft: ["load", "capture_graphs", "configure_aux_capture", "eval"])
-    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "draft.init=random", "graph=debug", "draft.aux_layer_ids=[1,2,3]",
-                                    "device=cpu"))
+    monkeypatch.setattr(
+        plan_mod, "resolve_stage_names", lambda cfg, draft: ["load", "capture_graphs", "configure_aux_capture", "eval"]
+    )
+    cfg = to_run_config(
+        compose_cfg(
+            "model=tiny",
+            "+experiment=eagle3",
+            "draft.init=random",
+            "graph=debug",
+            "draft.aux_layer_ids=[1,2,3]",
+            "device=cpu",
+        )
+    )
     with pytest.raises(PlanError, match=r"stages='capture_graphs'.*aux_layers"):
         build_plan(cfg, outputs)
     # ... and if forced at run time, the replay is refused instead of returning graphs without aux.
@@ -200,7 +250,9 @@ def test_hazard_7_draft_graphs_before_weight_sharing():
     from stages.capture_graphs import CaptureGraphsStage
 
     head.embed_ref = [copy]
-    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=eagle3", "draft.init=random", "graph=debug", "device=cpu"))
+    cfg = to_run_config(
+        compose_cfg("model=tiny", "+experiment=eagle3", "draft.init=random", "graph=debug", "device=cpu")
+    )
 
     class Env:
         draft_plan, tracker = plan, None
@@ -217,22 +269,42 @@ def test_hazard_8_input_embeds_survive_piecewise_replay(policy):
     target.init_buffers(torch.device(device))
     gs = GraphSet(target, None, 2, 0, policy, "none", [1, 2], [16, 32], features=True)
     gs.runners["prefill"] = gs.runners.get("prefill") or GraphRunner(
-        "prefill", policy, lambda b: target.program(gs.cache.rows(b), embeds_input=True, logits_at_index=True),
-        {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0),
-         "valid": InputSpec((), torch.bool, False), "input_embeds": InputSpec((64,), torch.float32, 0),
-         "logits_index": InputSpec((), torch.long, 0, per_row=True)},
-        {M.FULL: ("logits", "hidden", "aux", "embeds")}, M.FULL, [(2, 16), (2, 32)], torch.device(device),
-        target.max_seq_len, lambda: {"aux_layer_ids": target.aux_layer_ids})
+        "prefill",
+        policy,
+        lambda b: target.program(gs.cache.rows(b), embeds_input=True, logits_at_index=True),
+        {
+            "tokens": InputSpec((), torch.long, 0),
+            "positions": InputSpec((), torch.long, 0),
+            "valid": InputSpec((), torch.bool, False),
+            "input_embeds": InputSpec((64,), torch.float32, 0),
+            "logits_index": InputSpec((), torch.long, 0, per_row=True),
+        },
+        {M.FULL: ("logits", "hidden", "aux", "embeds")},
+        M.FULL,
+        [(2, 16), (2, 32)],
+        torch.device(device),
+        target.max_seq_len,
+        lambda: {"aux_layer_ids": target.aux_layer_ids},
+    )
     runner = gs.get("prefill").capture()
     t = 11  # live tokens per row, padded to the 16-token bucket
     embeds = torch.randn(2, t, 64, device=device)
-    live = {**live_batch(2, t, device=device), "input_embeds": embeds,
-            "logits_index": torch.tensor([t - 1, t - 1], device=device)}
+    live = {
+        **live_batch(2, t, device=device),
+        "input_embeds": embeds,
+        "logits_index": torch.tensor([t - 1, t - 1], device=device),
+    }
     out, ran = runner(live, t, M.FULL)
     assert ran and out["embeds"].shape == (2, t, 64) and torch.equal(out["embeds"], embeds)
     assert out["hidden"].shape == (2, t, 64)
-    ref = target(live["tokens"], live["positions"], target.new_cache(2), kv_len=t, input_embeds=embeds,
-                 logits_index=live["logits_index"])
+    ref = target(
+        live["tokens"],
+        live["positions"],
+        target.new_cache(2),
+        kv_len=t,
+        input_embeds=embeds,
+        logits_index=live["logits_index"],
+    )
     assert torch.allclose(out["logits"], ref.logits, atol=1e-4)
 
 
@@ -248,23 +320,29 @@ def test_prefill_graphs_under_every_policy_and_into_any_row(policy, staging):
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
-    gs = GraphSet(target, None, 3, 0, policy, "none", [1, 2, 3], [8, 16], features=True,
-                  prefill_rows=staging).capture()
+    gs = GraphSet(target, None, 3, 0, policy, "none", [1, 2, 3], [8, 16], features=True, prefill_rows=staging).capture()
     dec = Generator(target, 3, graphs=gs)
     dec.mode = M.FULL  # the features too, as for a draft that reads them
     runner = gs.get("prefill")
-    for prompts, rows, replayed in [([[5, 7, 11, 13, 17]], slice(2, 3) if staging else None, True),
-                                    ([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]], None, not staging),
-                                    ([list(range(1, 20))], slice(1, 2) if staging else None, False)]:
+    for prompts, rows, replayed in [
+        ([[5, 7, 11, 13, 17]], slice(2, 3) if staging else None, True),
+        ([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]], None, not staging),
+        ([list(range(1, 20))], slice(1, 2) if staging else None, False),
+    ]:
         sl = rows or slice(0, len(prompts))
         dec.cache.k.fill_(0.5)
         before, replays = dec.cache.k.clone(), runner.stats.replays
         pre = dec.prefill(prompts, None, rows)
         assert (runner.stats.replays == replays + 1) == replayed
         ref_cache = target.new_cache(3)
-        ref = target(pre.tokens, torch.arange(pre.tokens.shape[1], device=device).expand_as(pre.tokens),
-                     ref_cache.rows(sl), valid=pre.valid, kv_len=pre.tokens.shape[1],
-                     logits_index=pre.valid.sum(1) - 1)
+        ref = target(
+            pre.tokens,
+            torch.arange(pre.tokens.shape[1], device=device).expand_as(pre.tokens),
+            ref_cache.rows(sl),
+            valid=pre.valid,
+            kv_len=pre.tokens.shape[1],
+            logits_index=pre.valid.sum(1) - 1,
+        )
         assert torch.allclose(pre.out.logits, ref.logits, atol=1e-4)
         valid = pre.valid[..., None]
         assert torch.allclose(pre.out.hidden_states * valid, ref.hidden_states * valid, atol=1e-4)
@@ -283,20 +361,38 @@ def test_hazard_9_sampling_inside_a_graph_draws_anew(policy):
         probs = torch.softmax(env["tokens"].float(), -1)  # [b, t]
         env["logits"] = (probs / torch.empty_like(probs).exponential_(1.0)).argmax(-1, keepdim=True)
 
-    runner = GraphRunner("sample", policy, lambda b: [Step("sample", draw)],
-                         {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0)},
-                         {M.NULL: ("logits",), M.FULL: ("logits",)}, M.NULL, [(64, 16)], device, 16,
-                         lambda: {}).capture()
-    live = {"tokens": torch.zeros(64, 16, dtype=torch.long, device=device),
-            "positions": torch.zeros(64, 16, dtype=torch.long, device=device)}
+    runner = GraphRunner(
+        "sample",
+        policy,
+        lambda b: [Step("sample", draw)],
+        {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0)},
+        {M.NULL: ("logits",), M.FULL: ("logits",)},
+        M.NULL,
+        [(64, 16)],
+        device,
+        16,
+        lambda: {},
+    ).capture()
+    live = {
+        "tokens": torch.zeros(64, 16, dtype=torch.long, device=device),
+        "positions": torch.zeros(64, 16, dtype=torch.long, device=device),
+    }
     a, ran_a = runner(live, 16)
     b, ran_b = runner(live, 16)
     assert ran_a and ran_b and not torch.equal(a["logits"], b["logits"])  # uniform over 16: equal is ~0 odds
 
 
 def test_hazard_10_capture_sizes_not_covering_verify_batches(outputs):
-    cfg = to_run_config(compose_cfg("model=tiny", "+experiment=ngram", "graph=debug", "graph.capture_sizes=[1,2]",
-                                    "eval.batch_size=4", "device=cpu"))
+    cfg = to_run_config(
+        compose_cfg(
+            "model=tiny",
+            "+experiment=ngram",
+            "graph=debug",
+            "graph.capture_sizes=[1,2]",
+            "eval.batch_size=4",
+            "device=cpu",
+        )
+    )
     plan = build_plan(cfg, outputs)
     text = plan.describe()
     assert "capture sizes [1, 2] (verify tokens [4, 8])" in text
@@ -304,8 +400,19 @@ def test_hazard_10_capture_sizes_not_covering_verify_batches(outputs):
     # and at run time those batches are counted as fallbacks, not silently dropped
     from pipeline.__main__ import run
 
-    ctx = run(compose_cfg("model=tiny", "+experiment=ngram", "graph=debug", "graph.capture_sizes=[1,2]",
-                          "eval.batch_size=4", "eval.limit=4", "eval.max_new_tokens=8", "device=cpu", "tracking=off"))
+    ctx = run(
+        compose_cfg(
+            "model=tiny",
+            "+experiment=ngram",
+            "graph=debug",
+            "graph.capture_sizes=[1,2]",
+            "eval.batch_size=4",
+            "eval.limit=4",
+            "eval.max_new_tokens=8",
+            "device=cpu",
+            "tracking=off",
+        )
+    )
     m = ctx["eval_results"]["metrics"]
     assert m["graph_fallbacks.round_k3"] > 0 and m["graph_replays.round_k3"] == 0 and m["match_baseline"] == 1.0
 
@@ -330,8 +437,9 @@ def test_every_policy_equals_eager(algorithm, policy):
     prompts = _prompts(5, seed=21)
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
     eager = Generator(target, 4)
-    base = [r.tokens for r in eager.generate(prompts[:2], params)] + \
-           [r.tokens for r in eager.generate(prompts[2:], params)]
+    base = [r.tokens for r in eager.generate(prompts[:2], params)] + [
+        r.tokens for r in eager.generate(prompts[2:], params)
+    ]
     gen = spec_generator(target, plan, head, gs, k, 4, params, references=base, prompts=prompts)
     got = [r.tokens for r in gen.generate(prompts[:2], params, row_ids=[0, 1])]  # captured bucket 2
     poison(gs.get(round_name(k)))

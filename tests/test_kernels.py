@@ -33,7 +33,7 @@ def test_decode_attention_matches_reference(device, b, heads, kv_heads, t, d):
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
     # a row's output does not depend on slots past its prefix
     k2, v2 = k.clone(), v.clone()
-    k2[0, :, int(qpos[0].max()) + 1: slots] = 1e4
+    k2[0, :, int(qpos[0].max()) + 1 : slots] = 1e4
     assert torch.allclose(da.decode_attention(q, k2, v2, qpos, block_n=32)[0], got[0], atol=1e-5)
 
 
@@ -51,8 +51,8 @@ def _split_kv_case(device, dtype, heads, kv_heads, t, d, slots=130, seed=0):
     qpos = qpos.to(device)
     k_nan, v_nan = k.clone(), v.clone()
     for row, n in enumerate(qpos.max(1).values.tolist()):
-        k_nan[row, :, n + 1:] = float("nan")
-        v_nan[row, :, n + 1:] = float("nan")
+        k_nan[row, :, n + 1 :] = float("nan")
+        v_nan[row, :, n + 1 :] = float("nan")
     return q, k, v, qpos, k_nan, v_nan
 
 
@@ -94,7 +94,7 @@ def test_decode_attention_long_t_is_tiled_over_row_blocks(device):
         k = torch.randn(2, 3, 64, 16, generator=g).to(device)
         v = torch.randn(2, 3, 64, 16, generator=g).to(device)
         qpos = torch.arange(t).expand(2, t).clone().to(device)
-        qpos[1, t // 2:] = 0  # right padding of a shorter prompt
+        qpos[1, t // 2 :] = 0  # right padding of a shorter prompt
         ref = da.decode_attention_reference(q, k, v, qpos)
         got = da.decode_attention(q, k, v, qpos, block_n=16, num_splits=1)
         assert (got - ref).abs().max() < 2e-5, t
@@ -130,10 +130,10 @@ def test_decode_attention_row_is_independent_of_batch_and_t(device, dtype):
     assert torch.equal(batch[1:2], alone)
     for i in (0, 4):  # queries as decode steps: nothing past a query's own position is written yet
         k1, v1 = k[1:2].clone(), v[1:2].clone()
-        k1[:, :, int(qpos[1, i]) + 1:] = float("nan")
-        v1[:, :, int(qpos[1, i]) + 1:] = float("nan")
-        step = da.decode_attention(q[1:2, :, i:i + 1].contiguous(), k1, v1, qpos[1:2, i:i + 1], block_n=32)
-        assert torch.equal(step, batch[1:2, :, i:i + 1]), i
+        k1[:, :, int(qpos[1, i]) + 1 :] = float("nan")
+        v1[:, :, int(qpos[1, i]) + 1 :] = float("nan")
+        step = da.decode_attention(q[1:2, :, i : i + 1].contiguous(), k1, v1, qpos[1:2, i : i + 1], block_n=32)
+        assert torch.equal(step, batch[1:2, :, i : i + 1]), i
     ref = da.decode_attention_reference(q.float(), k.float(), v.float(), qpos)
     assert (batch.float() - ref).abs().max() < (2e-5 if dtype == torch.float32 else 2e-2)
 
@@ -156,6 +156,7 @@ def test_model_with_the_kernel_equals_sdpa(device):
     """The target's decode and verify forwards through the kernel equal the SDPA path, and so does
     greedy speculative generation (the kernel reads each row's live prefix only)."""
     from test_model import _prompts, pair
+
     from engine.generate import Generator
     from engine.sampling import SamplingParams
 
@@ -179,6 +180,7 @@ def test_triton_kernels_need_cuda(outputs, monkeypatch):
         pytest.skip("checks the error on a host without CUDA")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     from conftest import compose_cfg
+
     from pipeline.config import to_run_config
     from pipeline.plan import PlanError, build_plan
 
@@ -191,7 +193,6 @@ def test_triton_kernels_need_cuda(outputs, monkeypatch):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("with_delta", [True, False])
 def test_add_rmsnorm_matches_reference(device, with_delta):
-    from kernels import fused
 
     g = torch.Generator().manual_seed(2)
     x = torch.randn(5, 3, 96, generator=g).to(device)
@@ -201,6 +202,7 @@ def test_add_rmsnorm_matches_reference(device, with_delta):
     rh, ry = fused.add_rmsnorm_reference(x, delta, w, 1e-5)
     assert torch.allclose(h, rh, atol=1e-6) and torch.allclose(y, ry, atol=1e-5)
     from engine.model import RMSNorm  # the model's module is the reference's definition too
+
     norm = RMSNorm(96, 1e-5).to(device)
     norm.weight.data.copy_(w)
     assert torch.allclose(norm(rh), ry, atol=1e-6)
@@ -209,7 +211,6 @@ def test_add_rmsnorm_matches_reference(device, with_delta):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("heads, kv, d", [(4, 2, 16), (9, 3, 64)])  # a power of two; SmolLM2's 12 heads
 def test_rope_cache_write_matches_reference(device, heads, kv, d):
-    from kernels import fused
 
     g = torch.Generator().manual_seed(3)
     b, t, slots = 2, 3, 40
@@ -231,6 +232,7 @@ def test_fused_model_equals_unfused(device):
     """The whole target through the fused kernels (norm, RoPE + cache write, SwiGLU, fused
     projections) and the attention kernel: same logits, aux states and greedy output."""
     from test_model import _prompts, pair
+
     from engine.generate import Generator
     from engine.sampling import SamplingParams
 
@@ -258,8 +260,9 @@ def test_batch_invariant_off_sends_large_decode_steps_to_cublas(device, monkeypa
     and one attention split (self-distillation's batches), smaller steps still run the batch-invariant
     kernels, and the logits agree with theirs.
     Turned back on, the rows kernels run at any row count again, bitwise as before."""
-    import engine.model as model_mod
     from test_model import pair
+
+    import engine.model as model_mod
 
     _, target = pair()
     target = target.to(device)
@@ -270,8 +273,9 @@ def test_batch_invariant_off_sends_large_decode_steps_to_cublas(device, monkeypa
     calls, splits = [], []
     real, real_attention = model_mod.add_rmsnorm_gemv, model_mod.decode_attention
     monkeypatch.setattr(model_mod, "add_rmsnorm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
-    monkeypatch.setattr(model_mod, "decode_attention",
-                        lambda *a, **k: splits.append(k.get("num_splits")) or real_attention(*a, **k))
+    monkeypatch.setattr(
+        model_mod, "decode_attention", lambda *a, **k: splits.append(k.get("num_splits")) or real_attention(*a, **k)
+    )
 
     def step(rows: int):  # one decode step of `rows` rows after a 5-token prefill
         g = torch.Generator().manual_seed(rows)
@@ -369,8 +373,9 @@ def test_soft_cross_entropy_rejects_a_bad_kernel_or_shape():
 
 # ------------------------------------------------------------------------------------- RMSNorm with a backward
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, None),
-                                              (torch.bfloat16, torch.bfloat16)])
+@pytest.mark.parametrize(
+    "dtype, out_dtype", [(torch.float32, None), (torch.bfloat16, None), (torch.bfloat16, torch.bfloat16)]
+)
 @pytest.mark.parametrize("rows, hidden", [(37, 576), (5, 100)])  # SmolLM2's width; rows past a whole program
 def test_rms_norm_forward_and_backward_match_reference(device, dtype, out_dtype, rows, hidden):
     if dtype == torch.bfloat16 and device == "cpu":
@@ -392,7 +397,9 @@ def test_rms_norm_forward_and_backward_match_reference(device, dtype, out_dtype,
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=1e-2)
     torch.testing.assert_close(y1.float(), y0.float(), **tol)
     torch.testing.assert_close(dx1.float(), dx0.float(), **tol)
-    torch.testing.assert_close(dw1, dw0, atol=1e-4 if dtype == torch.float32 else 0.3, rtol=1e-4 if dtype == torch.float32 else 2e-2)
+    torch.testing.assert_close(
+        dw1, dw0, atol=1e-4 if dtype == torch.float32 else 0.3, rtol=1e-4 if dtype == torch.float32 else 2e-2
+    )
 
 
 # ------------------------------------------------------------------------------------- RoPE with a backward

@@ -38,8 +38,12 @@ def import_graph() -> dict[str, set[str]]:
 
 def test_no_module_imports_a_layer_above_it():
     rank = {layer: i for i, layer in enumerate(LAYERS)}
-    up = sorted((m, n) for m, deps in import_graph().items() for n in deps
-                if rank[n.split(".")[0]] > rank[m.split(".")[0]] and not (m.startswith("stages") and n in SCHEMA))
+    up = sorted(
+        (m, n)
+        for m, deps in import_graph().items()
+        for n in deps
+        if rank[n.split(".")[0]] > rank[m.split(".")[0]] and not (m.startswith("stages") and n in SCHEMA)
+    )
     assert not up, up
 
 
@@ -50,7 +54,7 @@ def test_no_import_circles():
         seen[mod] = "grey"
         for dep in sorted(graph[mod]):
             if seen.get(dep) == "grey":
-                cycles.append(path[path.index(dep):] + [dep])
+                cycles.append(path[path.index(dep) :] + [dep])
             elif dep not in seen:
                 visit(dep, path + [dep])
         seen[mod] = "black"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compose_cfg, spread_init, tiny_hf_config
+
 from engine.loading import describe_model, load_model
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
@@ -48,8 +48,11 @@ def test_hf_directory_with_tokenizer(tmp_path, outputs):
 @pytest.mark.slow
 def test_smollm2_main_job_end_to_end(outputs):
     """The default job on the real SmolLM2-135M-Instruct GGUF, two HumanEval prompts, a few tokens."""
-    ctx = run(compose_cfg("+experiment=baseline", "eval.limit=2", "eval.max_new_tokens=12", "device=cpu",
-                          "eval.peers=[hf_generate]"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=baseline", "eval.limit=2", "eval.max_new_tokens=12", "device=cpu", "eval.peers=[hf_generate]"
+        )
+    )
     records = ctx["eval_results"]["records"]
     assert len(records) == 2 and all(len(r.result.tokens) > 0 and r.text.strip() for r in records)
     # Our engine and transformers generate, same dequantized weights, greedy fp32: token for token.

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import spread_init, tiny_hf_config
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from conftest import spread_init, tiny_hf_config
 from engine.generate import Generator
 from engine.model import LlamaModel, ModelArgs
 from engine.sampling import SamplingParams, probs_from_logits, sample
@@ -28,13 +28,24 @@ def full_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
     return model(ids, torch.arange(t).expand(b, t), model.new_cache(b), kv_len=t).logits
 
 
-@pytest.mark.parametrize("hf_cfg", [
-    tiny_hf_config(),
-    tiny_hf_config(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=500000.0),
-    tiny_hf_config(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-                   rope_theta=500000.0),
-], ids=["tied-gqa", "untied-mqa", "llama3-rope"])
+@pytest.mark.parametrize(
+    "hf_cfg",
+    [
+        tiny_hf_config(),
+        tiny_hf_config(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=500000.0),
+        tiny_hf_config(
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            rope_theta=500000.0,
+        ),
+    ],
+    ids=["tied-gqa", "untied-mqa", "llama3-rope"],
+)
 def test_logits_match_transformers(hf_cfg):
     hf, ours = pair(hf_cfg=hf_cfg)
     ids = torch.randint(0, 320, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -46,9 +57,16 @@ def test_logits_match_transformers(hf_cfg):
 
 
 def test_qwen2_style_biases_match_transformers():
-    cfg = Qwen2Config(vocab_size=320, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                      max_position_embeddings=256)
+    cfg = Qwen2Config(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        tie_word_embeddings=False,
+        max_position_embeddings=256,
+    )
     hf, ours = pair(Qwen2ForCausalLM, cfg)
     assert ours.args.qkv_bias and not ours.args.o_bias
     ids = torch.randint(0, 320, (1, 24), generator=torch.Generator().manual_seed(2))
@@ -65,14 +83,15 @@ def test_incremental_decode_equals_full_forward():
         cache = ours.new_cache(1)
         steps = [ours(ids[:, :12], torch.arange(12)[None], cache, kv_len=12).logits]
         for p in range(12, 20):
-            steps.append(ours(ids[:, p:p + 1], torch.tensor([[p]]), cache, kv_len=p + 1).logits)
+            steps.append(ours(ids[:, p : p + 1], torch.tensor([[p]]), cache, kv_len=p + 1).logits)
     assert (torch.cat(steps, 1) - ref).abs().max().item() < 1e-4
 
 
 def _prompts(n, seed=4):
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 256, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist()
-            for _ in range(n)]
+    return [
+        torch.randint(0, 256, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
 
 
 def test_greedy_equals_transformers_generate():
@@ -82,8 +101,14 @@ def test_greedy_equals_transformers_generate():
         got = Generator(ours, 1).generate([prompt], params)[0].tokens
         with torch.no_grad():
             ids = torch.tensor([prompt])
-            ref = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=24, do_sample=False,
-                              eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+            ref = hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=24,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )[0, len(prompt) :].tolist()
         assert len(set(got)) > 3  # a varied sequence, not one token repeated
         assert got == ref
 
@@ -118,11 +143,15 @@ def test_decode_on_device_equals_the_round_loop(sync_every):
     prompts = _prompts(4, seed=8)
     free = Generator(ours, 4).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     stop = frozenset({free[0].tokens[6], free[2].tokens[11]})
-    for params, seed in [(SamplingParams(max_new_tokens=20), None),
-                         (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20), 0)]:
-        def run(**kw):
+    for params, seed in [
+        (SamplingParams(max_new_tokens=20), None),
+        (SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=20), 0),
+    ]:
+
+        def run(params=params, seed=seed, **kw):
             g = torch.Generator().manual_seed(seed) if seed is not None else None
             return Generator(ours, 4).generate(prompts, params, stop_ids=stop, generator=g, **kw)
+
         ref, got = run(), run(sync_every=sync_every)
         assert [r.tokens for r in got] == [r.tokens for r in ref]
         assert [r.finish_reason for r in got] == [r.finish_reason for r in ref]

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from conftest import compose_cfg, assert_trained_beats_random
+from conftest import assert_trained_beats_random, compose_cfg
 from test_graphs import CUDA, POLICIES, poison, setup, spec_generator
 from test_model import _prompts, pair
 from test_speculative import oracle_prefix, run_all, tap
+
 from engine.drafts.multi_layer import StepCaches
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
@@ -139,9 +139,14 @@ def test_hazard_6_each_module_writes_only_its_own_pool_in_prefill_and_decode(tar
     for kind, (b, t, start) in shapes.items():
         for i in range(K):
             before = [c.k.clone() for c in caches.caches]
-            env = {"tokens": torch.randint(0, 256, (b, t), generator=g), "hidden": torch.randn(b, t, h, generator=g),
-                   "positions": torch.arange(start, start + t).expand(b, t), "valid": torch.ones(b, t, dtype=torch.bool),
-                   "kv_len": start + t, "logits_index": torch.zeros(b, dtype=torch.long)}
+            env = {
+                "tokens": torch.randint(0, 256, (b, t), generator=g),
+                "hidden": torch.randn(b, t, h, generator=g),
+                "positions": torch.arange(start, start + t).expand(b, t),
+                "valid": torch.ones(b, t, dtype=torch.bool),
+                "kv_len": start + t,
+                "logits_index": torch.zeros(b, dtype=torch.long),
+            }
             for step in head.module_program(i, caches.rows(b), "none"):
                 step.fn(env)
             assert _changed(before, caches) == [i], (kind, i)
@@ -180,10 +185,13 @@ def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
     assert stats.fallbacks > 0 and stats.replays == 0
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (dict(aux_layer_ids=[1, 2]), "draft.aux_layer_ids"),
-    (dict(init="checkpoint", path=None), "draft.path"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (dict(aux_layer_ids=[1, 2]), "draft.aux_layer_ids"),
+        (dict(init="checkpoint", path=None), "draft.path"),
+    ],
+)
 def test_plan_errors(target, overrides, key):
     with pytest.raises(ConfigError) as e:
         plan_draft(DraftConfig(algorithm="multi_layer_eagle", **{"init": "random", **overrides}), target.args)
@@ -193,22 +201,43 @@ def test_plan_errors(target, overrides, key):
 def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
     plan, head = _head(target, k=2)
     head.save(tmp_path / "mtp")
-    loaded_plan = plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"),
-                                         num_steps=2), target.args)
+    loaded_plan = plan_draft(
+        DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=2),
+        target.args,
+    )
     loaded = load_head(loaded_plan, target, 1, torch.device("cpu"), torch.float32)
     for (n, a), (m, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
         assert n == m and torch.equal(a, b)
     assert loaded.lm_head is target.lm_head and loaded.embed is target.model.embed_tokens
     with pytest.raises(ConfigError, match="num_steps"):
-        plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"),
-                               num_steps=3), target.args)
+        plan_draft(
+            DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=3),
+            target.args,
+        )
 
 
-TRAIN = ["+experiment=train_mtp_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.num_steps=3",
-         "train.data.num_samples=16", "train.data.batch_size=8", "train.data.max_prompt_tokens=12",
-         "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1", "train.heldout=0.25", "train.lr=5e-3",
-         "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64", "train.eval_every=20",
-         "train.save_every=20", "train.ttt_steps=3", "train.eval_k=3", "train.steps=40", "train.loop_eval_prompts=4"]
+TRAIN = [
+    "+experiment=train_mtp_smollm2",
+    "model=tiny",
+    "model.random.init_std=0.15",
+    "draft.num_steps=3",
+    "train.data.num_samples=16",
+    "train.data.batch_size=8",
+    "train.data.max_prompt_tokens=12",
+    "train.data.max_answer_tokens=24",
+    "train.data.min_prompt_chars=1",
+    "train.heldout=0.25",
+    "train.lr=5e-3",
+    "train.warmup_steps=5",
+    "train.max_tokens=1024",
+    "train.max_len=64",
+    "train.eval_every=20",
+    "train.save_every=20",
+    "train.ttt_steps=3",
+    "train.eval_k=3",
+    "train.steps=40",
+    "train.loop_eval_prompts=4",
+]
 
 
 def test_train_draft_stage_trains_an_mtp_head_that_beats_a_random_one(outputs, tmp_path):
@@ -222,7 +251,14 @@ def test_train_draft_stage_trains_an_mtp_head_that_beats_a_random_one(outputs, t
     cfg = json.loads((head_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMMultiLayerEagle"] and cfg["num_nextn_predict_layers"] == 3
     assert "multi_layer_eagle" in (head_dir / "README.md").read_text()
-    common = ["+experiment=mtp", "model=tiny", "model.random.init_std=0.15", "eval.max_new_tokens=24",
-              "eval.batch_size=4", "draft.num_steps=3"]
-    assert_trained_beats_random(outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}"],
-                                ["draft.init=random"])
+    common = [
+        "+experiment=mtp",
+        "model=tiny",
+        "model.random.init_std=0.15",
+        "eval.max_new_tokens=24",
+        "eval.batch_size=4",
+        "draft.num_steps=3",
+    ]
+    assert_trained_beats_random(
+        outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}"], ["draft.init=random"]
+    )

@@ -3,17 +3,17 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_cfg
 from mlflow.tracking import MlflowClient
 
-from conftest import compose_cfg
 from engine.errors import ConfigError
 from pipeline.__main__ import run
 from pipeline.compare import compare
@@ -37,8 +37,14 @@ def download_text(outputs: Path, run_id: str, name: str) -> str:
 
 
 def test_tiny_eval_run_is_tracked(outputs):
-    ctx = run(compose_cfg("+experiment=baseline", *TINY, "eval.batch_size=2",
-                          "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=baseline",
+            *TINY,
+            "eval.batch_size=2",
+            "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]",
+        )
+    )
     metrics = ctx["eval_results"]["metrics"]
     assert metrics["generated_tokens"] == sum(len(r.result.tokens) for r in ctx["eval_results"]["records"])
     for peer in ("hf_generate", "hf_static_compile", "hf_prompt_lookup"):  # the design's three peers
@@ -70,8 +76,9 @@ def test_failure_marks_the_run_failed(outputs):
 
 def test_question_jsonl_dataset_path(outputs, tmp_path):
     qs = tmp_path / "question.jsonl"
-    qs.write_text("".join(json.dumps({"question_id": i, "category": "t", "turns": [f"Say {i}"]}) + "\n"
-                          for i in range(3)))
+    qs.write_text(
+        "".join(json.dumps({"question_id": i, "category": "t", "turns": [f"Say {i}"]}) + "\n" for i in range(3))
+    )
     ctx = run(compose_cfg(*TINY, f"eval.dataset={qs}", "tracking=off"))
     assert [r.prompt.id for r in ctx["eval_results"]["records"]] == ["0", "1", "2"]
     assert runs_of(outputs, "default") == []  # tracking=off: no run
@@ -92,8 +99,9 @@ def test_compare_shows_what_differs(outputs):
 
 def _cli(*args, outputs: Path):
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    return subprocess.run([sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_cli_dry_run_prints_plan_and_exits_0(outputs):
@@ -111,8 +119,9 @@ def test_cli_bad_input_is_one_clear_error(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
-@pytest.mark.parametrize("experiment, head", [("eagle3", "eagle3"), ("eagle", "eagle"), ("mtp", "mtp"),
-                                              ("dflash", "dflash")])
+@pytest.mark.parametrize(
+    "experiment, head", [("eagle3", "eagle3"), ("eagle", "eagle"), ("mtp", "mtp"), ("dflash", "dflash")]
+)
 def test_every_draft_experiment_plans_its_shipped_head(outputs, experiment, head):
     """dry_run names the checkpoint each draft experiment loads by default: the head shipped for it."""
     p = _cli(f"+experiment={experiment}", "dry_run=true", "device=cpu", outputs=outputs)
@@ -135,8 +144,7 @@ def test_the_plan_warns_of_random_weights(outputs):
 
 def test_several_bad_values_are_reported_together(outputs):
     """Three bad eval values at once: one message names all three, exit 2, nothing tracked."""
-    p = _cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2",
-             outputs=outputs)
+    p = _cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2", outputs=outputs)
     assert p.returncode == 2, p.stderr[-2000:]
     for key in ("eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2"):
         assert key in p.stderr, (key, p.stderr[-2000:])
@@ -147,8 +155,9 @@ def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
     """A record with no (or an empty) first turn would be answered as an empty prompt: the plan refuses
     the file, naming the line, before any weights load and without an MLflow run."""
     qs = tmp_path / "question.jsonl"
-    qs.write_text(json.dumps({"question_id": 1, "turns": ["Say 1"]}) + "\n"
-                  + json.dumps({"question_id": 2, "turns": [""]}) + "\n")
+    qs.write_text(
+        json.dumps({"question_id": 1, "turns": ["Say 1"]}) + "\n" + json.dumps({"question_id": 2, "turns": [""]}) + "\n"
+    )
     p = _cli("model=tiny", f"eval.dataset={qs}", "device=cpu", outputs=outputs)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "line 2 is not a question record" in p.stderr and "turns" in p.stderr
@@ -158,8 +167,14 @@ def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
 def test_cli_compare(outputs):
     run(compose_cfg(*TINY, "experiment_name=clicmp"))
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run([sys.executable, "-m", "pipeline.compare", "--experiment", "clicmp"], cwd=REPO, env=env,
-                       capture_output=True, text=True, timeout=120)
+    p = subprocess.run(
+        [sys.executable, "-m", "pipeline.compare", "--experiment", "clicmp"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert p.returncode == 0, p.stderr
     assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout
 
@@ -168,9 +183,25 @@ def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_
     """The second job's eval.max_new_tokens=-1 fails its plan: exit 2 with the key named, the first job's
     run FINISHED, and the sweep's parent run FAILED (not left RUNNING)."""
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run([sys.executable, "-m", "pipeline", "-m", "model=tiny", "eval.limit=1", "eval.max_new_tokens=2,-1",
-                        "device=cpu", "experiment_name=badsweep", f"hydra.sweep.dir={tmp_path}/mr"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "-m",
+            "model=tiny",
+            "eval.limit=1",
+            "eval.max_new_tokens=2,-1",
+            "device=cpu",
+            "experiment_name=badsweep",
+            f"hydra.sweep.dir={tmp_path}/mr",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 2 and "eval.max_new_tokens=-1" in p.stderr, p.stderr[-2000:]
     runs = runs_of(outputs, "badsweep")
     (parent,) = [r for r in runs if "sweep.overrides" in r.data.tags]
@@ -181,9 +212,26 @@ def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_
 
 def test_sweep_nests_jobs_under_a_parent_run(outputs, tmp_path):
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run([sys.executable, "-m", "pipeline", "-m", "model=tiny", "eval.limit=1", "eval.max_new_tokens=2",
-                        "eval.batch_size=1,2", "device=cpu", "experiment_name=sweep", f"hydra.sweep.dir={tmp_path}/mr"],
-                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "-m",
+            "model=tiny",
+            "eval.limit=1",
+            "eval.max_new_tokens=2",
+            "eval.batch_size=1,2",
+            "device=cpu",
+            "experiment_name=sweep",
+            f"hydra.sweep.dir={tmp_path}/mr",
+        ],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     runs = runs_of(outputs, "sweep")
     parents = [r for r in runs if "sweep.overrides" in r.data.tags]
@@ -214,9 +262,23 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
     import signal
 
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs), "PYTHONUNBUFFERED": "1"}
-    p = subprocess.Popen([sys.executable, "-m", "pipeline", "model=tiny", "device=cpu", "eval.limit=400",
-                          "eval.max_new_tokens=16", "experiment_name=ctrlc"], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "model=tiny",
+            "device=cpu",
+            "eval.limit=400",
+            "eval.max_new_tokens=16",
+            "experiment_name=ctrlc",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     seen = ""
     while not re.search(r"eval: .*?\b[1-9]\d*/\d+", seen):  # the progress bar: its first finished prompt
         ch = p.stderr.read(1)
@@ -268,8 +330,16 @@ def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatc
 
     monkeypatch.setattr(Generator, "generate", failing)
     with pytest.raises(RuntimeError, match="injected"):
-        run(compose_cfg("model=tiny", "device=cpu", "eval.limit=3", "eval.max_new_tokens=4", "eval.warmup=false",
-                        "experiment_name=partial"))
+        run(
+            compose_cfg(
+                "model=tiny",
+                "device=cpu",
+                "eval.limit=3",
+                "eval.max_new_tokens=4",
+                "eval.warmup=false",
+                "experiment_name=partial",
+            )
+        )
     assert "failed during the eval pass: 1 prompts had finished" in capsys.readouterr().out
     (r,) = runs_of(outputs, "partial")
     assert r.info.status == "FAILED"
@@ -280,10 +350,12 @@ def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatc
 def test_hydra_composition_errors_are_config_errors_with_a_hint_that_works(outputs):
     """A misspelt key, a group without its +, an unknown config and a value of the wrong type: exit 2 in
     the pipeline's format, and the hint for the misspelling is the real key (Hydra's was `+eval.limt=2`)."""
-    for args, said in [(["eval.limt=2"], "eval.limt='2': no such key (valid: eval.limit"),
-                       (["experiment=eagle3"], "valid: +experiment=eagle3"),
-                       (["graph=nope"], "graph='nope': no such config (valid: bcg, breakable"),
-                       (["eval.limit=abc"], "eval.limit='abc': wrong type")]:
+    for args, said in [
+        (["eval.limt=2"], "eval.limt='2': no such key (valid: eval.limit"),
+        (["experiment=eagle3"], "valid: +experiment=eagle3"),
+        (["graph=nope"], "graph='nope': no such config (valid: bcg, breakable"),
+        (["eval.limit=abc"], "eval.limit='abc': wrong type"),
+    ]:
         p = _cli("model=tiny", *args, outputs=outputs)
         assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-1500:])
     p = _cli("model=tiny", "eval.limit=2", "dry_run=true", outputs=outputs)  # the hint's command runs

@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import compose_cfg
+
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 
@@ -26,7 +26,14 @@ def test_valid_plan_and_its_description(outputs):
     plan = plan_of("model=tiny", "eval.batch_size=2", "device=cpu", outputs=outputs)
     assert plan.names == ["load", "eval"]
     text = plan.describe()
-    for needle in ["1. load", "2. eval", "requires [target, draft_head]", "4 layers, hidden 64", "cpu (float32)", "KV cache"]:
+    for needle in [
+        "1. load",
+        "2. eval",
+        "requires [target, draft_head]",
+        "4 layers, hidden 64",
+        "cpu (float32)",
+        "KV cache",
+    ]:
         assert needle in text
     mem = plan.memory_estimate()
     # tiny: 4 layers x 2 kv heads x 16 dims x 2 (k, v) x 4 bytes x 2049 slots x batch 2
@@ -35,27 +42,39 @@ def test_valid_plan_and_its_description(outputs):
 
 def test_set_up_runs_only_the_stages_named(outputs):
     """A script's way to the loaded target and head (benchmarks/): those stages' outputs, no eval."""
-    plan = plan_of("+experiment=eagle3", "model=tiny", "draft.init=random", "draft.aux_layer_ids=[1,2,3]",
-                   "device=cpu", outputs=outputs)
+    plan = plan_of(
+        "+experiment=eagle3",
+        "model=tiny",
+        "draft.init=random",
+        "draft.aux_layer_ids=[1,2,3]",
+        "device=cpu",
+        outputs=outputs,
+    )
     assert plan.names == ["load", "configure_aux_capture", "eval"]
     ctx = plan.set_up("load", "configure_aux_capture")
     assert set(ctx) == {"target", "draft_head", "aux_layers"} and ctx["target"].model.args.num_layers == 4
     assert set(plan.set_up("load")) == {"target", "draft_head"}
 
 
-@pytest.mark.parametrize("overrides, needles", [
-    (["task=serving"], ["task='serving'", "eval, serve, train_draft"]),
-    (["draft.algorithm=eagle9"], ["draft.algorithm='eagle9'", "none, eagle3, eagle, multi_layer_eagle, ngram, oracle, dflash"]),
-    (["graph.policy=fullest"], ["graph.policy='fullest'", "none"]),
-    (["eval.dataset=nope_bench"], ["eval.dataset='nope_bench'", "humaneval", "mt_bench"]),
-    (["eval.limit=0"], ["eval.limit=0", ">= 1"]),
-    (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
-    (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
-    (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
-    (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
-    (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
-    (["model.random.vocab_size=100"], ["model.random.vocab_size=100", ">= 259"]),
-])
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        (["task=serving"], ["task='serving'", "eval, serve, train_draft"]),
+        (
+            ["draft.algorithm=eagle9"],
+            ["draft.algorithm='eagle9'", "none, eagle3, eagle, multi_layer_eagle, ngram, oracle, dflash"],
+        ),
+        (["graph.policy=fullest"], ["graph.policy='fullest'", "none"]),
+        (["eval.dataset=nope_bench"], ["eval.dataset='nope_bench'", "humaneval", "mt_bench"]),
+        (["eval.limit=0"], ["eval.limit=0", ">= 1"]),
+        (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
+        (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
+        (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
+        (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
+        (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
+        (["model.random.vocab_size=100"], ["model.random.vocab_size=100", ">= 259"]),
+    ],
+)
 def test_bad_values_are_named(overrides, needles, outputs):
     text = plan_error("model=tiny", *overrides, outputs=outputs)
     for n in needles:

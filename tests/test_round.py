@@ -8,10 +8,10 @@ import os
 
 import pytest
 import torch
-
 from test_graphs import setup, spec_generator
 from test_model import _prompts, pair
 from test_speculative import AUX, build
+
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import round_name
@@ -40,16 +40,28 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
     device) no step of a greedy round is a break under any capturing policy; SDPA attention breaks
     under breakable and not under full; the sampled round breaks at its accept alone."""
     _, target = pair()
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3,
-                      aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None)
+    cfg = DraftConfig(
+        algorithm=algorithm,
+        init="random",
+        num_steps=3,
+        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
+    )
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
     draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
 
     def program(policy, sampled=False, draft_policy=None):
-        return round_program(target, target.new_cache(2), draft, 3, 2, sampled=sampled,
-                             target_policy=policy, draft_policy=draft_policy or policy)
+        return round_program(
+            target,
+            target.new_cache(2),
+            draft,
+            3,
+            2,
+            sampled=sampled,
+            target_policy=policy,
+            draft_policy=draft_policy or policy,
+        )
 
     assert _phases(program("full")) == ["draft", "verify", "extend"]
     assert not any(s.is_break for s in program("full"))
@@ -62,16 +74,16 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
     finally:
         target.attention_kernel = head.attention_kernel = False
     mixed = program("full", draft_policy="none")  # a side without graphs: its steps run eagerly
-    assert all(s.is_break for s in mixed if s.phase == "draft") and not any(s.is_break for s in mixed
-                                                                             if s.phase == "verify")
+    assert all(s.is_break for s in mixed if s.phase == "draft") and not any(
+        s.is_break for s in mixed if s.phase == "verify"
+    )
 
 
 def test_a_sampled_round_runs_before_any_sampling_is_given():
     """A graph's warm-up and capture run the sampled round with no per-call sampling yet (CUDA capture
     did; the debug backend does not): its accept falls back to the greedy rule on the logits."""
     target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
-    program = round_program(target, gs.cache, gs.draft, k, 2, sampled=True, target_policy="full",
-                            draft_policy="full")
+    program = round_program(target, gs.cache, gs.draft, k, 2, sampled=True, target_policy="full", draft_policy="full")
     env = {name: t[:2] for name, t in gs.buffers.items()}
     env["live"].fill_(False)
     env["out"].fill_(-1)
@@ -120,7 +132,7 @@ def test_accept_and_advance_kernels_equal_their_references(k):
     assert torch.equal(a, ra) and torch.equal(a.cpu(), depth) and torch.equal(bonus, rbonus)
     emitted = torch.cat([drafts[:, :k], rbonus[:, None]], 1)
     emitted[torch.arange(b), ra] = rbonus
-    assert torch.equal(out[:, 1: k + 2], emitted) and (out[:, k + 2:] == -7).all()  # nothing past k + 2
+    assert torch.equal(out[:, 1 : k + 2], emitted) and (out[:, k + 2 :] == -7).all()  # nothing past k + 2
     lengths = torch.randint(5, 50, (b,), generator=g).to(device)
     last = torch.randint(0, 9, (b,), generator=g).to(device)
     live = (torch.arange(b) % 3 != 0).to(device)
@@ -187,8 +199,12 @@ def _fused_pair(algorithm, device):
     fused_target.use_fused_kernels()
     fhead = head.copy(device)
     fhead.bind(fused_target)
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3,
-                      aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None)
+    cfg = DraftConfig(
+        algorithm=algorithm,
+        init="random",
+        num_steps=3,
+        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
+    )
     plan = plan_draft(cfg, fused_target.args)
     fdraft = make_draft(plan, fhead, fused_target, 2, 3, cfg=cfg)
     assert fhead.fused and fhead.attention_kernel
@@ -298,8 +314,9 @@ def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
     sched.start()
     assert done.wait(timeout=60)
     sched.close()
-    want = build(target, "eagle3", 1, SamplingParams()).generate([req.prompt], SamplingParams(max_new_tokens=9,
-                                                                                               ignore_eos=True))
+    want = build(target, "eagle3", 1, SamplingParams()).generate(
+        [req.prompt], SamplingParams(max_new_tokens=9, ignore_eos=True)
+    )
     assert req.output == want[0].tokens
     runner = gs.get(round_name(k))
     assert runner.stats.replays == sched.stats.rounds > 0 and sched.stats.rounds_by_k == {k: sched.stats.rounds}

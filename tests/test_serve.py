@@ -23,14 +23,14 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from conftest import compose_cfg
 from prometheus_client.parser import text_string_to_metric_families
 
-from conftest import compose_cfg
-from engine.serve.detokenize import TextStream
 from engine.drafts.registry import load_head, make_draft
 from engine.generate import Generator
 from engine.loading import load_model
 from engine.sampling import SamplingParams
+from engine.serve.detokenize import TextStream
 from engine.tokenizer import ByteTokenizer
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
@@ -42,18 +42,41 @@ BASE = ("model=tiny", "device=cpu", "tracking=off", "serve.port=0", "model.rando
 EAGLE3 = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]", "draft.num_steps=3")
 CONFIGS = {
     "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3"),
-    "eagle3_debug": ("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug", "model.max_seq_len=256",
-                     "serve.max_batch_size=4"),
-    "mtp_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=multi_layer_eagle", "draft.init=random", "draft.num_steps=3",
-                  "graph=debug", "model.max_seq_len=256", "serve.max_batch_size=4"),
-    "dflash_debug": ("+experiment=serve_eagle3_bcg", *BASE, "draft=dflash", "draft.init=random", "draft.num_steps=3", "draft.block_size=4",
-                     "draft.aux_layer_ids=[1,2,3]", "draft.num_layers=1", "graph=debug", "model.max_seq_len=256",
-                     "serve.max_batch_size=4"),
+    "eagle3_debug": (
+        "+experiment=serve_eagle3_bcg",
+        *BASE,
+        *EAGLE3,
+        "graph=debug",
+        "model.max_seq_len=256",
+        "serve.max_batch_size=4",
+    ),
+    "mtp_debug": (
+        "+experiment=serve_eagle3_bcg",
+        *BASE,
+        "draft=multi_layer_eagle",
+        "draft.init=random",
+        "draft.num_steps=3",
+        "graph=debug",
+        "model.max_seq_len=256",
+        "serve.max_batch_size=4",
+    ),
+    "dflash_debug": (
+        "+experiment=serve_eagle3_bcg",
+        *BASE,
+        "draft=dflash",
+        "draft.init=random",
+        "draft.num_steps=3",
+        "draft.block_size=4",
+        "draft.aux_layer_ids=[1,2,3]",
+        "draft.num_layers=1",
+        "graph=debug",
+        "model.max_seq_len=256",
+        "serve.max_batch_size=4",
+    ),
     # one slot, one waiting request: queue-full and disconnect tests; long generations
     "tight": ("+experiment=serve", *BASE, "serve.max_batch_size=1", "serve.max_queue=1"),
 }
-PROMPTS = ["def add(a, b):", "Hello there", "The quick brown fox", "1, 2, 3, 4,", "Once upon a time",
-           "import torch"]
+PROMPTS = ["def add(a, b):", "Hello there", "The quick brown fox", "1, 2, 3, 4,", "Once upon a time", "import torch"]
 N = 12  # max_tokens of the equality checks
 
 
@@ -88,8 +111,9 @@ class Served:
         out = {}
         for fam in text_string_to_metric_families(text):
             for s in fam.samples:
-                key = s.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}"
-                                if s.labels else "")
+                key = s.name + (
+                    "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
+                )
                 out[key] = s.value
         return out
 
@@ -130,14 +154,19 @@ def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) ->
 
 
 def complete(s: Served, prompt: str, **kw):
-    return s.client.completions.create(model=s.model, prompt=prompt, max_tokens=kw.pop("max_tokens", N),
-                                       temperature=kw.pop("temperature", 0), **kw)
+    return s.client.completions.create(
+        model=s.model, prompt=prompt, max_tokens=kw.pop("max_tokens", N), temperature=kw.pop("temperature", 0), **kw
+    )
 
 
 def chat(s: Served, content: str, **kw):
-    return s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": content}],
-                                            max_tokens=kw.pop("max_tokens", N), temperature=kw.pop("temperature", 0),
-                                            **kw)
+    return s.client.chat.completions.create(
+        model=s.model,
+        messages=[{"role": "user", "content": content}],
+        max_tokens=kw.pop("max_tokens", N),
+        temperature=kw.pop("temperature", 0),
+        **kw,
+    )
 
 
 # ------------------------------------------------------------------------------------------ outputs
@@ -151,8 +180,9 @@ def test_served_outputs_equal_eval_sequential_and_concurrent(servers, name):
     seq = [complete(s, p) for p in PROMPTS]
     assert [r.choices[0].text for r in seq] == want
     assert [r.usage.completion_tokens for r in seq] == [len(r) for r in ref]
-    assert [r.choices[0].finish_reason for r in seq] == ["stop" if r[-1] in tok.eos_token_ids else "length"
-                                                         for r in ref]
+    assert [r.choices[0].finish_reason for r in seq] == [
+        "stop" if r[-1] in tok.eos_token_ids else "length" for r in ref
+    ]
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # more requests than slots: they queue, join, leave
         conc = list(pool.map(lambda p: complete(s, p), PROMPTS))
     assert [r.choices[0].text for r in conc] == want
@@ -170,9 +200,20 @@ def test_served_chat_equals_the_eval_stage(servers, tmp_path, outputs):
     s = servers("eagle3_debug")
     qs = tmp_path / "question.jsonl"
     qs.write_text("".join(json.dumps({"question_id": i, "turns": [p]}) + "\n" for i, p in enumerate(PROMPTS[:4])))
-    ctx = run(compose_cfg("+experiment=eagle3_bcg", *BASE, *EAGLE3,
-                          "graph=debug", "model.max_seq_len=256", f"eval.dataset={qs}", f"eval.max_new_tokens={N}",
-                          "eval.batch_size=2", "eval.baseline=false", "eval.warmup=false"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=eagle3_bcg",
+            *BASE,
+            *EAGLE3,
+            "graph=debug",
+            "model.max_seq_len=256",
+            f"eval.dataset={qs}",
+            f"eval.max_new_tokens={N}",
+            "eval.batch_size=2",
+            "eval.baseline=false",
+            "eval.warmup=false",
+        )
+    )
     records = ctx["eval_results"]["records"]
     with ThreadPoolExecutor(4) as pool:
         got = list(pool.map(lambda p: chat(s, p), PROMPTS[:4]))
@@ -220,8 +261,7 @@ def test_stop_strings_and_seeds(servers):
         jobs = [pool.submit(complete, s, PROMPTS[2], temperature=0.9, seed=7, max_tokens=16)]
         jobs += [pool.submit(complete, s, p, temperature=1.0, max_tokens=16) for p in PROMPTS[3:5]]
         assert jobs[0].result().choices[0].text == alone
-    others = {complete(s, PROMPTS[2], temperature=0.9, seed=seed, max_tokens=16).choices[0].text
-              for seed in (1, 2, 3)}
+    others = {complete(s, PROMPTS[2], temperature=0.9, seed=seed, max_tokens=16).choices[0].text for seed in (1, 2, 3)}
     assert len(others | {alone}) > 1
 
 
@@ -231,8 +271,11 @@ def test_bad_inputs_get_their_status(servers):
     url = s.root + "/v1/completions"
 
     def post(body, raw=None):
-        r = httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30) if raw \
+        r = (
+            httpx.post(url, content=raw, headers={"content-type": "application/json"}, timeout=30)
+            if raw
             else httpx.post(url, json=body, timeout=30)
+        )
         err = r.json()["error"]
         assert set(err) == {"message", "type", "param", "code"} and err["message"], err
         return r.status_code, err
@@ -265,14 +308,17 @@ def test_bad_inputs_get_their_status(servers):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         s.client.chat.completions.create(model=s.model, messages=[{"role": "user", "content": "hi"}], max_tokens=-5)
     assert httpx.get(s.root + "/v1/nothing", timeout=10).status_code == 404
-    assert s.metrics()['specpipe_requests_rejected_total{status=400}'] >= 8
+    assert s.metrics()["specpipe_requests_rejected_total{status=400}"] >= 8
 
 
 def _open_stream(s: Served, prompt: str, max_tokens: int):
     """A streaming request whose first token has arrived: (response, its context manager, line iterator)."""
-    cm = httpx.stream("POST", s.root + "/v1/completions", timeout=60,
-                      json={"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-                            "stream": True})
+    cm = httpx.stream(
+        "POST",
+        s.root + "/v1/completions",
+        timeout=60,
+        json={"model": s.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True},
+    )
     r = cm.__enter__()
     assert r.status_code == 200
     lines = r.iter_lines()
@@ -309,8 +355,11 @@ def test_queue_full_answers_429_and_a_disconnect_frees_the_slot(servers):
 
     # A non-streaming client that gives up frees its slot too (the handler polls for it).
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(s.root + "/v1/completions", timeout=1.0,
-                   json={"model": s.model, "prompt": PROMPTS[4], "max_tokens": 1800, "temperature": 0})
+        httpx.post(
+            s.root + "/v1/completions",
+            timeout=1.0,
+            json={"model": s.model, "prompt": PROMPTS[4], "max_tokens": 1800, "temperature": 0},
+        )
     _wait(lambda: s.metrics()["specpipe_running_requests"] == 0)
     assert s.metrics()["specpipe_requests_total{finish_reason=abort}"] == aborts0 + 3
 
@@ -323,14 +372,23 @@ def test_models_health_and_metrics(servers):
     assert httpx.get(s.root + "/health", timeout=10).json()["status"] == "ok"
     text = httpx.get(s.root + "/metrics", timeout=10).text
     families = {f.name: f for f in text_string_to_metric_families(text)}  # parses as Prometheus text
-    for name in ("specpipe_requests", "specpipe_generation_tokens", "specpipe_accept_length", "specpipe_accept_rate",
-                 "specpipe_graph_replays", "specpipe_graph_fallbacks", "specpipe_queue_depth",
-                 "specpipe_request_latency_seconds", "specpipe_time_to_first_token_seconds"):
+    for name in (
+        "specpipe_requests",
+        "specpipe_generation_tokens",
+        "specpipe_accept_length",
+        "specpipe_accept_rate",
+        "specpipe_graph_replays",
+        "specpipe_graph_fallbacks",
+        "specpipe_queue_depth",
+        "specpipe_request_latency_seconds",
+        "specpipe_time_to_first_token_seconds",
+    ):
         assert name in families, name
     m = s.metrics()
     assert m["specpipe_generation_tokens_total"] > 0 and m["specpipe_accept_length"] >= 1.0
-    assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {f"specpipe_accept_rate{{position={i}}}"
-                                                                      for i in range(3)}
+    assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {
+        f"specpipe_accept_rate{{position={i}}}" for i in range(3)
+    }
     assert m["specpipe_graph_replays_total{phase=round_k3}"] > 0  # greedy rounds: every one replayed
     assert m["specpipe_graph_replays_total{phase=prefill}"] > 0  # a join prefills through a staging row's graphs
     for phase in ("round_k3", "round_k3_sampled"):  # none ran eagerly
@@ -350,8 +408,19 @@ def test_bounded_load_has_no_failed_request(servers):
     import asyncio
 
     lt, s = _load_test_module(), servers("eagle3_debug")
-    res = asyncio.run(lt.run_level(s.root, s.model, clients=4, duration_s=3.0, max_tokens=16, prompts=PROMPTS,
-                                   stream=True, chat=True, ignore_eos=True))
+    res = asyncio.run(
+        lt.run_level(
+            s.root,
+            s.model,
+            clients=4,
+            duration_s=3.0,
+            max_tokens=16,
+            prompts=PROMPTS,
+            stream=True,
+            chat=True,
+            ignore_eos=True,
+        )
+    )
     print("\n" + lt.table([res]))
     assert res.failures == 0, res.errors
     assert res.requests >= 4 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
@@ -372,16 +441,20 @@ def test_load_test_waits_for_a_ready_server_and_names_a_dead_one(servers):
 
 # ------------------------------------------------------------------------------------------ plan, Ctrl-C
 def test_plan_ends_in_serve_and_checks_its_keys(outputs):
-    cfg = to_run_config(compose_cfg("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug",
-                                    "serve.max_batch_size=6"))
+    cfg = to_run_config(
+        compose_cfg("+experiment=serve_eagle3_bcg", *BASE, *EAGLE3, "graph=debug", "serve.max_batch_size=6")
+    )
     plan = build_plan(cfg, outputs)
     assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "serve"]
     text = plan.describe()
     assert "capture sizes [1, 2, 4, 6]" in text and "6 slots" in text and "http://127.0.0.1:0/v1" in text
     assert "rounds of k in [0, 1, 2, 3] (adaptive k)" in text  # serve.adaptive_k: every k captured
-    for override, key in [("draft=oracle", "draft.algorithm='oracle'"), ("serve.max_batch_size=0",
-                          "serve.max_batch_size=0"), ("serve.port=70000", "serve.port=70000"),
-                          ("serve.default_max_tokens=9999", "serve.default_max_tokens=9999")]:
+    for override, key in [
+        ("draft=oracle", "draft.algorithm='oracle'"),
+        ("serve.max_batch_size=0", "serve.max_batch_size=0"),
+        ("serve.port=70000", "serve.port=70000"),
+        ("serve.default_max_tokens=9999", "serve.default_max_tokens=9999"),
+    ]:
         with pytest.raises(PlanError, match=re.escape(key)):
             build_plan(to_run_config(compose_cfg("+experiment=serve", *BASE, override)), outputs)
     small = to_run_config(compose_cfg("+experiment=serve", *BASE, "graph=debug", "graph.capture_sizes=[1,2]"))
@@ -390,9 +463,23 @@ def test_plan_ends_in_serve_and_checks_its_keys(outputs):
 
 def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
     env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.Popen([sys.executable, "-m", "pipeline", "+experiment=serve", "model=tiny", "device=cpu",
-                          "serve.port=0", "experiment_name=serve_sigint"], cwd=REPO, env=env,
-                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    p = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "pipeline",
+            "+experiment=serve",
+            "model=tiny",
+            "device=cpu",
+            "serve.port=0",
+            "experiment_name=serve_sigint",
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         port = None
         t0 = time.monotonic()
@@ -452,9 +539,13 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
     want_acc, want_bonus = verify_greedy(logits, draft)
 
     def once(shared_seed):
-        s = RowSampling.per_row([0.0, 1.0, 0.0, 0.7], [1.0, 0.9, 1.0, 1.0],
-                                [None, torch.Generator().manual_seed(5), None, None], "cpu",
-                                torch.Generator().manual_seed(shared_seed))
+        s = RowSampling.per_row(
+            [0.0, 1.0, 0.0, 0.7],
+            [1.0, 0.9, 1.0, 1.0],
+            [None, torch.Generator().manual_seed(5), None, None],
+            "cpu",
+            torch.Generator().manual_seed(shared_seed),
+        )
         return verify(logits, draft, None, s)
 
     runs = [once(seed) for seed in range(6)]
@@ -479,12 +570,12 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     from pipeline.config import DraftConfig
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
-    draft = make_draft(plan, head, target, 3, DraftConfig(algorithm="eagle3").num_steps, cfg=DraftConfig(algorithm="eagle3"),
-                       graphs=gs)
+    draft = make_draft(
+        plan, head, target, 3, DraftConfig(algorithm="eagle3").num_steps, cfg=DraftConfig(algorithm="eagle3"), graphs=gs
+    )
     sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
-    reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release())
-            for i, p in enumerate(prompts)]
+    reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release()) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
     sched.start()  # three join at once (one prefill over slots 0..2), the fourth when slot 0 frees
@@ -492,8 +583,10 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     sched.close()
     assert sched.stats.prefills == 2 and [r.slot for r in reqs] == [0, 1, 2, 0]
     eager = build(target, "eagle3", 1, SamplingParams())
-    want = [eager.generate([p], SamplingParams(max_new_tokens=10 + i, ignore_eos=True))[0].tokens
-            for i, p in enumerate(prompts)]
+    want = [
+        eager.generate([p], SamplingParams(max_new_tokens=10 + i, ignore_eos=True))[0].tokens
+        for i, p in enumerate(prompts)
+    ]
     assert [r.output for r in reqs] == want
     verify_stats = gs.get(round_name(k)).stats
     assert verify_stats.fallbacks > 0 and verify_stats.fallbacks + verify_stats.replays == sched.stats.rounds

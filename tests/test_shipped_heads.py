@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_cfg
 from safetensors import safe_open
 
-from conftest import compose_cfg
 from engine.drafts import storage
 from engine.drafts.heads import HeadCheckpoint
 from pipeline.__main__ import run
@@ -25,17 +25,42 @@ CHECKPOINTS = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "check
 # name -> (experiment, draft config, architecture, tensor names of the public layout that must be there)
 HEADS = {
     "eagle3": ("eagle3", "eagle3", "LlamaForCausalLMEagle3", ["fc.weight", "midlayer.self_attn.q_proj.weight", "d2t"]),
-    "eagle": ("eagle", "eagle", "LlamaForCausalLMEagle", ["fc.weight", "layers.0.self_attn.q_proj.weight",
-                                                          "layers.0.mlp.down_proj.weight"]),
-    "mtp": ("mtp", "multi_layer_eagle", "LlamaForCausalLMMultiLayerEagle",
-            ["layers.3.eh_proj.weight", "layers.0.enorm.weight", "layers.0.hnorm.weight",
-             "layers.0.shared_head.norm.weight", "layers.3.mlp.gate_proj.weight"]),
-    "dflash": ("dflash", "dflash", "DFlashDraftModel", ["fc.weight", "hidden_norm.weight", "norm.weight",
-                                                        "layers.2.self_attn.k_proj.weight"]),
+    "eagle": (
+        "eagle",
+        "eagle",
+        "LlamaForCausalLMEagle",
+        ["fc.weight", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.down_proj.weight"],
+    ),
+    "mtp": (
+        "mtp",
+        "multi_layer_eagle",
+        "LlamaForCausalLMMultiLayerEagle",
+        [
+            "layers.3.eh_proj.weight",
+            "layers.0.enorm.weight",
+            "layers.0.hnorm.weight",
+            "layers.0.shared_head.norm.weight",
+            "layers.3.mlp.gate_proj.weight",
+        ],
+    ),
+    "dflash": (
+        "dflash",
+        "dflash",
+        "DFlashDraftModel",
+        ["fc.weight", "hidden_norm.weight", "norm.weight", "layers.2.self_attn.k_proj.weight"],
+    ),
 }
 # train.* keys that only change what a run reports or where it writes, not the weights it trains
-REPORTING = {"eval_every", "save_every", "eval_k", "loop_eval_prompts", "loop_eval_tokens", "resume", "export_dir",
-             "name"}
+REPORTING = {
+    "eval_every",
+    "save_every",
+    "eval_k",
+    "loop_eval_prompts",
+    "loop_eval_tokens",
+    "resume",
+    "export_dir",
+    "name",
+}
 
 
 def card_command(card: str) -> list[str]:
@@ -63,8 +88,11 @@ def test_the_card_command_reproduces_the_training_config(name):
     assert shipped["architectures"] == [HEADS[name][2]]
     for key in ("num_layers", "block_size", "intermediate_size"):  # the recipe's shape is the shipped head's
         want = getattr(cfg.draft, key, None)
-        have = {"num_layers": shipped.get("num_hidden_layers"), "block_size": shipped.get("block_size"),
-                "intermediate_size": shipped.get("intermediate_size")}[key]
+        have = {
+            "num_layers": shipped.get("num_hidden_layers"),
+            "block_size": shipped.get("block_size"),
+            "intermediate_size": shipped.get("intermediate_size"),
+        }[key]
         assert want is None or want == have, (key, want, have)
 
 
@@ -81,16 +109,17 @@ def test_a_shipped_head_round_trips_through_the_public_bf16_layout(name, tmp_pat
         dtypes = {f.get_tensor(k).dtype for k in names if k.endswith("proj.weight") or k == "fc.weight"}
     assert not any(k.endswith(storage.SCALE_SUFFIX) for k in names)
     assert set(HEADS[name][3]) <= names and dtypes == {torch.bfloat16}
-    assert (bf16 / "README.md").is_file() and json.loads((bf16 / "config.json").read_text()) == \
-        json.loads((head / "config.json").read_text())
+    assert (bf16 / "README.md").is_file() and json.loads((bf16 / "config.json").read_text()) == json.loads(
+        (head / "config.json").read_text()
+    )
     shipped, public = storage.read_state(head / "model.safetensors"), storage.read_state(bf16 / "model.safetensors")
     assert shipped.keys() == public.keys()
     for k in shipped:
-        torch.testing.assert_close(public[k].float(), shipped[k].float(), rtol=2 ** -7, atol=0)
+        torch.testing.assert_close(public[k].float(), shipped[k].float(), rtol=2**-7, atol=0)
     storage.write_checkpoint(bf16, fp8, "fp8")
     again = storage.read_state(fp8 / "model.safetensors")
     for k in shipped:
-        torch.testing.assert_close(again[k].float(), shipped[k].float(), rtol=2 ** -3, atol=1e-6)
+        torch.testing.assert_close(again[k].float(), shipped[k].float(), rtol=2**-3, atol=1e-6)
     HeadCheckpoint.read(str(bf16), HEADS[name][2])  # the loader takes the public form as it is
 
 
@@ -100,8 +129,7 @@ def test_a_shipped_head_is_its_default_and_drafts_smollm2_losslessly(name, outpu
     """`+experiment=<draft>` out of the box: the shipped head loads for the default target; under `none`
     and `debug` graphs greedy output is the target's and the head is accepted far more often than a
     random head of the same shape."""
-    common = (f"+experiment={HEADS[name][0]}", "device=cpu", "eval.limit=2", "eval.max_new_tokens=24",
-              "tracking=off")
+    common = (f"+experiment={HEADS[name][0]}", "device=cpu", "eval.limit=2", "eval.max_new_tokens=24", "tracking=off")
     accepted = {}
     for policy in ("none", "debug"):
         ctx = run(compose_cfg(*common, f"graph={policy}"))
@@ -109,8 +137,10 @@ def test_a_shipped_head_is_its_default_and_drafts_smollm2_losslessly(name, outpu
         m = ctx["eval_results"]["metrics"]
         assert m["match_baseline"] == 1.0, policy
         accepted[policy] = m["accept_length"]
-    shape = {"dflash": ["draft.block_size=8", "draft.num_layers=3", "draft.aux_layer_ids=[1,8,14,20,27]"],
-             "mtp": ["draft.intermediate_size=768"]}.get(name, [])
+    shape = {
+        "dflash": ["draft.block_size=8", "draft.num_layers=3", "draft.aux_layer_ids=[1,8,14,20,27]"],
+        "mtp": ["draft.intermediate_size=768"],
+    }.get(name, [])
     random_ = run(compose_cfg(*common, "eval.baseline=false", "draft.init=random", *shape))
     floor = random_["eval_results"]["metrics"]["accept_length"]
     assert min(accepted.values()) > floor + 0.4, (accepted, floor)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from test_model import _prompts, pair
+
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.program import Step
@@ -23,20 +23,33 @@ def target():
 
 
 def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=k,
-                      aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None, **kw)
+    cfg = DraftConfig(
+        algorithm=algorithm,
+        init="random",
+        num_steps=k,
+        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
+        **kw,
+    )
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
-    draft = make_draft(plan, head, target, batch, k, references=references,
-                       prompt_lens=[len(p) for p in prompts] if prompts else None, cfg=cfg)
+    draft = make_draft(
+        plan,
+        head,
+        target,
+        batch,
+        k,
+        references=references,
+        prompt_lens=[len(p) for p in prompts] if prompts else None,
+        cfg=cfg,
+    )
     return Generator(target, batch, draft, k)
 
 
 def run_all(gen, prompts, params, batch, stop=frozenset(), rng=None):
     out = []
     for i in range(0, len(prompts), batch):
-        out += gen.generate(prompts[i: i + batch], params, stop, rng, row_ids=list(range(i, i + batch)))
+        out += gen.generate(prompts[i : i + batch], params, stop, rng, row_ids=list(range(i, i + batch)))
     return out
 
 
@@ -82,8 +95,11 @@ def tap(draft, phase: str, fn) -> None:
         if env.get("state") is not None:
             fn(env, k)
 
-    setattr(draft, f"{phase}_steps", lambda cache, k: inner(cache, k) + [
-        Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)])
+    setattr(
+        draft,
+        f"{phase}_steps",
+        lambda cache, k: inner(cache, k) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)],
+    )
 
 
 def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
@@ -94,7 +110,7 @@ def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
         if rows is not None and i not in rows:
             continue
         done = len(hist) - prompt_lens[r]
-        ref = references[r][done: done + int(torch.randint(0, k + 1, (1,), generator=g))]
+        ref = references[r][done : done + int(torch.randint(0, k + 1, (1,), generator=g))]
         tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
     return tokens
 
@@ -131,8 +147,9 @@ def test_draft_state_consistent_after_partial_acceptance(target):
             hist = state.history[i] + emitted[i, : int(accepted[i]) + 1].tolist()
             ids = torch.tensor([hist[:-1]])  # in the target cache; hist[-1]: the pending bonus token
             out = target(ids, torch.arange(ids.shape[1])[None], target.new_cache(1), kv_len=ids.shape[1])
-            fresh.begin(None, out.aux_hidden_states, ids, torch.ones_like(ids, dtype=torch.bool), None,
-                        torch.tensor([hist[-1]]))
+            fresh.begin(
+                None, out.aux_hidden_states, ids, torch.ones_like(ids, dtype=torch.bool), None, torch.tensor([hist[-1]])
+            )
             assert torch.allclose(fresh.hidden[0], draft.hidden[i], atol=1e-4)
             assert int(fresh.next[0]) == int(draft.next[i])
             checked.append(int(accepted[i]))
@@ -167,11 +184,18 @@ def test_rejection_sampling_rule_is_exact():
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     """Token frequencies at positions 1..3 over many sequences: with a draft = without one (rejection
     sampling against the draft's greedy proposals, q one-hot)."""
-    from engine.model import LlamaModel, ModelArgs
-    from engine.model import init_normal_
+    from engine.model import LlamaModel, ModelArgs, init_normal_
 
-    args = ModelArgs(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=3, num_heads=4,
-                     num_kv_heads=2, head_dim=8, tie_word_embeddings=True)
+    args = ModelArgs(
+        vocab_size=8,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        tie_word_embeddings=True,
+    )
     tgt = init_normal_(LlamaModel(args, 16), seed=3, std=0.5)
     n, prompt = 3000, [1, 2, 3]
     params = SamplingParams(temperature=1.0, max_new_tokens=4, ignore_eos=True)
@@ -255,8 +279,11 @@ def test_round_stats_count_every_round_and_reset(target):
     assert stats.draft_s > stats.extend_s > 0 and stats.verify_s > 0 and stats.host_s > 0
     totals = gen.clock.totals()  # nothing left queued: the stats are every span
     assert totals.keys() == {"draft", "verify", "extend", "host"}
-    assert (totals["draft"] + totals["extend"], totals["verify"], totals["host"]) == \
-        (stats.draft_s, stats.verify_s, stats.host_s)
+    assert (totals["draft"] + totals["extend"], totals["verify"], totals["host"]) == (
+        stats.draft_s,
+        stats.verify_s,
+        stats.host_s,
+    )
     gen.reset_stats()
     assert gen.stats.rounds == 0 and gen.stats.draft_s == gen.stats.verify_s == 0.0
     plain = Generator(target, 2)

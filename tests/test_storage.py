@@ -8,10 +8,10 @@ import json
 from pathlib import Path
 
 import torch
-
 from conftest import compose_cfg
 from test_model import pair
 from test_speculative import AUX
+
 from engine.drafts.registry import load_head, plan_draft
 from engine.drafts.storage import FP8, SCALE_SUFFIX, dequantize, quantize, read_state, write_checkpoint
 from pipeline.__main__ import run
@@ -50,12 +50,16 @@ def test_an_fp8_checkpoint_plans_and_loads_like_its_bf16_form(tmp_path):
     heads = {}
     for form in ("fp32", "bf16", "fp8"):
         plan = plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / form)), target.args)
-        assert plan.checkpoint.shapes == plan_draft(
-            DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "fp32")), target.args).checkpoint.shapes
+        assert (
+            plan.checkpoint.shapes
+            == plan_draft(
+                DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "fp32")), target.args
+            ).checkpoint.shapes
+        )
         heads[form] = load_head(plan, target, 0, torch.device("cpu"), torch.float32).state_dict()
     for name, w in heads["fp32"].items():
         if w.is_floating_point() and w.dim() == 2:
-            err = lambda other: ((heads[other][name] - w).norm() / w.norm()).item()  # noqa: E731
+            err = lambda other, name=name, w=w: ((heads[other][name] - w).norm() / w.norm()).item()
             assert err("bf16") < 0.01 and err("fp8") < 0.04, name
         else:
             assert torch.equal(heads["fp8"][name], w), name  # norms (bf16-exact here) and vocabulary maps
@@ -71,8 +75,18 @@ def test_an_fp8_head_drafts_end_to_end(tmp_path, outputs):
     cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
     load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32).save(tmp_path / "h")
     write_checkpoint(tmp_path / "h", tmp_path / "h8", "fp8")
-    ctx = run(compose_cfg("+experiment=eagle3", "model=tiny", "device=cpu", "eval.limit=2", "eval.max_new_tokens=8",
-                          f"draft.path={tmp_path / 'h8'}", "draft.num_steps=2", "tracking=off"))
+    ctx = run(
+        compose_cfg(
+            "+experiment=eagle3",
+            "model=tiny",
+            "device=cpu",
+            "eval.limit=2",
+            "eval.max_new_tokens=8",
+            f"draft.path={tmp_path / 'h8'}",
+            "draft.num_steps=2",
+            "tracking=off",
+        )
+    )
     m = ctx["eval_results"]["metrics"]
     assert m["match_baseline"] == 1.0 and m["accept_length"] >= 1.0
 
@@ -98,20 +112,43 @@ def test_a_broken_checkpoint_file_is_one_clear_error_before_any_weights_load(tmp
     cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
     load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32).save(tmp_path / "good")
     data = (tmp_path / "good" / "model.safetensors").read_bytes()
-    cases = {"cut": (data[: len(data) // 2], "truncated"), "header": (data[:200], "truncated"),
-             "random": (torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0),
-                                      dtype=torch.uint8).numpy().tobytes(), "truncated, or not safetensors"),
-             "notjson": (len(b"{nope").to_bytes(8, "little") + b"{nope" + bytes(16), "not JSON")}
+    cases = {
+        "cut": (data[: len(data) // 2], "truncated"),
+        "header": (data[:200], "truncated"),
+        "random": (
+            torch.randint(0, 256, (100,), generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+            .numpy()
+            .tobytes(),
+            "truncated, or not safetensors",
+        ),
+        "notjson": (len(b"{nope").to_bytes(8, "little") + b"{nope" + bytes(16), "not JSON"),
+    }
     env = {**__import__("os").environ, "SPECPIPE_OUTPUTS": str(outputs)}
     for name, (content, why) in cases.items():
         d = tmp_path / name
         d.mkdir()
         (d / "config.json").write_text((tmp_path / "good" / "config.json").read_text())
         (d / "model.safetensors").write_bytes(content)
-        p = subprocess.run([sys.executable, "-m", "pipeline", "+experiment=eagle3", "model=tiny", "device=cpu",
-                            f"draft.path={d}", "eval.limit=1"], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300)
+        p = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "+experiment=eagle3",
+                "model=tiny",
+                "device=cpu",
+                f"draft.path={d}",
+                "eval.limit=1",
+            ],
+            cwd=REPO,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert p.returncode == 2, (name, p.stderr[-1500:])
-        assert f"draft.path='{d}'" in p.stderr and str(d / "model.safetensors") in p.stderr and why in p.stderr, \
-            (name, p.stderr[-1500:])
+        assert f"draft.path='{d}'" in p.stderr and str(d / "model.safetensors") in p.stderr and why in p.stderr, (
+            name,
+            p.stderr[-1500:],
+        )
         assert "Traceback" not in p.stderr and not (outputs / "mlflow.db").exists(), name

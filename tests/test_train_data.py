@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import compose_cfg, spread_init
+
 from engine.loading import load_model
 from engine.train.selfdistill import Sample, cut_share, passages, synthesize, task_messages
 from engine.train.vocab import build_draft_vocab
@@ -19,34 +19,55 @@ def tiny_target(outputs):
 
 def test_synthesize_prompts_and_answers_from_the_target(outputs):
     target = tiny_target(outputs)
-    samples = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
-                         min_prompt_chars=1)
+    samples = synthesize(
+        target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1
+    )
     assert len(samples) == 5
     tok = target.tokenizer
     for s in samples:
         assert s.prompt_ids == tok.encode_chat(s.user)  # the chat template around the synthesised message
         assert 0 < len(s.answer_ids) <= 12 and s.ids[: len(s.prompt_ids)] == s.prompt_ids
     assert len({s.user for s in samples}) > 1  # sampled, not one message repeated
-    again = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
-                       min_prompt_chars=1)
+    again = synthesize(
+        target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1
+    )
     assert [s.ids for s in again] == [s.ids for s in samples]  # seeded
-    whole = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
-                       min_prompt_chars=1, prompt_top_p=1.0)  # the whole distribution: other messages
+    whole = synthesize(
+        target,
+        n=5,
+        batch_size=4,
+        max_prompt_tokens=24,
+        max_answer_tokens=12,
+        seed=1,
+        min_prompt_chars=1,
+        prompt_top_p=1.0,
+    )  # the whole distribution: other messages
     assert [s.user for s in whole] != [s.user for s in samples]
     # the samples do not depend on how the decoding ran: the round loop (a host look every step) and
     # looks every 5 steps give the same ones (each batch also draws from its own seeded generator, so
     # steps run past a batch's end cannot shift the next batch's draws)
     for sync_every in (1, 5):
-        other = synthesize(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1,
-                           min_prompt_chars=1, sync_every=sync_every)
+        other = synthesize(
+            target,
+            n=5,
+            batch_size=4,
+            max_prompt_tokens=24,
+            max_answer_tokens=12,
+            seed=1,
+            min_prompt_chars=1,
+            sync_every=sync_every,
+        )
         assert [s.ids for s in other] == [s.ids for s in samples]
     # greedy answers are the target's own continuation of each prompt, whichever batch it came in
     from engine.generate import Generator
     from engine.sampling import SamplingParams
 
     for s in samples:
-        ref = Generator(target.model, 1).generate([s.prompt_ids], SamplingParams(max_new_tokens=12),
-                                                  tok.eos_token_ids)[0].tokens
+        ref = (
+            Generator(target.model, 1)
+            .generate([s.prompt_ids], SamplingParams(max_new_tokens=12), tok.eos_token_ids)[0]
+            .tokens
+        )
         assert ref == s.answer_ids
 
 
@@ -62,13 +83,16 @@ def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
     steered, plain = tok.user_turn(systems[0]), tok.user_turn()
     assert steered[0] != plain[0] and steered[1] == plain[1]  # a different prefix, the same end of turn
     # greedy messages: what a row writes depends on its prefix alone
-    kw = dict(n=4, batch_size=4, max_prompt_tokens=24, max_answer_tokens=6, seed=3, min_prompt_chars=0,
-              prompt_temperature=0.0)
+    kw = dict(
+        n=4, batch_size=4, max_prompt_tokens=24, max_answer_tokens=6, seed=3, min_prompt_chars=0, prompt_temperature=0.0
+    )
     samples = synthesize(target, system_prompts=systems, **kw)
     # the messages are what the target writes after each row's own prefix
     prefixes = [steered[0], plain[0], steered[0], plain[0]]
-    users = [tok.decode([t for t in r.tokens if t not in plain[1]]).strip()
-             for r in Generator(target.model, 4).generate(prefixes, SamplingParams(max_new_tokens=24), plain[1])]
+    users = [
+        tok.decode([t for t in r.tokens if t not in plain[1]]).strip()
+        for r in Generator(target.model, 4).generate(prefixes, SamplingParams(max_new_tokens=24), plain[1])
+    ]
     assert [s.user for s in samples] == users
     assert all(s.prompt_ids == tok.encode_chat(s.user) for s in samples)  # answered under the default
     assert [s.user for s in synthesize(target, **kw)] != users  # without them: other messages
@@ -94,8 +118,15 @@ def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outpu
     ref = Generator(target.model, len(prefixes)).generate(prefixes, SamplingParams(max_new_tokens=5), end)
     ended = [any(t in end for t in r.tokens) for r in ref]
     assert 0 < sum(ended) < len(ended)  # both kinds in one batch
-    kw = dict(batch_size=len(systems), max_prompt_tokens=5, max_answer_tokens=4, seed=0, min_prompt_chars=0,
-              prompt_temperature=0.0, system_prompts=systems)
+    kw = dict(
+        batch_size=len(systems),
+        max_prompt_tokens=5,
+        max_answer_tokens=4,
+        seed=0,
+        min_prompt_chars=0,
+        prompt_temperature=0.0,
+        system_prompts=systems,
+    )
     samples = synthesize(target, n=len(systems), **kw)
     assert [s.cut for s in samples] == [not e for e in ended]
     assert cut_share(samples) == pytest.approx(1 - sum(ended) / len(ended))
@@ -140,8 +171,17 @@ def test_passage_tasks_ask_about_the_targets_own_complete_answers(outputs):
     target = _ending_target(outputs)
     tok = target.tokenizer
     tasks = ["Summarize: {passage}", "{passage}\nRewrite it."]
-    kw = dict(n=12, batch_size=4, max_prompt_tokens=8, max_answer_tokens=10, seed=5, min_prompt_chars=0,
-              passage_share=0.5, passage_tasks=tasks, passage_tokens=(1, 9))
+    kw = dict(
+        n=12,
+        batch_size=4,
+        max_prompt_tokens=8,
+        max_answer_tokens=10,
+        seed=5,
+        min_prompt_chars=0,
+        passage_share=0.5,
+        passage_tasks=tasks,
+        passage_tokens=(1, 9),
+    )
     phase_s: dict[str, float] = {}
     samples = synthesize(target, phase_s=phase_s, **kw)
     magpie, asked = samples[:6], samples[6:]
@@ -152,8 +192,9 @@ def test_passage_tasks_ask_about_the_targets_own_complete_answers(outputs):
     texts = passages(target, magpie, (1, 9))
     assert texts == [tok.decode(s.answer_ids[:-1]).strip() for s in complete]
     assert [s.user for s in asked] == task_messages(texts, tasks, 6)
-    ref = Generator(target.model, 6).generate([tok.encode_chat(s.user) for s in asked],
-                                              SamplingParams(max_new_tokens=10), tok.eos_token_ids)
+    ref = Generator(target.model, 6).generate(
+        [tok.encode_chat(s.user) for s in asked], SamplingParams(max_new_tokens=10), tok.eos_token_ids
+    )
     assert [s.answer_ids for s in asked] == [r.tokens for r in ref]
     assert all(s.prompt_ids == tok.encode_chat(s.user) and not s.cut for s in asked)
     assert [s.ids for s in synthesize(target, **kw)] == [s.ids for s in samples]  # seeded
@@ -187,7 +228,6 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
     from engine.drafts.base import FeatureKind
     from engine.model import StaticKVCache
     from engine.train.data import VocabMap, target_batch
-    from engine.train.selfdistill import Sample
 
     target = tiny_target(outputs).model
     target.set_aux_layers([1, 2, 3])
@@ -215,7 +255,6 @@ def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
     the features and the mask do not move."""
     from engine.model import StaticKVCache
     from engine.train.data import VocabMap, target_batch
-    from engine.train.selfdistill import Sample
     from engine.train.vocab import build_draft_vocab
 
     target = tiny_target(outputs).model
@@ -249,8 +288,9 @@ def test_target_batch_top_is_the_targets_greedy_token_on_its_own_answers(outputs
     target = loaded.model
     spread_init(target, seed=4)  # peaked answers, no near-ties
     target.set_aux_layers([1, 2, 3])
-    samples = synthesize(loaded, n=6, batch_size=6, max_prompt_tokens=12, max_answer_tokens=16, seed=2,
-                         min_prompt_chars=1)
+    samples = synthesize(
+        loaded, n=6, batch_size=6, max_prompt_tokens=12, max_answer_tokens=16, seed=2, min_prompt_chars=1
+    )
     vocab = VocabMap(*build_draft_vocab([s.ids for s in samples[:3]], target.args.vocab_size, 48))
     cache = StaticKVCache(target.args, 6, 64, torch.device("cpu"), torch.float32)
     batch = target_batch(target, cache, samples, vocab, 64, "cpu")
@@ -259,8 +299,9 @@ def test_target_batch_top_is_the_targets_greedy_token_on_its_own_answers(outputs
     for i, s in enumerate(samples):
         ids[i, : lens[i]] = torch.tensor(s.ids)
     positions = torch.arange(ids.shape[1]).expand_as(ids)
-    z = target(ids, positions, cache.rows(6), valid=positions < torch.tensor(lens)[:, None],
-               kv_len=ids.shape[1], causal=True).logits[:, 1:]  # [B, L-1, V]: the whole vocabulary
+    z = target(
+        ids, positions, cache.rows(6), valid=positions < torch.tensor(lens)[:, None], kv_len=ids.shape[1], causal=True
+    ).logits[:, 1:]  # [B, L-1, V]: the whole vocabulary
     m = batch.mask
     assert m.sum() > 40
     assert torch.equal(batch.top[m], vocab.to_draft[z.argmax(-1)][m])  # the greedy token, as a draft id

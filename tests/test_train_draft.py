@@ -9,28 +9,36 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import compose_cfg, spread_init
 from mlflow.tracking import MlflowClient
 from safetensors import safe_open
+from test_model import pair
 
-from conftest import compose_cfg, spread_init
 from engine.drafts.heads import Eagle3Head, eagle3_config
 from engine.model import StaticKVCache, run_steps
 from engine.train.average import WeightAverage
-from engine.train.eagle3 import (TORCH_OPS, TRITON_OPS, Batch, chain_acceptance, chain_lengths, round_weights,
-                                 simulated_loop, ttt_attention_flex, ttt_forward, ttt_loss)
+from engine.train.eagle3 import (
+    TORCH_OPS,
+    TRITON_OPS,
+    Batch,
+    chain_acceptance,
+    chain_lengths,
+    simulated_loop,
+    ttt_attention_flex,
+    ttt_forward,
+    ttt_loss,
+)
 from kernels.runtime import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
-from stages.train_draft import model_card, settings
 from pipeline.tracking import default_tracking_uri
-from test_model import pair
+from stages.train_draft import model_card, settings
 
 
 def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
     _, target = pair()
-    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], None, lm_head), max(64, t)), seed=seed,
-                       std=0.1)
+    head = spread_init(Eagle3Head(eagle3_config(target.args, [0, 1, 2], None, lm_head), max(64, t)), seed=seed, std=0.1)
     head.bind(target.to(device)).to(device)
     g = torch.Generator().manual_seed(seed)
     feats = torch.randn(b, t, head.fc.in_features, generator=g)
@@ -38,8 +46,9 @@ def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
     positions = torch.arange(t).expand(b, t)
     label_logits = 2 * torch.randn(b, t, 320, generator=g)
     batch = Batch(tokens, positions, feats, label_logits, label_logits.argmax(-1), torch.ones(b, t, dtype=torch.bool))
-    return head, Batch(*(x.to(device) for x in (batch.tokens, batch.positions, batch.feats, batch.label_logits,
-                                               batch.top, batch.mask)))
+    return head, Batch(
+        *(x.to(device) for x in (batch.tokens, batch.positions, batch.feats, batch.label_logits, batch.top, batch.mask))
+    )
 
 
 @torch.no_grad()
@@ -50,14 +59,26 @@ def _inference_chain(head, batch: Batch, row: int, anchor: int, steps: int) -> l
     cache = StaticKVCache(head.args, 1, head.max_seq_len, batch.tokens.device, torch.float32)
     prog = head.program(cache)
     n = anchor + 1
-    env = {"tokens": batch.tokens[row:row + 1, :n], "hidden": batch.feats[row:row + 1, :n],
-           "positions": batch.positions[row:row + 1, :n], "valid": None, "kv_len": n, "input_embeds": None}
+    env = {
+        "tokens": batch.tokens[row : row + 1, :n],
+        "hidden": batch.feats[row : row + 1, :n],
+        "positions": batch.positions[row : row + 1, :n],
+        "valid": None,
+        "kv_len": n,
+        "input_embeds": None,
+    }
     run_steps(prog, env)
     out, h = [env["logits"][0, -1]], env["out_hidden"][:, -1:]
     for s in range(1, steps):
         p = anchor + s
-        env = {"tokens": batch.tokens[row:row + 1, p:p + 1], "hidden": h, "positions": batch.positions[row:row + 1, p:p + 1],
-               "valid": None, "kv_len": p + 1, "input_embeds": None}
+        env = {
+            "tokens": batch.tokens[row : row + 1, p : p + 1],
+            "hidden": h,
+            "positions": batch.positions[row : row + 1, p : p + 1],
+            "valid": None,
+            "kv_len": p + 1,
+            "input_embeds": None,
+        }
         run_steps(prog, env)
         out.append(env["logits"][0, -1])
         h = env["out_hidden"]
@@ -132,60 +153,44 @@ def _half_right(head, batch: Batch, steps: int) -> list[torch.Tensor]:
     return ttt_forward(head, batch, steps)
 
 
-@pytest.mark.parametrize("reach", [0.0, 0.5, 1.0])
-def test_reach_weight_trains_the_steps_chains_reach(reach):
-    """reach_weight: step s at p weighs 1 where the chain anchored at p - s had drafts 0..s-1 all right,
-    1 - reach elsewhere, over the step's valid count. Against a per-position loop; at reach = 1 a step
-    no chain reaches gets no gradient."""
+def test_ttt_loss_is_the_decayed_mean_of_each_steps_cross_entropy():
+    """Step s's loss is the mean cross-entropy over its valid positions (p >= s, in the answer), and the
+    steps are averaged with weights decay ** s: against a per-position loop."""
     head, batch = _head_and_batch(t=16)
     batch.mask[0, :3] = False
-    head.requires_grad_(True)
     steps, decay = 3, 0.7
     logits = _half_right(head, batch, steps)
-    loss, stats = ttt_loss(logits, batch, decay=decay, reach=reach)
-    right = [(lg.argmax(-1) == batch.top) & batch.mask for lg in logits]  # [B, T] by position, per step
+    loss, stats = ttt_loss(logits, batch, decay=decay)
     b, t = batch.mask.shape
-    want, reached = 0.0, {}
+    want = 0.0
     for s in range(steps):
-        terms, n = [], 0
-        for r in range(b):
-            for p in range(s, t):
-                if not batch.mask[r, p]:
-                    continue
-                n += 1
-                reached[s, r, p] = all(bool(right[i][r, p - s + i]) for i in range(s))
-                ce = -(batch.labels[r, p] * torch.log_softmax(logits[s][r, p].float(), -1)).sum()
-                terms.append(ce * (1.0 if reached[s, r, p] else 1.0 - reach))
-        want = want + decay ** s * torch.stack(terms).sum() / n
-    want = want / sum(decay ** s for s in range(steps))
-    torch.testing.assert_close(loss, want)
-    reach_1 = sum(reached[1, r, p] for (s, r, p) in reached if s == 1)
-    assert 0 < reach_1 < sum(1 for k in reached if k[0] == 1)  # the test reaches some step-1 chains, not all
-    if reach > 0:
-        assert stats["reach_1"].item() == pytest.approx(reach_1 / sum(1 for k in reached if k[0] == 1))
-    if reach == 1.0:
-        grads = torch.autograd.grad(loss, logits)
-        for (s, r, p), ok in reached.items():
-            assert bool(grads[s][r, p].abs().sum() > 0) == ok, (s, r, p)
+        terms = [
+            -(batch.labels[r, p] * torch.log_softmax(logits[s][r, p].float(), -1)).sum()
+            for r in range(b)
+            for p in range(s, t)
+            if batch.mask[r, p]
+        ]
+        want = want + decay**s * torch.stack(terms).mean()
+        right = [
+            bool(logits[s][r, p].argmax() == batch.top[r, p]) for r in range(b) for p in range(s, t) if batch.mask[r, p]
+        ]
+        assert stats[f"acc_{s}"].item() == pytest.approx(sum(right) / len(right))
+    torch.testing.assert_close(loss, want / sum(decay**s for s in range(steps)))
 
 
 @pytest.mark.skipif(triton is None, reason="triton is not installed")
-@pytest.mark.parametrize("anchor_weight", [False, True])
-def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss(anchor_weight):
+def test_ttt_loss_on_the_fused_kernel_equals_the_torch_loss():
     """The Triton soft cross-entropy (TRITON_INTERPRET=1 on CPU) gives ttt_loss the same loss, per-step
     figures and gradients as the plain-torch path, at a label temperature, with masked positions."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     head, batch = _head_and_batch(device=device)
     batch.mask[0, :4] = False
     batch.label_temperature = 0.5
-    if anchor_weight:  # with the reach weights too (the chains' greedy drafts: the kernel's argmax)
-        batch.anchor_weight = torch.rand(batch.mask.shape, generator=torch.Generator().manual_seed(1)).to(device)
     head.requires_grad_(True)
-    reach = 0.5 if anchor_weight else 0.0
     _half_right(head, batch, 1)
     out = {}
     for kernel in ("torch", "triton"):
-        loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch, kernel=kernel, reach=reach)
+        loss, stats = ttt_loss(ttt_forward(head, batch, 3), batch, kernel=kernel)
         head.zero_grad()
         loss.backward()
         out[kernel] = loss, stats, {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
@@ -209,13 +214,23 @@ def test_ttt_forward_on_the_triton_ops_equals_the_torch_ops():
         logits = ttt_forward(head, batch, 3, ops=ops)
         head.zero_grad()
         ttt_loss(logits, batch)[0].backward()
-        out[ops] = [lg.detach() for lg in logits], {n: p.grad.clone() for n, p in head.named_parameters()
-                                                      if p.grad is not None}
+        out[ops] = (
+            [lg.detach() for lg in logits],
+            {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None},
+        )
     (l0, g0), (l1, g1) = out[TORCH_OPS], out[TRITON_OPS]
     for a, b in zip(l0, l1):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
-    assert g0.keys() == g1.keys() and {"midlayer.hidden_norm.weight", "norm.weight", "midlayer.self_attn.q_proj.weight",
-                                       "midlayer.self_attn.k_proj.weight"} <= g0.keys()
+    assert (
+        g0.keys() == g1.keys()
+        and {
+            "midlayer.hidden_norm.weight",
+            "norm.weight",
+            "midlayer.self_attn.q_proj.weight",
+            "midlayer.self_attn.k_proj.weight",
+        }
+        <= g0.keys()
+    )
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-3, msg=n)
 
@@ -233,8 +248,10 @@ def test_ttt_forward_on_the_triton_ops_under_bf16_autocast_on_gpu():
             logits = ttt_forward(head, batch, 3, attention=ttt_attention_flex, ops=ops)
         head.zero_grad()
         ttt_loss(logits, batch, kernel="triton")[0].backward()
-        out[ops] = [lg.float() for lg in logits], {n: p.grad.clone() for n, p in head.named_parameters()
-                                                    if p.grad is not None}
+        out[ops] = (
+            [lg.float() for lg in logits],
+            {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None},
+        )
     (l0, g0), (l1, g1) = out[TORCH_OPS], out[TRITON_OPS]
     for a, b in zip(l0, l1):
         torch.testing.assert_close(b, a, atol=0.05, rtol=0.02)
@@ -262,8 +279,19 @@ def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch)
 def test_lr_schedule_warms_up_then_follows_steps_or_time_down_to_the_floor():
     from engine.train.trainer import lr_at
 
-    s = settings(to_run_config(compose_cfg(*TRAIN, "train.lr=1e-3", "train.warmup_steps=10", "train.steps=110",
-                                           "train.min_lr_ratio=0.25", "device=cpu")), torch.device("cpu"))
+    s = settings(
+        to_run_config(
+            compose_cfg(
+                *TRAIN,
+                "train.lr=1e-3",
+                "train.warmup_steps=10",
+                "train.steps=110",
+                "train.min_lr_ratio=0.25",
+                "device=cpu",
+            )
+        ),
+        torch.device("cpu"),
+    )
     assert lr_at(0, 0.0, s) == pytest.approx(1e-4) and lr_at(9, 0.0, s) == pytest.approx(1e-3)
     assert lr_at(60, 0.0, s) == pytest.approx(1e-3 * (0.25 + 0.75 * 0.5))  # half way down the cosine
     assert lr_at(110, 0.0, s) == pytest.approx(2.5e-4) == lr_at(500, 0.0, s)  # the floor, and it stays
@@ -343,33 +371,32 @@ def test_loop_anchors_by_pointer_doubling_equal_the_walk(t):
         assert got[:2] == want[:2] and torch.equal(got[2], want[2]), horizon
 
 
-def test_round_weights_put_the_loss_on_the_loop_anchors():
-    head, batch = _head_and_batch(b=2, t=12)
-    batch.mask[:, :3] = False
-    with torch.no_grad():
-        logits = ttt_forward(head, batch, 3)
-    w = round_weights(logits, batch, 3, extra=4.0)
-    _, rounds, anchors = simulated_loop(chain_lengths(logits, batch, 3), batch.mask)
-    assert w.shape == batch.mask.shape and set(w.unique().tolist()) <= {1.0, 5.0}
-    assert int((w == 5.0).sum()) == rounds == int(anchors.sum()) > 0
-    # A loss with all the weight on one anchor's chain equals the plain loss over that chain alone.
-    j = int(anchors[0].nonzero()[0])
-    batch.anchor_weight = torch.zeros_like(w)
-    batch.anchor_weight[0, j] = 1.0
-    weighted, _ = ttt_loss(logits, batch, decay=1.0)
-    ce = [-(batch.labels[0, j + s] * torch.log_softmax(logits[s][0, j + s], -1)).sum() for s in range(3)]
-    torch.testing.assert_close(weighted, torch.stack(ce).mean())
-
-
 # ------------------------------------------------------------------------------------------ the stage
 # fp32 on every device: in bf16 (the CUDA default) near-ties of a random head's argmax flip between the
 # batched teacher-forced forward and the engine's decode kernels, and the replayed loop stops equalling
 # the real one (1.227 vs 1.211 on an H200)
-TRAIN = ["dtype=float32", "+experiment=train_eagle3_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.aux_layer_ids=[1,2,3]",
-         "draft.draft_vocab_size=96", "train.data.num_samples=16", "train.data.batch_size=8",
-         "train.data.max_prompt_tokens=12", "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1",
-         "train.heldout=0.25", "train.lr=5e-3", "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64",
-         "train.eval_every=20", "train.save_every=20", "train.ttt_steps=4", "train.eval_k=3"]
+TRAIN = [
+    "dtype=float32",
+    "+experiment=train_eagle3_smollm2",
+    "model=tiny",
+    "model.random.init_std=0.15",
+    "draft.aux_layer_ids=[1,2,3]",
+    "draft.draft_vocab_size=96",
+    "train.data.num_samples=16",
+    "train.data.batch_size=8",
+    "train.data.max_prompt_tokens=12",
+    "train.data.max_answer_tokens=24",
+    "train.data.min_prompt_chars=1",
+    "train.heldout=0.25",
+    "train.lr=5e-3",
+    "train.warmup_steps=5",
+    "train.max_tokens=1024",
+    "train.max_len=64",
+    "train.eval_every=20",
+    "train.save_every=20",
+    "train.ttt_steps=4",
+    "train.eval_k=3",
+]
 
 
 def _history(client, run_id, key):
@@ -380,8 +407,7 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     # eval_k = draft.num_steps and no sample cut by max_len: the replayed loop of the held-out evaluation
     # is then the real loop on the same prompts (in fp32: TRAIN's dtype), both stopping at 16 new tokens
     # of answers up to 24 long
-    ctx = run(compose_cfg(*TRAIN, "train.steps=40", "train.eval_k=5", "train.loop_eval_tokens=16",
-                          "train.max_len=128"))
+    ctx = run(compose_cfg(*TRAIN, "train.steps=40", "train.eval_k=5", "train.loop_eval_tokens=16", "train.max_len=128"))
     head_dir = Path(ctx["draft_checkpoint"])
     assert head_dir == outputs / "train" / "train_eagle3_smollm2" / "head"
     cfg = json.loads((head_dir / "config.json").read_text())
@@ -412,8 +438,9 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
 
     # Resume: the same experiment with more steps continues from step 40 on the cached data.
     ctx = run(compose_cfg(*TRAIN, "train.steps=50"))
-    state = torch.load(outputs / "train" / "train_eagle3_smollm2" / "checkpoint" / "trainer_state.pt",
-                       weights_only=False)
+    state = torch.load(
+        outputs / "train" / "train_eagle3_smollm2" / "checkpoint" / "trainer_state.pt", weights_only=False
+    )
     assert state["step"] == 50
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
     second = runs[0].info.run_id
@@ -432,16 +459,27 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     (data,) = (outputs / "train" / "data").glob("*/samples.jsonl")  # one synthesis, keyed by its settings
     samples = [json.loads(line) for line in open(data)]
     qfile = tmp_path / "question.jsonl"
-    qfile.write_text("".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n"
-                             for i, s in enumerate(samples)))
-    common = ["+experiment=eagle3", "model=tiny", "model.random.init_std=0.15", "draft.aux_layer_ids=[1,2,3]",
-              f"eval.dataset={qfile}", "eval.max_new_tokens=24", "eval.batch_size=4", "draft.num_steps=3",
-              "tracking=off"]
+    qfile.write_text(
+        "".join(json.dumps({"question_id": i, "turns": [s["user"]]}) + "\n" for i, s in enumerate(samples))
+    )
+    common = [
+        "+experiment=eagle3",
+        "model=tiny",
+        "model.random.init_std=0.15",
+        "draft.aux_layer_ids=[1,2,3]",
+        f"eval.dataset={qfile}",
+        "eval.max_new_tokens=24",
+        "eval.batch_size=4",
+        "draft.num_steps=3",
+        "tracking=off",
+    ]
     trained = run(compose_cfg(*common, "draft.init=checkpoint", f"draft.path={head_dir}"))["eval_results"]["metrics"]
     random_ = run(compose_cfg(*common, "draft.init=random", "draft.draft_vocab_size=96"))["eval_results"]["metrics"]
     assert trained["match_baseline"] == 1.0
-    assert trained["accept_length"] > random_["accept_length"] + 0.2, (trained["accept_length"],
-                                                                        random_["accept_length"])
+    assert trained["accept_length"] > random_["accept_length"] + 0.2, (
+        trained["accept_length"],
+        random_["accept_length"],
+    )
     assert d2t.shape == (96,)
 
 
@@ -460,8 +498,16 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     """draft.lm_head=target: the head predicts through the target's lm_head (frozen, shared), so the
     export stores no lm_head, d2t or t2d and its config.json no draft_vocab_size (sglang then loads the
     lm_head from the target); every answer token is in its vocabulary; it trains and loads back."""
-    ctx = run(compose_cfg(*TRAIN, "draft.draft_vocab_size=null", "draft.lm_head=target", "train.steps=30",
-                          "train.loop_eval_prompts=0", "train.name=shared"))
+    ctx = run(
+        compose_cfg(
+            *TRAIN,
+            "draft.draft_vocab_size=null",
+            "draft.lm_head=target",
+            "train.steps=30",
+            "train.loop_eval_prompts=0",
+            "train.name=shared",
+        )
+    )
     head_dir = Path(ctx["draft_checkpoint"])
     cfg = json.loads((head_dir / "config.json").read_text())
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and "draft_vocab_size" not in cfg
@@ -475,9 +521,20 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     assert val[-1][0] == 30 and val[-1][1] < val[0][1]  # the held-out loss falls
     assert r.data.metrics["val_draft_vocab_coverage"] == 1.0
 
-    trained = run(compose_cfg("+experiment=eagle3", "model=tiny", "model.random.init_std=0.15",
-                              "draft.aux_layer_ids=[1,2,3]", "eval.limit=2", "eval.max_new_tokens=16",
-                              "draft.num_steps=3", "tracking=off", "draft.init=checkpoint", f"draft.path={head_dir}"))
+    trained = run(
+        compose_cfg(
+            "+experiment=eagle3",
+            "model=tiny",
+            "model.random.init_std=0.15",
+            "draft.aux_layer_ids=[1,2,3]",
+            "eval.limit=2",
+            "eval.max_new_tokens=16",
+            "draft.num_steps=3",
+            "tracking=off",
+            "draft.init=checkpoint",
+            f"draft.path={head_dir}",
+        )
+    )
     head, target = trained["draft_head"], trained["target"].model
     assert head.shares_lm_head and head.lm_head is target.lm_head
     assert trained["eval_results"]["metrics"]["match_baseline"] == 1.0
@@ -491,17 +548,23 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     soft = run(compose_cfg(*common, "train.name=soft", "train.label_temperature=1"))  # the recipe's is 0.5
     sharp = run(compose_cfg(*common, "train.name=sharp", "train.label_temperature=0.25"))
     client = MlflowClient(default_tracking_uri(outputs))
-    runs = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id],
-                              order_by=["attributes.start_time ASC"])
+    runs = client.search_runs(
+        [client.get_experiment_by_name("train_eagle3_smollm2").experiment_id], order_by=["attributes.start_time ASC"]
+    )
     assert len(runs) == 2 and runs[0].data.metrics["data_reused"] == 0 and runs[1].data.metrics["data_reused"] == 1
     soft_val, sharp_val = (_history(client, r.info.run_id, "val_loss") for r in runs)
     assert soft_val[0] == sharp_val[0]  # step 0: the same head scored on the same labels
     assert soft_val[-1][0] == sharp_val[-1][0] == 20 and soft_val[-1][1] != sharp_val[-1][1]
-    with safe_open(str(Path(soft["draft_checkpoint"]) / "model.safetensors"), "pt") as a, \
-            safe_open(str(Path(sharp["draft_checkpoint"]) / "model.safetensors"), "pt") as b:
+    with (
+        safe_open(str(Path(soft["draft_checkpoint"]) / "model.safetensors"), "pt") as a,
+        safe_open(str(Path(sharp["draft_checkpoint"]) / "model.safetensors"), "pt") as b,
+    ):
         assert not torch.equal(a.get_tensor("fc.weight"), b.get_tensor("fc.weight"))
     card = (Path(sharp["draft_checkpoint"]) / "README.md").read_text()
-    assert "at temperature 0.25" in card and "at temperature" not in (Path(soft["draft_checkpoint"]) / "README.md").read_text()
+    assert (
+        "at temperature 0.25" in card
+        and "at temperature" not in (Path(soft["draft_checkpoint"]) / "README.md").read_text()
+    )
 
 
 def test_weight_average_follows_the_warmed_up_ema_and_swaps_in_and_out():
@@ -572,34 +635,35 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
     assert (out / "head").is_dir() and not (out / "head_last").exists()
 
 
-@pytest.mark.parametrize("override, key", [
-    (["draft=ngram"], "draft.algorithm"),
-    (["train.heldout=1.5"], "train.heldout"),
-    (["train.data.graph=full"], "train.data.graph"),
-    (["train.data.graph=fast"], "train.data.graph"),
-    (["train.data.sync_every=0"], "train.data.sync_every"),
-    (["train.max_len=4096"], "train.max_len"),
-    (["train.steps=0"], "train.steps"),
-    (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
-    (["train.attention=fast"], "train.attention"),
-    (["train.round_weight=-1"], "train.round_weight"),
-    (["train.reach_weight=1.5"], "train.reach_weight"),
-    (["train.label_temperature=0"], "train.label_temperature"),
-    (["train.kernels=fused"], "train.kernels"),
-    (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
-    (["train.ema_decay=1"], "train.ema_decay"),
-    (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
-    (["passages=tasks", "train.data.passage_share=1"], "train.data.passage_share"),
-    (["train.data.passage_share=0.25"], "train.data.passage_tasks"),  # passages=none: no task
-    (["passages=tasks", "train.data.passage_tasks=[Summarize this]"], "train.data.passage_tasks"),
-    (["passages=tasks", "train.data.passage_tasks=['{passage} {x}']"], "train.data.passage_tasks"),
-    (["passages=tasks", "train.data.passage_tokens=[64,32]"], "train.data.passage_tokens"),
-    (["passages=tasks", "train.data.passage_temperature=-1"], "train.data.passage_temperature"),
-    (["draft.lm_head=tied"], "draft.lm_head"),
-    (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
-    (["draft.intermediate_size=0"], "draft.intermediate_size"),
-    (["draft.init=checkpoint", "draft.intermediate_size=256"], "draft.intermediate_size"),  # the checkpoint's
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        (["draft=ngram"], "draft.algorithm"),
+        (["train.heldout=1.5"], "train.heldout"),
+        (["train.data.graph=full"], "train.data.graph"),
+        (["train.data.graph=fast"], "train.data.graph"),
+        (["train.data.sync_every=0"], "train.data.sync_every"),
+        (["train.max_len=4096"], "train.max_len"),
+        (["train.steps=0"], "train.steps"),
+        (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
+        (["train.attention=fast"], "train.attention"),
+        (["train.label_temperature=0"], "train.label_temperature"),
+        (["train.kernels=fused"], "train.kernels"),
+        (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
+        (["train.ema_decay=1"], "train.ema_decay"),
+        (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
+        (["passages=tasks", "train.data.passage_share=1"], "train.data.passage_share"),
+        (["train.data.passage_share=0.25"], "train.data.passage_tasks"),  # passages=none: no task
+        (["passages=tasks", "train.data.passage_tasks=[Summarize this]"], "train.data.passage_tasks"),
+        (["passages=tasks", "train.data.passage_tasks=['{passage} {x}']"], "train.data.passage_tasks"),
+        (["passages=tasks", "train.data.passage_tokens=[64,32]"], "train.data.passage_tokens"),
+        (["passages=tasks", "train.data.passage_temperature=-1"], "train.data.passage_temperature"),
+        (["draft.lm_head=tied"], "draft.lm_head"),
+        (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
+        (["draft.intermediate_size=0"], "draft.intermediate_size"),
+        (["draft.init=checkpoint", "draft.intermediate_size=256"], "draft.intermediate_size"),  # the checkpoint's
+    ],
+)
 def test_bad_train_config_is_one_clear_error(outputs, override, key):
     with pytest.raises(PlanError) as e:
         build_plan(to_run_config(compose_cfg(*TRAIN, *override, "device=cpu")))
@@ -609,19 +673,6 @@ def test_bad_train_config_is_one_clear_error(outputs, override, key):
 
 # ------------------------------------------------------------------------------------------ the shipped head
 SHIPPED = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints" / "smollm2-135m-instruct-eagle3"
-
-
-def test_model_card_names_the_loss_levers_that_were_on():
-    """The card of a head trained with train.round_weight / train.reach_weight says so, in words and as the
-    overrides that reproduce it; the recipe's own card (both off) mentions neither."""
-    facts = json.loads((SHIPPED / "training.json").read_text())
-    facts["train"].update(round_weight=0.0, reach_weight=0.0)
-    plain = model_card(facts)
-    assert not any(w in plain for w in ("round_weight", "reach_weight", "starts a round", "chain reaches"))
-    facts["train"].update(round_weight=1.0, reach_weight=0.25)
-    card = model_card(facts)
-    assert "+experiment=train_eagle3_smollm2 train.round_weight=1 train.reach_weight=0.25`" in card
-    assert "starts a round weigh 2" in card and "no greedy chain reaches weighs 0.75" in card
 
 
 def test_model_card_command_is_the_recipe_and_what_differs_from_it():
@@ -639,8 +690,10 @@ def test_model_card_command_is_the_recipe_and_what_differs_from_it():
     assert "weight decay" not in card and "moving average" not in card
     facts["experiment"] = "train_mtp_smollm2"  # another recipe, its own values: lr 2e-3, T 0.5, EMA, 600 s
     facts["train"].update(max_time_s=480.0)
-    assert ("(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
-            "train.lr=0.001 train.max_time_s=480`)") in model_card(facts)
+    assert (
+        "(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
+        "train.lr=0.001 train.max_time_s=480`)"
+    ) in model_card(facts)
 
 
 def test_model_card_and_plan_name_the_passage_tasks():
@@ -664,9 +717,27 @@ def test_train_step_benchmark_builds_every_variant_and_times_a_step(outputs):
 
     from pipeline.paths import REPO
 
-    p = subprocess.run([sys.executable, "benchmarks/train_step.py", "--variants", "eager", "--shapes", "1x48",
-                        "--iters", "1", "model=tiny", "draft.aux_layer_ids=[0,1,2]", "draft.draft_vocab_size=128",
-                        "train.max_tokens=128", "train.kernels=triton"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    p = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/train_step.py",
+            "--variants",
+            "eager",
+            "--shapes",
+            "1x48",
+            "--iters",
+            "1",
+            "model=tiny",
+            "draft.aux_layer_ids=[0,1,2]",
+            "draft.draft_vocab_size=128",
+            "train.max_tokens=128",
+            "train.kernels=triton",
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert p.returncode == 0, p.stderr[-2000:]
     row = next(line.split() for line in p.stdout.splitlines() if line.startswith("eager "))
     assert row[1] == "1x48" and float(row[7]) > 0  # step ms

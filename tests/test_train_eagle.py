@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 
 import torch
-
-from conftest import compose_cfg, assert_trained_beats_random
+from conftest import assert_trained_beats_random, compose_cfg
 from test_model import pair
+
 from engine.drafts.registry import load_head, plan_draft
 from engine.program import run_steps
 from engine.train.eagle import eagle_forward
@@ -22,29 +22,63 @@ def test_first_step_equals_the_heads_inference_program():
     """Step 0 of the unrolled forward (features f_p, tokens x_{p+1}) is the head's prefill program over
     the same pairs: the logits agree position by position."""
     _, target = pair()
-    head = load_head(plan_draft(DraftConfig(algorithm="eagle", init="random"), target.args), target, 0,
-                     torch.device("cpu"), torch.float32)
+    head = load_head(
+        plan_draft(DraftConfig(algorithm="eagle", init="random"), target.args),
+        target,
+        0,
+        torch.device("cpu"),
+        torch.float32,
+    )
     g = torch.Generator().manual_seed(0)
     b, t, h = 2, 9, target.args.hidden_size
     tokens = torch.randint(0, target.args.vocab_size, (b, t), generator=g)
     feats = torch.randn(b, t, h, generator=g)
     positions = torch.arange(t).expand(b, t)
-    batch = Batch(tokens=tokens, positions=positions, feats=feats, label_logits=torch.zeros(b, t, 1),
-                  top=tokens, mask=torch.ones(b, t, dtype=torch.bool))
+    batch = Batch(
+        tokens=tokens,
+        positions=positions,
+        feats=feats,
+        label_logits=torch.zeros(b, t, 1),
+        top=tokens,
+        mask=torch.ones(b, t, dtype=torch.bool),
+    )
     logits = eagle_forward(head, batch, 2)
-    env = {"tokens": tokens, "hidden": feats, "positions": positions, "valid": torch.ones(b, t, dtype=torch.bool),
-           "kv_len": t, "input_embeds": None}
+    env = {
+        "tokens": tokens,
+        "hidden": feats,
+        "positions": positions,
+        "valid": torch.ones(b, t, dtype=torch.bool),
+        "kv_len": t,
+        "input_embeds": None,
+    }
     run_steps(head.program(head.new_cache(b)), env)
     assert len(logits) == 2 and logits[0].shape == (b, t, target.args.vocab_size)
     assert torch.allclose(logits[0], env["logits"], atol=1e-4)
 
 
-TRAIN = ["+experiment=train_eagle_smollm2", "model=tiny", "model.random.init_std=0.15", "draft.num_steps=3",
-         "train.data.num_samples=16", "train.data.batch_size=8", "train.data.max_prompt_tokens=12",
-         "train.data.max_answer_tokens=24", "train.data.min_prompt_chars=1", "train.heldout=0.25", "train.lr=5e-3",
-         "train.warmup_steps=5", "train.max_tokens=1024", "train.max_len=64", "train.eval_every=20",
-         "train.save_every=20", "train.ttt_steps=3", "train.eval_k=3", "train.steps=40", "train.loop_eval_prompts=4",
-         "train.ema_decay=0"]
+TRAIN = [
+    "+experiment=train_eagle_smollm2",
+    "model=tiny",
+    "model.random.init_std=0.15",
+    "draft.num_steps=3",
+    "train.data.num_samples=16",
+    "train.data.batch_size=8",
+    "train.data.max_prompt_tokens=12",
+    "train.data.max_answer_tokens=24",
+    "train.data.min_prompt_chars=1",
+    "train.heldout=0.25",
+    "train.lr=5e-3",
+    "train.warmup_steps=5",
+    "train.max_tokens=1024",
+    "train.max_len=64",
+    "train.eval_every=20",
+    "train.save_every=20",
+    "train.ttt_steps=3",
+    "train.eval_k=3",
+    "train.steps=40",
+    "train.loop_eval_prompts=4",
+    "train.ema_decay=0",
+]
 
 
 def test_train_draft_stage_trains_an_eagle_head_that_beats_a_random_one(outputs, tmp_path):
@@ -53,7 +87,14 @@ def test_train_draft_stage_trains_an_eagle_head_that_beats_a_random_one(outputs,
     assert ctx["draft_checkpoint"] == str(head_dir)
     assert json.loads((head_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
     assert "eagle" in (head_dir / "README.md").read_text()
-    common = ["+experiment=eagle", "model=tiny", "model.random.init_std=0.15", "eval.max_new_tokens=24",
-              "eval.batch_size=4", "draft.num_steps=3"]
-    assert_trained_beats_random(outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}"],
-                                ["draft.init=random"])
+    common = [
+        "+experiment=eagle",
+        "model=tiny",
+        "model.random.init_std=0.15",
+        "eval.max_new_tokens=24",
+        "eval.batch_size=4",
+        "draft.num_steps=3",
+    ]
+    assert_trained_beats_random(
+        outputs, tmp_path, common, ["draft.init=checkpoint", f"draft.path={head_dir}"], ["draft.init=random"]
+    )

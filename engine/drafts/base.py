@@ -74,9 +74,13 @@ class SpecState:
         """
         key = (tuple(self.lengths), tuple(self.live))
         if self._staged is None or self._staged[0] != key:
-            pinned = self._staged[1] if self._staged is not None else torch.empty(
-                2, len(self.lengths), dtype=torch.long,
-                pin_memory=getattr(self.device, "type", "cpu") == "cuda")
+            pinned = (
+                self._staged[1]
+                if self._staged is not None
+                else torch.empty(
+                    2, len(self.lengths), dtype=torch.long, pin_memory=getattr(self.device, "type", "cpu") == "cuda"
+                )
+            )
             pinned[0] = torch.tensor(self.lengths)
             pinned[1] = torch.tensor(self.live)
             self._staged = (key, pinned, pinned.to(self.device, non_blocking=True))
@@ -96,8 +100,16 @@ class Draft:
     features: FeatureKind = FeatureKind.none
     on_device = False  # its propose / commit are steps of the round program
 
-    def begin(self, state: SpecState, feats: Optional[Tensor], prompt_tokens: Tensor, valid: Tensor,
-              input_embeds: Optional[Tensor], first: Tensor, rows: Optional[slice] = None) -> None:
+    def begin(
+        self,
+        state: SpecState,
+        feats: Optional[Tensor],
+        prompt_tokens: Tensor,
+        valid: Tensor,
+        input_embeds: Optional[Tensor],
+        first: Tensor,
+        rows: Optional[slice] = None,
+    ) -> None:
         """Draft prefill. prompt_tokens/valid [n, T]; feats [n, T, F]; input_embeds [n, T, H] (the
         target's, reused for prompt positions); first [n]: the target's first emitted token.
         rows: the batch rows these n prompts occupy (None: they are the whole batch)."""
@@ -145,8 +157,13 @@ class DeviceDraft(Draft):
         b = len(state.lengths)
         lengths, live = state.on_device()
         last = torch.tensor([h[-1] for h in state.history], device=lengths.device)
-        return {"lengths": lengths, "live": live, "last": last, "kv_len": max(state.lengths),
-                **{name: t[:b] for name, t in self.buf.items()}}
+        return {
+            "lengths": lengths,
+            "live": live,
+            "last": last,
+            "kv_len": max(state.lengths),
+            **{name: t[:b] for name, t in self.buf.items()},
+        }
 
     def propose(self, state: SpecState, k: int) -> Proposal:
         env = self._env(state)

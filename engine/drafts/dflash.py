@@ -60,20 +60,33 @@ def dflash_value(cfg: dict, key: str, default: Any = None) -> Any:
     return (cfg.get("dflash_config") or {}).get(key, cfg.get(key, default))
 
 
-def dflash_config(target: ModelArgs, aux_output_of: list[int], block_size: int, mask_token_id: int,
-                  num_layers: int) -> dict:
+def dflash_config(
+    target: ModelArgs, aux_output_of: list[int], block_size: int, mask_token_id: int, num_layers: int
+) -> dict:
     """config.json of a DFlash head of the target's width (random init, training)."""
     return {
-        "architectures": [ARCHITECTURE], "model_type": "llama",
-        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
-        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim, "num_hidden_layers": num_layers, "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
-        "max_position_embeddings": target.max_position_embeddings, "tie_word_embeddings": False,
-        "target_hidden_size": target.hidden_size, "num_target_layers": target.num_layers,
-        "block_size": block_size, "mask_token_id": mask_token_id,
-        "dflash_config": {"target_layer_ids": list(aux_output_of), "block_size": block_size,
-                          "mask_token_id": mask_token_id},
+        "architectures": [ARCHITECTURE],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "num_hidden_layers": num_layers,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "vocab_size": target.vocab_size,
+        "max_position_embeddings": target.max_position_embeddings,
+        "tie_word_embeddings": False,
+        "target_hidden_size": target.hidden_size,
+        "num_target_layers": target.num_layers,
+        "block_size": block_size,
+        "mask_token_id": mask_token_id,
+        "dflash_config": {
+            "target_layer_ids": list(aux_output_of),
+            "block_size": block_size,
+            "mask_token_id": mask_token_id,
+        },
     }
 
 
@@ -126,10 +139,12 @@ class DFlashHead(_Head):
         env in:  feats [b, t, F], positions [b, t], valid [b, t] (False: the dummy slot)
         env out: nothing (the cache)
         """
+
         def write(env):
             c = self.context(env["feats"])  # [b, t, hidden]
-            a = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot,
-                                 c.dtype)
+            a = AttnInputs.build(
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, c.dtype
+            )
             for layer in self.layers:
                 layer.self_attn.write_kv(c, cache, a)
 
@@ -146,8 +161,9 @@ class DFlashHead(_Head):
 
         def start(env):
             x = self.embed(env["tokens"])  # [b, B, hidden]
-            a = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot,
-                                 x.dtype)
+            a = AttnInputs.build(
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, x.dtype
+            )
             # Non-causal inside the block: every query sees up to the block's last slot (padding rows: 0).
             last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, B]
             env["attn"] = dataclasses.replace(a, qpos=last.masked_fill(a.slots == cache.dummy_slot, 0))
@@ -158,6 +174,7 @@ class DFlashHead(_Head):
         def pre(i):
             def fn(env):
                 env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
+
             return fn
 
         def attend(i):
@@ -166,18 +183,21 @@ class DFlashHead(_Head):
                     # graphs: the target's max_seq_len) when a block runs past it. The mask clamps to the cache.
                     env["mask"] = None if kernel else env["attn"].mask(env["kv_len"] + self.block_size)
                 env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
+
             return fn
 
         def post(i):
             def fn(env):
                 env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
+
             return fn
 
         def finish(env):
-            x, delta = env["x"][:, 1: num_drafts + 1], env["delta"][:, 1: num_drafts + 1]  # [b, k, hidden]
+            x, delta = env["x"][:, 1 : num_drafts + 1], env["delta"][:, 1 : num_drafts + 1]  # [b, k, hidden]
             if fused:  # + residual, norm, lm_head and argmax in one kernel: no logits
-                env["ids"] = add_rmsnorm_gemv(x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight,
-                                              argmax=True)[1]  # [b, k]
+                env["ids"] = add_rmsnorm_gemv(
+                    x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight, argmax=True
+                )[1]  # [b, k]
                 return
             env["logits"] = self.lm_head(self.norm(x + delta))  # [b, k, vocab]
             env["ids"] = env["logits"].argmax(-1)
@@ -191,16 +211,20 @@ class DFlashHead(_Head):
 
     # -- model card (stages/train_draft.py) ----------------------------------------------------------
     def card_summary(self, f: dict) -> str:
-        return (f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
-                f"Llama layers `layers.*`, `norm`):\none forward proposes a block of {self.block_size - 1} tokens "
-                f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
-                f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
-                "injected as extra keys and values into every layer.\nThe token embedding and the lm_head are the "
-                "target's and are not stored here.")
+        return (
+            f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
+            f"Llama layers `layers.*`, `norm`):\none forward proposes a block of {self.block_size - 1} tokens "
+            f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
+            f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
+            "injected as extra keys and values into every layer.\nThe token embedding and the lm_head are the "
+            "target's and are not stored here."
+        )
 
     def card_objective(self, f: dict) -> str:
-        return (f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
-                f"block positions 1..{f['train']['ttt_steps']}")
+        return (
+            f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
+            f"block positions 1..{f['train']['ttt_steps']}"
+        )
 
 
 class DFlashDraft(DeviceDraft):
@@ -215,8 +239,9 @@ class DFlashDraft(DeviceDraft):
 
     def __init__(self, head: DFlashHead, batch_size: int, k: int):
         if not 1 <= k < head.block_size:
-            raise ValueError(f"draft.num_steps={k}: a DFlash block of {head.block_size} tokens proposes "
-                             f"1..{head.block_size - 1}")
+            raise ValueError(
+                f"draft.num_steps={k}: a DFlash block of {head.block_size} tokens proposes 1..{head.block_size - 1}"
+            )
         super().__init__(head, batch_size, k)
 
     # -- the Draft interface ------------------------------------------------------------------------
@@ -235,21 +260,35 @@ class DFlashDraft(DeviceDraft):
             b = last.shape[0]
             offsets = torch.arange(B, device=last.device)
             tokens = torch.cat([last[:, None], last.new_full((b, B - 1), self.head.mask_token_id)], 1)  # [b, B]
-            env.update({"b.tokens": tokens, "b.positions": lengths[:, None] + offsets,
-                        "b.valid": env["live"][:, None].expand(b, B)})
+            env.update(
+                {
+                    "b.tokens": tokens,
+                    "b.positions": lengths[:, None] + offsets,
+                    "b.valid": env["live"][:, None].expand(b, B),
+                }
+            )
 
         def pick(env):
             env["draft"][:, :k].copy_(env["b.ids"])  # [b, k]
 
-        return [Step("block_in", bind), *scoped("b.", merge_runs(self.head.block_program(cache, k)), B),
-                Step("block_pick", pick)]
+        return [
+            Step("block_in", bind),
+            *scoped("b.", merge_runs(self.head.block_program(cache, k)), B),
+            Step("block_pick", pick),
+        ]
 
     def commit_steps(self, cache, k: int) -> list[Step]:
         """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot)."""
+
         def bind(env):
             accepted, lengths = env["accepted"], env["lengths"]
             steps = torch.arange(k + 1, device=accepted.device)
-            env.update({"x.feats": env["t.aux"], "x.positions": lengths[:, None] + steps,
-                        "x.valid": (steps[None] <= accepted[:, None]) & env["live"][:, None]})
+            env.update(
+                {
+                    "x.feats": env["t.aux"],
+                    "x.positions": lengths[:, None] + steps,
+                    "x.valid": (steps[None] <= accepted[:, None]) & env["live"][:, None],
+                }
+            )
 
         return [Step("context_in", bind), *scoped("x.", self.head.context_program(cache))]

@@ -33,8 +33,10 @@ class FeatureDraft(DeviceDraft):
 
     def state_specs(self, k: int) -> dict[str, InputSpec]:
         dtype = next(self.head.parameters()).dtype
-        return {"d_hidden": InputSpec((self.head.args.hidden_size,), dtype, None, per_row=True, state=True),
-                "d_next": InputSpec((), torch.long, None, per_row=True, state=True)}
+        return {
+            "d_hidden": InputSpec((self.head.args.hidden_size,), dtype, None, per_row=True, state=True),
+            "d_next": InputSpec((), torch.long, None, per_row=True, state=True),
+        }
 
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
         b, t = prompt_tokens.shape
@@ -47,8 +49,14 @@ class FeatureDraft(DeviceDraft):
             embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
             embeds[r, last] = self.head.embed(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        env = {"tokens": shifted, "hidden": feats, "positions": positions, "valid": valid, "kv_len": t,
-               "input_embeds": embeds}
+        env = {
+            "tokens": shifted,
+            "hidden": feats,
+            "positions": positions,
+            "valid": valid,
+            "kv_len": t,
+            "input_embeds": embeds,
+        }
         cache = self.cache.rows(rows if rows is not None else b)
         run_steps(self.head.program(cache, embeds_input=embeds is not None), env)
         write_rows(self.buf["d_hidden"], env["out_hidden"][r, last], rows)
@@ -62,8 +70,15 @@ class FeatureDraft(DeviceDraft):
         def bind(i):
             def fn(env):
                 live = env["live"][:, None]  # [b, 1]
-                env.update({f"s{i}.tokens": env["c.tok"][:, None], f"s{i}.hidden": env["c.h"][:, None],
-                            f"s{i}.positions": (env["lengths"] + i - 1)[:, None], f"s{i}.valid": live})
+                env.update(
+                    {
+                        f"s{i}.tokens": env["c.tok"][:, None],
+                        f"s{i}.hidden": env["c.h"][:, None],
+                        f"s{i}.positions": (env["lengths"] + i - 1)[:, None],
+                        f"s{i}.valid": live,
+                    }
+                )
+
             return fn
 
         def pick(i):
@@ -71,12 +86,16 @@ class FeatureDraft(DeviceDraft):
                 tok = env[f"s{i}.ids"][:, 0]  # [b] target ids
                 env["draft"][:, i].copy_(tok)
                 env["c.tok"], env["c.h"] = tok, env[f"s{i}.out_hidden"][:, 0]
+
             return fn
 
         steps = [Step("chain0", first)]
         for i in range(1, k):  # step i at position L+i-1: kv_len covers it
-            steps += [Step(f"bind{i}", bind(i)), *scoped(f"s{i}.", merge_runs(self.head.program(cache)), i),
-                      Step(f"pick{i}", pick(i))]
+            steps += [
+                Step(f"bind{i}", bind(i)),
+                *scoped(f"s{i}.", merge_runs(self.head.program(cache)), i),
+                Step(f"pick{i}", pick(i)),
+            ]
         return steps
 
     def commit_steps(self, cache, k: int) -> list[Step]:
@@ -86,8 +105,14 @@ class FeatureDraft(DeviceDraft):
             emitted, accepted, live = env["emitted"], env["accepted"], env["live"]  # [b, k+1], [b], [b]
             steps = torch.arange(k + 1, device=emitted.device)
             feats = env[FEATURE_KEYS[kind]]
-            env.update({"e.tokens": emitted, "e.hidden": feats, "e.positions": env["lengths"][:, None] + steps,
-                        "e.valid": (steps[None] <= accepted[:, None]) & live[:, None]})
+            env.update(
+                {
+                    "e.tokens": emitted,
+                    "e.hidden": feats,
+                    "e.positions": env["lengths"][:, None] + steps,
+                    "e.valid": (steps[None] <= accepted[:, None]) & live[:, None],
+                }
+            )
 
         def take(env):
             idx = env["accepted"]
@@ -95,8 +120,11 @@ class FeatureDraft(DeviceDraft):
             env["d_hidden"].copy_(env["e.out_hidden"][r, idx])
             env["d_next"].copy_(env["e.ids"][r, idx])
 
-        return [Step("extend_in", bind), *scoped("e.", merge_runs(self.head.program(cache)), k + 1),
-                Step("extend_take", take)]
+        return [
+            Step("extend_in", bind),
+            *scoped("e.", merge_runs(self.head.program(cache)), k + 1),
+            Step("extend_take", take),
+        ]
 
     @property
     def embed(self) -> torch.nn.Embedding:

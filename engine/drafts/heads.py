@@ -37,8 +37,17 @@ from torch import Tensor, nn
 
 from engine.drafts.storage import SCALE_SUFFIX, read_state, safetensors_shapes
 from engine.errors import ConfigError
-from engine.model import (MLP, Attention, AttnInputs, ModelArgs, RMSNorm, StaticKVCache, fuse_gate_up, fuse_linears,
-                          rope_tables)
+from engine.model import (
+    MLP,
+    Attention,
+    AttnInputs,
+    ModelArgs,
+    RMSNorm,
+    StaticKVCache,
+    fuse_gate_up,
+    fuse_linears,
+    rope_tables,
+)
 from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
@@ -143,8 +152,9 @@ class _Head(nn.Module):
         dtype = next(self.parameters()).dtype
 
         def start(env):
-            env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                           cache.dummy_slot, dtype)
+            env["attn"] = AttnInputs.build(
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, dtype
+            )
             self.pre(env, env["input_embeds"] if embeds_input else None, cache)
 
         def attend(env):
@@ -152,8 +162,11 @@ class _Head(nn.Module):
             env["o"] = self.attention.attend(env["q"], cache, env["mask"], env["attn"])
 
         meta = self.graph_meta()
-        return [Step("draft_pre", start, meta=meta), Step("draft_attn", attend, is_break=True, meta=meta),
-                Step("draft_post", self.post, meta=meta)]
+        return [
+            Step("draft_pre", start, meta=meta),
+            Step("draft_attn", attend, is_break=True, meta=meta),
+            Step("draft_post", self.post, meta=meta),
+        ]
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""
@@ -217,8 +230,16 @@ class Eagle3Head(_Head):
         if self.fused:  # fc, then the embedding gather, both norms and q/k/v in one kernel
             g = gemv(hidden, self.fc.weight) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, H]
             table, rows = self._embed_rows(env, embeds)
-            qkv = cat_rmsnorm_gemv(table, g, m.input_layernorm.weight, m.hidden_norm.weight, eps, self.qkv_weight,
-                                   self.qkv_bias, index1=rows)  # [b, t, (heads + 2 kv) * d]
+            qkv = cat_rmsnorm_gemv(
+                table,
+                g,
+                m.input_layernorm.weight,
+                m.hidden_norm.weight,
+                eps,
+                self.qkv_weight,
+                self.qkv_bias,
+                index1=rows,
+            )  # [b, t, (heads + 2 kv) * d]
             env["g"], env["q"] = g, self._attend_fused(qkv, cache, env["attn"])
             return
         embeds = embeds if embeds is not None else self.embed(env["tokens"])  # [b, t, H]
@@ -230,12 +251,25 @@ class Eagle3Head(_Head):
         m, eps = self.midlayer, self.args.rms_norm_eps
         if self.fused:  # o_proj; + residual, norm, gate_up, SwiGLU; down; + residual, norm, lm_head, argmax
             o = m.self_attn.o_proj
-            h, act = add_rmsnorm_gemv(env["g"], gemv(env["o"], o.weight, o.bias), m.post_attention_layernorm.weight,
-                                      eps, self.gate_up_weight, self.gate_up_bias, swiglu=True)
+            h, act = add_rmsnorm_gemv(
+                env["g"],
+                gemv(env["o"], o.weight, o.bias),
+                m.post_attention_layernorm.weight,
+                eps,
+                self.gate_up_weight,
+                self.gate_up_bias,
+                swiglu=True,
+            )
             mlp = gemv(act, m.mlp.down_proj.weight, m.mlp.down_proj.bias)
             env["out_hidden"], env["ids"] = add_rmsnorm_gemv(
-                h, mlp, self.norm.weight, eps, self.lm_head.weight, argmax=True,
-                offsets=None if self.shares_lm_head else self.d2t)  # [b, t, hidden], [b, t] target ids
+                h,
+                mlp,
+                self.norm.weight,
+                eps,
+                self.lm_head.weight,
+                argmax=True,
+                offsets=None if self.shares_lm_head else self.d2t,
+            )  # [b, t, hidden], [b, t] target ids
             return
         h = env["g"] + m.self_attn.o_proj(env["o"])
         h = h + m.mlp(m.post_attention_layernorm(h))
@@ -257,17 +291,24 @@ class Eagle3Head(_Head):
     def card_summary(self, f: dict) -> str:
         """The model card's description (stages/train_draft.py writes the card)."""
         if self.shares_lm_head:
-            tensors, vocab = ("`fc`, `midlayer.*`, `norm`", "predicting over the target's whole vocabulary through the "
-                              "target's lm_head.\nThe token embedding and the lm_head are the target's and are not "
-                              "stored here (config.json has no `draft_vocab_size`: sglang's "
-                              "`load_lm_head_from_target`).")
+            tensors, vocab = (
+                "`fc`, `midlayer.*`, `norm`",
+                "predicting over the target's whole vocabulary through the "
+                "target's lm_head.\nThe token embedding and the lm_head are the target's and are not "
+                "stored here (config.json has no `draft_vocab_size`: sglang's "
+                "`load_lm_head_from_target`).",
+            )
         else:
-            tensors, vocab = ("`fc`, `midlayer.*`, `norm`,\n`lm_head`, `d2t`, `t2d`",
-                              f"with a {f['draft_vocab_size']}-token draft vocabulary.\nThe token embedding is the "
-                              "target's and is not stored here.")
-        return (f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: {tensors}), reading the "
-                f"target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
-                f"{vocab}")
+            tensors, vocab = (
+                "`fc`, `midlayer.*`, `norm`,\n`lm_head`, `d2t`, `t2d`",
+                f"with a {f['draft_vocab_size']}-token draft vocabulary.\nThe token embedding is the "
+                "target's and is not stored here.",
+            )
+        return (
+            f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: {tensors}), reading the "
+            f"target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
+            f"{vocab}"
+        )
 
 
 class EagleHead(_Head):
@@ -299,8 +340,9 @@ class EagleHead(_Head):
     def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
         if self.fused:  # the embedding gather and fc in one kernel, then q/k/v
             table, rows = self._embed_rows(env, embeds)
-            x = cat_rmsnorm_gemv(table, env["hidden"], None, None, 0.0, self.fc.weight, self.fc.bias, index1=rows,
-                                 norm=False)  # [b, t, hidden]
+            x = cat_rmsnorm_gemv(
+                table, env["hidden"], None, None, 0.0, self.fc.weight, self.fc.bias, index1=rows, norm=False
+            )  # [b, t, hidden]
             env["g"], env["q"] = x, self._attend_fused(gemv(x, self.qkv_weight, self.qkv_bias), cache, env["attn"])
             return
         embeds = embeds if embeds is not None else self.embed(env["tokens"])
@@ -311,8 +353,15 @@ class EagleHead(_Head):
         layer = self.layers[0]
         if self.fused:
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            h, act = add_rmsnorm_gemv(env["g"], gemv(env["o"], o.weight, o.bias), layer.post_attention_layernorm.weight,
-                                      self.args.rms_norm_eps, self.gate_up_weight, self.gate_up_bias, swiglu=True)
+            h, act = add_rmsnorm_gemv(
+                env["g"],
+                gemv(env["o"], o.weight, o.bias),
+                layer.post_attention_layernorm.weight,
+                self.args.rms_norm_eps,
+                self.gate_up_weight,
+                self.gate_up_bias,
+                swiglu=True,
+            )
             h = h + gemv(act, down.weight, down.bias)  # [b, t, hidden]
             env["out_hidden"], env["ids"] = h, gemv(h, self.lm_head.weight, argmax=True)  # no final norm in EAGLE
             return
@@ -323,36 +372,52 @@ class EagleHead(_Head):
 
     def card_summary(self, f: dict) -> str:
         """The model card's description (stages/train_draft.py writes the card)."""
-        return (f"A one-layer EAGLE head in the EAGLE reference layout (`{self.architecture}`: `fc` over the next "
-                "token's embedding and the target's final hidden state, then `layers.0.*`, a decoder layer without "
-                "an input norm). It predicts the next feature, which the target's lm_head reads. The token "
-                "embedding and the lm_head are the target's and are not stored here.")
+        return (
+            f"A one-layer EAGLE head in the EAGLE reference layout (`{self.architecture}`: `fc` over the next "
+            "token's embedding and the target's final hidden state, then `layers.0.*`, a decoder layer without "
+            "an input norm). It predicts the next feature, which the target's lm_head reads. The token "
+            "embedding and the lm_head are the target's and are not stored here."
+        )
 
 
 # ------------------------------------------------------------------------------------- configs
 def eagle_config(target: ModelArgs) -> dict:
     """config.json of a one-layer EAGLE head of the target's shape (random init, training)."""
     return {
-        "architectures": [EagleHead.architecture], "model_type": "llama",
-        "hidden_size": target.hidden_size, "intermediate_size": target.intermediate_size,
-        "num_attention_heads": target.num_heads, "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim, "num_hidden_layers": 1, "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta, "vocab_size": target.vocab_size,
+        "architectures": [EagleHead.architecture],
+        "model_type": "llama",
+        "hidden_size": target.hidden_size,
+        "intermediate_size": target.intermediate_size,
+        "num_attention_heads": target.num_heads,
+        "num_key_value_heads": target.num_kv_heads,
+        "head_dim": target.head_dim,
+        "num_hidden_layers": 1,
+        "rms_norm_eps": target.rms_norm_eps,
+        "rope_theta": target.rope_theta,
+        "vocab_size": target.vocab_size,
         "max_position_embeddings": target.max_position_embeddings,
     }
 
 
-def eagle3_config(target: ModelArgs, aux_output_of: list[int], draft_vocab_size: Optional[int] = None,
-                  lm_head: str = "own", intermediate_size: Optional[int] = None) -> dict:
+def eagle3_config(
+    target: ModelArgs,
+    aux_output_of: list[int],
+    draft_vocab_size: Optional[int] = None,
+    lm_head: str = "own",
+    intermediate_size: Optional[int] = None,
+) -> dict:
     """A public-format EAGLE3 config.json for a head matching `target` (random init, training).
     lm_head="own": its own lm_head over `draft_vocab_size` tokens (None: the target's vocabulary);
     "target": the target's lm_head, so no draft_vocab_size key (Eagle3Head.shares_lm_head).
     intermediate_size: the draft layer's MLP width (None: the target's)."""
     vocab = {} if lm_head == "target" else {"draft_vocab_size": draft_vocab_size or target.vocab_size}
     return {
-        **eagle_config(target), "intermediate_size": intermediate_size or target.intermediate_size,
-        "architectures": [Eagle3Head.architecture], "tie_word_embeddings": False,
-        **vocab, "target_hidden_size": target.hidden_size,
+        **eagle_config(target),
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "architectures": [Eagle3Head.architecture],
+        "tie_word_embeddings": False,
+        **vocab,
+        "target_hidden_size": target.hidden_size,
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux_output_of), "use_aux_hidden_state": True},
     }
 
@@ -369,24 +434,38 @@ class HeadCheckpoint:
     def read(cls, path: str, architecture: str) -> "HeadCheckpoint":
         p = Path(path).expanduser()
         if not (p / "config.json").is_file() or not (p / "model.safetensors").is_file():
-            raise ConfigError("draft.path", path, "not a draft checkpoint (needs config.json and model.safetensors)",
-                              f"a {architecture} checkpoint directory, or draft.init=random")
+            raise ConfigError(
+                "draft.path",
+                path,
+                "not a draft checkpoint (needs config.json and model.safetensors)",
+                f"a {architecture} checkpoint directory, or draft.init=random",
+            )
         cfg = json.loads((p / "config.json").read_text())
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch != architecture:
-            raise ConfigError("draft.path", path, f"architecture {arch!r} does not match the draft algorithm",
-                              architecture)
+            raise ConfigError(
+                "draft.path", path, f"architecture {arch!r} does not match the draft algorithm", architecture
+            )
         try:
             shapes = safetensors_shapes(p / "model.safetensors")  # fp8 storage: each weight's scale dropped
         except ValueError as e:
-            raise ConfigError("draft.path", path, f"{p / 'model.safetensors'}: {e}",
-                              f"a complete {architecture} checkpoint (rewrite or re-download it)") from None
+            raise ConfigError(
+                "draft.path",
+                path,
+                f"{p / 'model.safetensors'}: {e}",
+                f"a complete {architecture} checkpoint (rewrite or re-download it)",
+            ) from None
         return cls(p, cfg, {k: v for k, v in shapes.items() if not k.endswith(SCALE_SUFFIX)})
 
     def load_into(self, head: _Head) -> _Head:
-        state = {k: v for k, v in read_state(self.path / "model.safetensors").items() if not k.startswith("embed_tokens")}
+        state = {
+            k: v for k, v in read_state(self.path / "model.safetensors").items() if not k.startswith("embed_tokens")
+        }
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
-            raise ConfigError("draft.path", str(self.path), f"tensors do not match: missing {missing[:4]}, "
-                              f"unexpected {unexpected[:4]}")
+            raise ConfigError(
+                "draft.path",
+                str(self.path),
+                f"tensors do not match: missing {missing[:4]}, unexpected {unexpected[:4]}",
+            )
         return head

@@ -117,11 +117,19 @@ class MultiLayerEagleHead(_Head):
         dtype = next(self.parameters()).dtype
 
         def start(env):
-            env["attn"] = AttnInputs.build(env["positions"], env["valid"], self.rope_cos, self.rope_sin,
-                                           cache.dummy_slot, dtype)
+            env["attn"] = AttnInputs.build(
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, dtype
+            )
             if fused:  # the embedding gather, both norms and eh_proj in one kernel
-                x = cat_rmsnorm_gemv(self.embed.weight, env["hidden"], mod.enorm.weight, mod.hnorm.weight, eps,
-                                     mod.eh_proj.weight, index1=env["tokens"])
+                x = cat_rmsnorm_gemv(
+                    self.embed.weight,
+                    env["hidden"],
+                    mod.enorm.weight,
+                    mod.hnorm.weight,
+                    eps,
+                    mod.eh_proj.weight,
+                    index1=env["tokens"],
+                )
             else:
                 x = mod.fuse_input(self.embed(env["tokens"]), env["hidden"])  # [b, t, H]
             env["x"], env["q"] = mod.pre(x, None, cache, env["attn"], fused)
@@ -141,8 +149,9 @@ class MultiLayerEagleHead(_Head):
         def post(env):
             h, delta = mod.post(env["x"], env["o"], fused)
             if logits != "none" and fused:  # + residual, the head's norm, lm_head and argmax in one kernel
-                env["out_hidden"], ids = add_rmsnorm_gemv(h, delta, mod.shared_head.norm.weight, eps,
-                                                          self.lm_head.weight, argmax=True)
+                env["out_hidden"], ids = add_rmsnorm_gemv(
+                    h, delta, mod.shared_head.norm.weight, eps, self.lm_head.weight, argmax=True
+                )
                 env["ids"] = pick(env, ids)
                 return
             env["out_hidden"] = h = h + delta  # [b, t, H]
@@ -151,14 +160,19 @@ class MultiLayerEagleHead(_Head):
                 env["ids"] = env["logits"].argmax(-1)
 
         meta = self.graph_meta()
-        return [Step(f"mtp{i}_pre", start, meta=meta), Step(f"mtp{i}_attn", attend, is_break=True, meta=meta),
-                Step(f"mtp{i}_post", post, meta=meta)]
+        return [
+            Step(f"mtp{i}_pre", start, meta=meta),
+            Step(f"mtp{i}_attn", attend, is_break=True, meta=meta),
+            Step(f"mtp{i}_post", post, meta=meta),
+        ]
 
     def card_summary(self, f: dict) -> str:
-        return (f"A multi-layer EAGLE (MTP-style) draft of {self.num_modules} modules (`{self.architecture}`: per module "
-                "`enorm`, `hnorm`, `eh_proj`, one Llama decoder layer and `shared_head.norm`); module i reads module "
-                "i-1's hidden state (module 0: the target's final hidden state) and proposes draft token i+1. The "
-                "token embedding and lm_head are the target's and are not stored here.")
+        return (
+            f"A multi-layer EAGLE (MTP-style) draft of {self.num_modules} modules (`{self.architecture}`: per module "
+            "`enorm`, `hnorm`, `eh_proj`, one Llama decoder layer and `shared_head.norm`); module i reads module "
+            "i-1's hidden state (module 0: the target's final hidden state) and proposes draft token i+1. The "
+            "token embedding and lm_head are the target's and are not stored here."
+        )
 
     def card_objective(self, f: dict) -> str:
         return f"Teacher-forced multi-token prediction, one module per draft position ({self.num_modules} modules)"
@@ -167,8 +181,13 @@ class MultiLayerEagleHead(_Head):
 def multi_layer_config(target: ModelArgs, num_modules: int, intermediate_size: Optional[int] = None) -> dict:
     """config.json of `num_modules` modules of the target's width (random init, training);
     intermediate_size: the modules' MLP width (None: the target's)."""
-    return {**eagle_config(target), "intermediate_size": intermediate_size or target.intermediate_size,
-            "architectures": [ARCHITECTURE], "num_nextn_predict_layers": num_modules, "tie_word_embeddings": True}
+    return {
+        **eagle_config(target),
+        "intermediate_size": intermediate_size or target.intermediate_size,
+        "architectures": [ARCHITECTURE],
+        "num_nextn_predict_layers": num_modules,
+        "tie_word_embeddings": True,
+    }
 
 
 class MultiLayerDraft(DeviceDraft):
@@ -205,8 +224,10 @@ class MultiLayerDraft(DeviceDraft):
 
     def state_specs(self, k: int) -> dict[str, InputSpec]:
         dtype = next(self.head.parameters()).dtype
-        return {"d_pool": InputSpec((k, self.head.args.hidden_size), dtype, None, per_row=True, state=True),
-                "d_next": InputSpec((), torch.long, None, per_row=True, state=True)}
+        return {
+            "d_pool": InputSpec((k, self.head.args.hidden_size), dtype, None, per_row=True, state=True),
+            "d_next": InputSpec((), torch.long, None, per_row=True, state=True),
+        }
 
     def _module(self, i: int, prefix: str, caches: StepCaches, logits: str, kv_offset: int) -> list[Step]:
         return scoped(prefix, merge_runs(self.head.module_program(i, caches, logits)), kv_offset)
@@ -224,8 +245,14 @@ class MultiLayerDraft(DeviceDraft):
         hidden, pool = feats, []
         for i in range(self.k):
             last = (lens - 1 - i).clamp(min=0)
-            env = {"tokens": seq[:, i + 1: i + 1 + t], "hidden": hidden, "positions": positions, "kv_len": t,
-                   "valid": positions <= (lens - 1 - i)[:, None], "logits_index": last}  # x_{p+i+1}
+            env = {
+                "tokens": seq[:, i + 1 : i + 1 + t],
+                "hidden": hidden,
+                "positions": positions,
+                "kv_len": t,
+                "valid": positions <= (lens - 1 - i)[:, None],
+                "logits_index": last,
+            }  # x_{p+i+1}
             run_steps(self.head.module_program(i, caches, "index" if i == 0 else "none"), env)
             hidden = env["out_hidden"]  # [n, t, H]
             pool.append(hidden[r, last])
@@ -235,6 +262,7 @@ class MultiLayerDraft(DeviceDraft):
 
     def propose_steps(self, caches: StepCaches, k: int) -> list[Step]:
         """Module i = 1..k-1 over the window L-i..L-1 on d_1..d_i -> d_{i+1} at its last position."""
+
         def first(env):
             env["draft"][:, 0].copy_(env["d_next"])
 
@@ -242,27 +270,38 @@ class MultiLayerDraft(DeviceDraft):
             def fn(env):
                 lengths, pool = env["lengths"], env["d_pool"]  # [b], [b, k, H]
                 positions = (lengths - i)[:, None] + torch.arange(i, device=lengths.device)  # [b, i]
-                head = pool[:, i - 1: i]  # [b, 1, H] module i-1 at L-i
+                head = pool[:, i - 1 : i]  # [b, 1, H] module i-1 at L-i
                 hidden = head if i == 1 else torch.cat([head, env["c.win"]], 1)  # [b, i, H]
-                env.update({f"m{i}.tokens": env["draft"][:, :i], f"m{i}.hidden": hidden,
-                            f"m{i}.positions": positions.clamp(min=0),
-                            f"m{i}.valid": (positions >= 0) & env["live"][:, None]})
+                env.update(
+                    {
+                        f"m{i}.tokens": env["draft"][:, :i],
+                        f"m{i}.hidden": hidden,
+                        f"m{i}.positions": positions.clamp(min=0),
+                        f"m{i}.valid": (positions >= 0) & env["live"][:, None],
+                    }
+                )
+
             return fn
 
         def pick(i):
             def fn(env):
                 env["draft"][:, i].copy_(env[f"m{i}.ids"][:, -1])
                 env["c.win"] = env[f"m{i}.out_hidden"]  # [b, i, H]
+
             return fn
 
         steps = [Step("mtp_first", first)]
         for i in range(1, k):
-            steps += [Step(f"mtp_bind{i}", bind(i)), *self._module(i, f"m{i}.", caches, "last", 0),
-                      Step(f"mtp_pick{i}", pick(i))]
+            steps += [
+                Step(f"mtp_bind{i}", bind(i)),
+                *self._module(i, f"m{i}.", caches, "last", 0),
+                Step(f"mtp_pick{i}", pick(i)),
+            ]
         return steps
 
     def commit_steps(self, caches: StepCaches, k: int) -> list[Step]:
         """Module i re-runs positions L-i..L-i+k on the emitted tokens, rows valid up to index a."""
+
         def bind(i):
             def fn(env):
                 emitted, accepted, lengths = env["emitted"], env["accepted"], env["lengths"]
@@ -271,10 +310,18 @@ class MultiLayerDraft(DeviceDraft):
                 if i == 0:
                     hidden = env["t.hidden"]  # the target's final hidden states at L..L+k
                 else:  # module i-1 at L-i (before this commit), then its commit outputs at L-i+1..
-                    hidden = torch.cat([env["d_pool"][:, i - 1: i], env[f"c{i - 1}.out_hidden"][:, :k]], 1)
+                    hidden = torch.cat([env["d_pool"][:, i - 1 : i], env[f"c{i - 1}.out_hidden"][:, :k]], 1)
                 valid = (steps[None] <= accepted[:, None]) & env["live"][:, None] & (positions >= 0)
-                env.update({f"c{i}.tokens": emitted, f"c{i}.hidden": hidden, f"c{i}.positions": positions.clamp(min=0),
-                            f"c{i}.valid": valid, f"c{i}.logits_index": accepted})
+                env.update(
+                    {
+                        f"c{i}.tokens": emitted,
+                        f"c{i}.hidden": hidden,
+                        f"c{i}.positions": positions.clamp(min=0),
+                        f"c{i}.valid": valid,
+                        f"c{i}.logits_index": accepted,
+                    }
+                )
+
             return fn
 
         def take(env):
@@ -285,8 +332,10 @@ class MultiLayerDraft(DeviceDraft):
 
         steps: list[Step] = []
         for i in range(k):
-            steps += [Step(f"mtp_commit_in{i}", bind(i)),
-                      *self._module(i, f"c{i}.", caches, "index" if i == 0 else "none", k + 1)]
+            steps += [
+                Step(f"mtp_commit_in{i}", bind(i)),
+                *self._module(i, f"c{i}.", caches, "index" if i == 0 else "none", k + 1),
+            ]
         return steps + [Step("mtp_take", take)]
 
 

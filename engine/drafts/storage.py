@@ -107,8 +107,11 @@ def write_checkpoint(src: Path, dst: Path, storage: str) -> Path:
     floats = {k: (v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in state.items()}
     stored = quantize(floats) if storage == "fp8" else floats
     dst.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in stored.items()}, str(dst / "model.safetensors"),
-              metadata={"format": "pt", "storage": storage})
+    save_file(
+        {k: v.contiguous() for k, v in stored.items()},
+        str(dst / "model.safetensors"),
+        metadata={"format": "pt", "storage": storage},
+    )
     config = json.loads((src / "config.json").read_text())
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     for extra in ("README.md", "training.json"):

@@ -40,8 +40,11 @@ ROUND_OUT = {m: ("out",) for m in M}
 
 
 def _token_inputs() -> dict[str, InputSpec]:
-    return {"tokens": InputSpec((), torch.long, 0), "positions": InputSpec((), torch.long, 0),
-            "valid": InputSpec((), torch.bool, False)}
+    return {
+        "tokens": InputSpec((), torch.long, 0),
+        "positions": InputSpec((), torch.long, 0),
+        "valid": InputSpec((), torch.bool, False),
+    }
 
 
 def round_name(k: int, sampled: bool = False) -> str:
@@ -96,28 +99,63 @@ class GraphSet:
             specs = round_specs(k, device_draft)
             for rk in self.round_ks:
                 for sampled in (False, True)[: 1 + self.sampled]:
+
                     def build(b, rk=rk, sampled=sampled):
-                        return round_program(t, self.cache, device_draft, rk, b, sampled=sampled,
-                                             target_policy=self.target_policy, draft_policy=self.draft_policy)
+                        return round_program(
+                            t,
+                            self.cache,
+                            device_draft,
+                            rk,
+                            b,
+                            sampled=sampled,
+                            target_policy=self.target_policy,
+                            draft_policy=self.draft_policy,
+                        )
+
                     name = round_name(rk, sampled)
-                    self.runners[name] = GraphRunner(name, policy, build, specs, ROUND_OUT, full,
-                                                     [(b, rk + 1) for b in sizes], device, t.max_seq_len, meta,
-                                                     self.pool, buffers=self.buffers)
+                    self.runners[name] = GraphRunner(
+                        name,
+                        policy,
+                        build,
+                        specs,
+                        ROUND_OUT,
+                        full,
+                        [(b, rk + 1) for b in sizes],
+                        device,
+                        t.max_seq_len,
+                        meta,
+                        self.pool,
+                        buffers=self.buffers,
+                    )
         self.prefill_cache = None  # the cache the prefill graphs write: the round cache, or a staging one
         if self.target_policy != "none" and self.prefill_buckets:
             rows = self.prefill_rows or self.batch_size
             self.prefill_cache = self.cache if self.prefill_rows is None else t.new_cache(rows)
             # the Triton attention reads each row's live length on the device: one graph per bucket;
             # SDPA must see the live kv_len: captured segments between eager attention breaks
-            backend = (("full" if t.attention_kernel else "piecewise") if self.target_policy in NEEDS_CUDA
-                       else self.target_policy)
-            inputs = {**_token_inputs(), "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
-                      "logits_index": InputSpec((), torch.long, 0, per_row=True)}
+            backend = (
+                ("full" if t.attention_kernel else "piecewise")
+                if self.target_policy in NEEDS_CUDA
+                else self.target_policy
+            )
+            inputs = {
+                **_token_inputs(),
+                "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
+                "logits_index": InputSpec((), torch.long, 0, per_row=True),
+            }
             self.runners["prefill"] = GraphRunner(
-                "prefill", backend,
+                "prefill",
+                backend,
                 lambda b: t.program(self.prefill_cache.rows(b), embeds_input=True, logits_at_index=True),
-                inputs, TARGET_OUT, full, [(rows, n) for n in self.prefill_buckets], device,
-                t.max_seq_len, lambda: {"aux_layer_ids": t.aux_layer_ids}, self.pool)
+                inputs,
+                TARGET_OUT,
+                full,
+                [(rows, n) for n in self.prefill_buckets],
+                device,
+                t.max_seq_len,
+                lambda: {"aux_layer_ids": t.aux_layer_ids},
+                self.pool,
+            )
 
     def capture(self) -> "GraphSet":
         """Largest buckets first within each runner."""

@@ -59,8 +59,10 @@ class PhaseStats:
 
 def allocate(specs: dict[str, InputSpec], rows: int, device) -> dict[str, Tensor]:
     """Per-row buffers [rows, *tail] for specs (a round's state), at their pad value (0 without one)."""
-    return {name: torch.full((rows, *s.tail), 0 if s.pad is None else s.pad, dtype=s.dtype, device=device)
-            for name, s in specs.items()}
+    return {
+        name: torch.full((rows, *s.tail), 0 if s.pad is None else s.pad, dtype=s.dtype, device=device)
+        for name, s in specs.items()
+    }
 
 
 class GraphStateError(RuntimeError):
@@ -68,10 +70,21 @@ class GraphStateError(RuntimeError):
 
 
 class GraphRunner:
-    def __init__(self, name: str, policy: str, build: Callable[[int], list[Step]], inputs: dict[str, InputSpec],
-                 outputs: dict[CaptureHiddenMode, tuple[str, ...]], mode: CaptureHiddenMode,
-                 buckets: list[tuple[int, int]], device: torch.device, static_kv_len: int,
-                 current_meta: Callable[[], dict], pool=None, buffers: Optional[dict[str, Tensor]] = None):
+    def __init__(
+        self,
+        name: str,
+        policy: str,
+        build: Callable[[int], list[Step]],
+        inputs: dict[str, InputSpec],
+        outputs: dict[CaptureHiddenMode, tuple[str, ...]],
+        mode: CaptureHiddenMode,
+        buckets: list[tuple[int, int]],
+        device: torch.device,
+        static_kv_len: int,
+        current_meta: Callable[[], dict],
+        pool=None,
+        buffers: Optional[dict[str, Tensor]] = None,
+    ):
         self.name, self.policy, self.build, self.inputs = name, policy, build, inputs
         self.outputs, self.mode, self.device = outputs, mode, device
         self.buckets = sorted(set(buckets), key=lambda bt: (bt[0] * bt[1], bt), reverse=True)  # largest first
@@ -84,8 +97,12 @@ class GraphRunner:
         for k, s in inputs.items():  # another runner's buffer when it is given and covers this one's shapes
             shape = (max_b, *(() if s.per_row else (max_t,)), *s.tail)
             given = (buffers or {}).get(k)
-            fits = given is not None and given.dtype == s.dtype and given.dim() == len(shape) and all(
-                g >= n for g, n in zip(given.shape, shape))
+            fits = (
+                given is not None
+                and given.dtype == s.dtype
+                and given.dim() == len(shape)
+                and all(g >= n for g, n in zip(given.shape, shape))
+            )
             self.buffers[k] = given if fits else torch.full(shape, s.pad, dtype=s.dtype, device=device)
         self.captured: dict[tuple[int, int], tuple[object, dict]] = {}
         self.meta: Optional[dict] = None
@@ -129,10 +146,17 @@ class GraphRunner:
             if live_t < t and not self.inputs[k].per_row:
                 buf[:live_b, live_t:t].fill_(pad)
 
-    def __call__(self, live: dict[str, Optional[Tensor]], kv_len: int,
-                 mode: CaptureHiddenMode = CaptureHiddenMode.NULL, *, rows: Optional[int] = None,
-                 host: Optional[dict] = None, on_phase: Optional[Callable[[str], None]] = None,
-                 clone: bool = True) -> tuple[dict, bool]:
+    def __call__(
+        self,
+        live: dict[str, Optional[Tensor]],
+        kv_len: int,
+        mode: CaptureHiddenMode = CaptureHiddenMode.NULL,
+        *,
+        rows: Optional[int] = None,
+        host: Optional[dict] = None,
+        on_phase: Optional[Callable[[str], None]] = None,
+        clone: bool = True,
+    ) -> tuple[dict, bool]:
         """rows: the live batch when `live` has no positions (a round over its state buffers);
         host: per-call values its breaks read (engine.program.HOST_KEYS); on_phase: called where
         each phase begins (phase timing); clone=False: outputs are views of the static buffers, valid
@@ -140,7 +164,8 @@ class GraphRunner:
         if self.meta is not None and self.meta != {k: v for k, v in self.current_meta().items() if k in self.meta}:
             raise GraphStateError(
                 f"graph '{self.name}' was captured with {self.meta}, the model now has {self.current_meta()}: "
-                "configure_aux_capture and weight sharing must happen before capture_graphs")
+                "configure_aux_capture and weight sharing must happen before capture_graphs"
+            )
         b, t = live["positions"].shape if "positions" in live else (rows, self.max_t)
         key = self.bucket_for(b, t) if mode <= self.mode else None
         if key is None:

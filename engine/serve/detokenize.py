@@ -34,12 +34,12 @@ class TextStream:
         self._prefix = self._read = 0  # window: ids[_prefix:_read] is context already in `text`
 
     def _decode_new(self) -> str:
-        context = self.tok.decode(self.ids[self._prefix: self._read])
-        full = self.tok.decode(self.ids[self._prefix:])
+        context = self.tok.decode(self.ids[self._prefix : self._read])
+        full = self.tok.decode(self.ids[self._prefix :])
         if full.endswith(REPLACEMENT) or not full.startswith(context):
             return ""  # incomplete character (or a merge that rewrote the context): wait
         self._prefix, self._read = self._read, len(self.ids)
-        return full[len(context):]
+        return full[len(context) :]
 
     def _check_stop(self, start: int) -> None:
         for s in self.stop:
@@ -62,12 +62,14 @@ class TextStream:
         """Everything not sent yet: the held-back tail and any incomplete character, decoded as is."""
         if not self.stopped:
             start = len(self.text)
-            tail = self.tok.decode(self.ids[self._prefix:])[len(self.tok.decode(self.ids[self._prefix: self._read])):]
+            tail = self.tok.decode(self.ids[self._prefix :])[
+                len(self.tok.decode(self.ids[self._prefix : self._read])) :
+            ]
             self.text += tail
             self._prefix = self._read = len(self.ids)
             self._check_stop(start)
         return self._take(len(self.text))
 
     def _take(self, upto: int) -> str:
-        delta, self.sent = self.text[self.sent: upto], max(self.sent, upto)
+        delta, self.sent = self.text[self.sent : upto], max(self.sent, upto)
         return delta

@@ -40,29 +40,42 @@ class _EngineCollector(Collector):
         for reason, n in list(st.finished.items()):
             done.add_metric([reason], n)
         yield done
-        yield CounterMetricFamily("specpipe_prompt_tokens", "Prompt tokens of submitted requests",
-                                  value=st.prompt_tokens)
+        yield CounterMetricFamily(
+            "specpipe_prompt_tokens", "Prompt tokens of submitted requests", value=st.prompt_tokens
+        )
         yield CounterMetricFamily("specpipe_generation_tokens", "Generated tokens", value=st.generated_tokens)
-        yield CounterMetricFamily("specpipe_rounds", "Draft-and-verify rounds (decode steps without a draft)",
-                                  value=st.rounds)
-        yield CounterMetricFamily("specpipe_verify_rows", "Live rows verified, summed over rounds",
-                                  value=st.row_rounds)
-        by_k = CounterMetricFamily("specpipe_rounds_by_draft_tokens", "Rounds per draft tokens k (adaptive k "
-                                   "picks k from the load)", labels=["k"])
+        yield CounterMetricFamily(
+            "specpipe_rounds", "Draft-and-verify rounds (decode steps without a draft)", value=st.rounds
+        )
+        yield CounterMetricFamily("specpipe_verify_rows", "Live rows verified, summed over rounds", value=st.row_rounds)
+        by_k = CounterMetricFamily(
+            "specpipe_rounds_by_draft_tokens",
+            "Rounds per draft tokens k (adaptive k picks k from the load)",
+            labels=["k"],
+        )
         for k, n in sorted(st.rounds_by_k.items()):
             by_k.add_metric([str(k)], n)
         yield by_k
         yield GaugeMetricFamily("specpipe_draft_tokens", "The last round's draft tokens k", value=st.last_k)
-        yield GaugeMetricFamily("specpipe_accept_length", "Tokens emitted per verify round and row, bonus "
-                                "included", value=st.accept_length if st.row_rounds else 0.0)
-        rate = GaugeMetricFamily("specpipe_accept_rate", "Fraction of row rounds whose draft token at this "
-                                 "position was accepted", labels=["position"])
+        yield GaugeMetricFamily(
+            "specpipe_accept_length",
+            "Tokens emitted per verify round and row, bonus included",
+            value=st.accept_length if st.row_rounds else 0.0,
+        )
+        rate = GaugeMetricFamily(
+            "specpipe_accept_rate",
+            "Fraction of row rounds whose draft token at this position was accepted",
+            labels=["position"],
+        )
         for i, r in enumerate(st.accept_rates()):
             rate.add_metric([str(i)], r if st.row_rounds else 0.0)
         yield rate
         replays = CounterMetricFamily("specpipe_graph_replays", "Graph replays", labels=["phase"])
-        fallbacks = CounterMetricFamily("specpipe_graph_fallbacks", "Calls that ran eagerly (no graph for "
-                                        "the batch, or a hidden-state mode not captured)", labels=["phase"])
+        fallbacks = CounterMetricFamily(
+            "specpipe_graph_fallbacks",
+            "Calls that ran eagerly (no graph for the batch, or a hidden-state mode not captured)",
+            labels=["phase"],
+        )
         for phase, ps in (self.graphs.stats() if self.graphs is not None else {}).items():
             replays.add_metric([phase], ps.replays)
             fallbacks.add_metric([phase], ps.fallbacks)
@@ -77,12 +90,24 @@ class ServeMetrics:
     def __init__(self, scheduler: Scheduler, graphs: Optional[GraphSet]):
         self.registry = CollectorRegistry(auto_describe=True)
         self.registry.register(_EngineCollector(scheduler, graphs))
-        self.rejected = Counter("specpipe_requests_rejected", "Requests answered with an error status before "
-                                "reaching the engine", ["status"], registry=self.registry)
-        self.latency = Histogram("specpipe_request_latency_seconds", "Request latency, arrival to last token",
-                                 buckets=LATENCY_BUCKETS, registry=self.registry)
-        self.ttft = Histogram("specpipe_time_to_first_token_seconds", "Arrival to first token",
-                              buckets=LATENCY_BUCKETS, registry=self.registry)
+        self.rejected = Counter(
+            "specpipe_requests_rejected",
+            "Requests answered with an error status before reaching the engine",
+            ["status"],
+            registry=self.registry,
+        )
+        self.latency = Histogram(
+            "specpipe_request_latency_seconds",
+            "Request latency, arrival to last token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.ttft = Histogram(
+            "specpipe_time_to_first_token_seconds",
+            "Arrival to first token",
+            buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

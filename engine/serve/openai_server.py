@@ -74,10 +74,27 @@ class _Body(BaseModel):
 # that would change the output are refused (400 unsupported_parameter), any other is a typo or another
 # API's field (400 unknown_parameter). Penalties of 0 are the default and change nothing.
 IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
-UNSUPPORTED_FIELDS = {"tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-                      "logprobs", "top_logprobs", "logit_bias", "best_of", "echo", "suffix", "presence_penalty",
-                      "frequency_penalty", "modalities", "audio", "prediction", "reasoning_effort",
-                      "web_search_options"}
+UNSUPPORTED_FIELDS = {
+    "tools",
+    "tool_choice",
+    "functions",
+    "function_call",
+    "parallel_tool_calls",
+    "response_format",
+    "logprobs",
+    "top_logprobs",
+    "logit_bias",
+    "best_of",
+    "echo",
+    "suffix",
+    "presence_penalty",
+    "frequency_penalty",
+    "modalities",
+    "audio",
+    "prediction",
+    "reasoning_effort",
+    "web_search_options",
+}
 
 
 class StreamOptions(_Body):
@@ -121,8 +138,14 @@ class ChatCompletionRequest(_Sampling):
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 type_: str = "invalid_request_error"):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: Optional[str] = None,
+        code: Optional[str] = None,
+        type_: str = "invalid_request_error",
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
 
@@ -139,8 +162,9 @@ def extra_field_error(extra: dict) -> Optional[ApiError]:
         if name in IGNORED_FIELDS or (name in ("presence_penalty", "frequency_penalty") and value in (0, None)):
             continue
         if name in UNSUPPORTED_FIELDS:
-            return ApiError(400, f"{name}: not supported by this server (plain text generation)", name,
-                            "unsupported_parameter")
+            return ApiError(
+                400, f"{name}: not supported by this server (plain text generation)", name, "unsupported_parameter"
+            )
         return ApiError(400, f"{name}: unknown parameter", name, "unknown_parameter")
     return None
 
@@ -163,8 +187,15 @@ class _Flight:
         self.scheduler, self.loop = scheduler, asyncio.get_running_loop()
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.text = TextStream(tokenizer, p.stop)
-        self.req = GenerationRequest(prompt, p.max_tokens, self._sink, p.temperature, p.top_p, p.seed,
-                                     frozenset() if p.ignore_eos else tokenizer.eos_token_ids)
+        self.req = GenerationRequest(
+            prompt,
+            p.max_tokens,
+            self._sink,
+            p.temperature,
+            p.top_p,
+            p.seed,
+            frozenset() if p.ignore_eos else tokenizer.eos_token_ids,
+        )
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
 
@@ -178,8 +209,7 @@ class _Flight:
         try:
             self.scheduler.submit(self.req)
         except QueueFull as e:
-            raise ApiError(429, f"server busy: {e}; retry later", code="queue_full",
-                           type_="rate_limit_error") from None
+            raise ApiError(429, f"server busy: {e}; retry later", code="queue_full", type_="rate_limit_error") from None
         except ShuttingDown as e:
             raise ApiError(503, str(e), code="shutting_down", type_="server_error") from None
         return self
@@ -189,8 +219,9 @@ class _Flight:
         n, m = len(self.req.prompt), len(self.req.output)
         return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
 
-    async def deltas(self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
-                     ) -> AsyncIterator[tuple[str, Optional[str]]]:
+    async def deltas(
+        self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
+    ) -> AsyncIterator[tuple[str, Optional[str]]]:
         """(text delta, None) while generating, then (last delta, "stop" | "length").
 
         disconnected: polled every DISCONNECT_POLL_S for a client that went away (a non-streaming
@@ -212,9 +243,12 @@ class _Flight:
                     if ev is None:
                         continue
                 if ev.finish_reason in ("error", "abort"):
-                    raise ApiError(500 if ev.finish_reason == "error" else 503,
-                                   ev.error or "the request was aborted (server shutting down)",
-                                   type_="server_error", code=ev.finish_reason)
+                    raise ApiError(
+                        500 if ev.finish_reason == "error" else 503,
+                        ev.error or "the request was aborted (server shutting down)",
+                        type_="server_error",
+                        code=ev.finish_reason,
+                    )
                 self.t_first = self.t_first or time.perf_counter()
                 delta = self.text.push(ev.tokens)
                 if self.text.stopped:  # a stop string: the engine may stop now
@@ -237,20 +271,26 @@ def _sse(obj: Any) -> str:
 
 
 class OpenAIApp:
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, limits: ApiLimits,
-                 graphs: Optional[GraphSet] = None):
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: Tokenizer, limits: ApiLimits, graphs: Optional[GraphSet] = None
+    ):
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
         self.metrics = ServeMetrics(scheduler, graphs)
         self.created = int(time.time())
         self.app = self._build()
 
     # -- validation -------------------------------------------------------------------------------
-    def _params(self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str,
-                prompt_key: str) -> _Params:
+    def _params(
+        self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str, prompt_key: str
+    ) -> _Params:
         lim = self.limits
         if body.model != lim.model_name:
-            raise ApiError(404, f"model {body.model!r} does not exist; this server serves {lim.model_name!r}",
-                           "model", "model_not_found")
+            raise ApiError(
+                404,
+                f"model {body.model!r} does not exist; this server serves {lim.model_name!r}",
+                "model",
+                "model_not_found",
+            )
         if body.n != 1:
             raise ApiError(400, f"n={body.n}: one choice per request (valid: 1)", "n")
         if (err := extra_field_error(body.model_extra or {})) is not None:
@@ -259,61 +299,94 @@ class OpenAIApp:
             raise ApiError(400, "the prompt is empty", "prompt")
         room = lim.max_seq_len - len(prompt) - lim.draft_tokens
         if room < 1:
-            raise ApiError(400, f"the prompt has {len(prompt)} tokens; this model's context is "
-                           f"{lim.max_seq_len} tokens ({lim.draft_tokens} reserved for draft tokens), "
-                           "which leaves no room to generate", prompt_key, "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"the prompt has {len(prompt)} tokens; this model's context is "
+                f"{lim.max_seq_len} tokens ({lim.draft_tokens} reserved for draft tokens), "
+                "which leaves no room to generate",
+                prompt_key,
+                "context_length_exceeded",
+            )
         if max_tokens is None:
             max_tokens = min(lim.default_max_tokens, room)
         elif max_tokens < 1 or max_tokens > lim.max_tokens_limit:
             raise ApiError(400, f"{key}={max_tokens}: must be in [1, {lim.max_tokens_limit}]", key)
         elif max_tokens > room:
-            raise ApiError(400, f"this model's context is {lim.max_seq_len} tokens; the prompt has {len(prompt)} "
-                           f"and {key}={max_tokens} asks for {max_tokens} more ({lim.draft_tokens} reserved for "
-                           f"draft tokens): at most {room}", key, "context_length_exceeded")
+            raise ApiError(
+                400,
+                f"this model's context is {lim.max_seq_len} tokens; the prompt has {len(prompt)} "
+                f"and {key}={max_tokens} asks for {max_tokens} more ({lim.draft_tokens} reserved for "
+                f"draft tokens): at most {room}",
+                key,
+                "context_length_exceeded",
+            )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise ApiError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
         temperature = body.temperature if body.temperature is not None else lim.default_temperature
-        return _Params(max_tokens, temperature, body.top_p if body.top_p is not None else 1.0, body.seed,
-                       tuple(stop), body.ignore_eos)
+        return _Params(
+            max_tokens,
+            temperature,
+            body.top_p if body.top_p is not None else 1.0,
+            body.seed,
+            tuple(stop),
+            body.ignore_eos,
+        )
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
         p = body.prompt
         if isinstance(p, list) and p and isinstance(p[0], str):
             if len(p) != 1:
-                raise ApiError(400, f"a batch of {len(p)} prompts: send one prompt per request "
-                               "(requests are batched by the server)", "prompt")
+                raise ApiError(
+                    400,
+                    f"a batch of {len(p)} prompts: send one prompt per request (requests are batched by the server)",
+                    "prompt",
+                )
             p = p[0]
         if isinstance(p, str):
             return self.tokenizer.encode(p) if p else []
         bad = [t for t in p if not 0 <= t < self.limits.vocab_size]
         if bad:
-            raise ApiError(400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})",
-                           "prompt")
+            raise ApiError(
+                400, f"prompt token ids {bad[:5]} outside the vocabulary [0, {self.limits.vocab_size})", "prompt"
+            )
         return list(p)
 
     # -- responses --------------------------------------------------------------------------------
     async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: _Sampling):
         flight = _Flight(self.scheduler, self.tokenizer, prompt, p).submit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        head = {"id": rid, "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
-                "created": int(time.time()), "model": self.limits.model_name}
+        head = {
+            "id": rid,
+            "object": "chat.completion.chunk" if kind == "chat" else "text_completion",
+            "created": int(time.time()),
+            "model": self.limits.model_name,
+        }
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(self._stream(flight, kind, head, usage), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache"})
+            return StreamingResponse(
+                self._stream(flight, kind, head, usage),
+                media_type="text/event-stream",
+                headers={"Cache-Control": "no-cache"},
+            )
         parts, finish = [], None
-        async for delta, finish in flight.deltas(request.is_disconnected):
+        async for delta, finish in flight.deltas(request.is_disconnected):  # noqa: B007  (read after the loop)
             parts.append(delta)
         if finish is None:  # the client went away: nobody to answer
             return Response(status_code=499)
         self._observe(flight)
         text = "".join(parts)
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                   "finish_reason": finish} if kind == "chat" else
-                  {"index": 0, "text": text, "logprobs": None, "finish_reason": finish})
-        return {**head, "object": "chat.completion" if kind == "chat" else "text_completion",
-                "choices": [choice], "usage": flight.usage}
+        choice = (
+            {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None, "finish_reason": finish}
+            if kind == "chat"
+            else {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        )
+        return {
+            **head,
+            "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": [choice],
+            "usage": flight.usage,
+        }
 
     def _chunk(self, head: dict, kind: str, delta: Optional[str], finish: Optional[str], first=False) -> dict:
         if kind == "chat":
@@ -362,14 +435,21 @@ class OpenAIApp:
             errs = e.errors()
             first = errs[0] if errs else {}
             if first.get("type") == "json_invalid":
-                err = ApiError(400, f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
-                               code="invalid_json")
+                err = ApiError(
+                    400,
+                    f"malformed JSON body: {first.get('ctx', {}).get('error', first.get('msg'))}",
+                    code="invalid_json",
+                )
             else:
                 loc = [str(x) for x in first.get("loc", ()) if x != "body"]
                 param = loc[0] if loc else None
                 where = ".".join(loc) or "body"
-                err = ApiError(422, f"{where}: {first.get('msg', 'invalid')}"
-                               + (f" (got {first['input']!r})" if "input" in first and loc else ""), param)
+                err = ApiError(
+                    422,
+                    f"{where}: {first.get('msg', 'invalid')}"
+                    + (f" (got {first['input']!r})" if "input" in first and loc else ""),
+                    param,
+                )
             metrics.rejected.labels(str(err.status)).inc()
             return err.response()
 
@@ -389,20 +469,36 @@ class OpenAIApp:
             prompt = self.tokenizer.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
             key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
-            return await self._run(request, "chat", prompt, self._params(body, prompt, max_tokens, key, "messages"),
-                                   body)
+            return await self._run(
+                request, "chat", prompt, self._params(body, prompt, max_tokens, key, "messages"), body
+            )
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [{"id": self.limits.model_name, "object": "model",
-                                                "created": self.created, "owned_by": "specpipe",
-                                                "max_model_len": self.limits.max_seq_len}]}
+            return {
+                "object": "list",
+                "data": [
+                    {
+                        "id": self.limits.model_name,
+                        "object": "model",
+                        "created": self.created,
+                        "owned_by": "specpipe",
+                        "max_model_len": self.limits.max_seq_len,
+                    }
+                ],
+            }
 
         @app.get("/health")
         async def health():
             ok = self.scheduler.alive
-            return JSONResponse({"status": "ok" if ok else "unavailable", "running": self.scheduler.running,
-                                 "waiting": self.scheduler.queue_depth}, status_code=200 if ok else 503)
+            return JSONResponse(
+                {
+                    "status": "ok" if ok else "unavailable",
+                    "running": self.scheduler.running,
+                    "waiting": self.scheduler.queue_depth,
+                },
+                status_code=200 if ok else 503,
+            )
 
         @app.get("/metrics")
         async def prometheus():
@@ -433,8 +529,16 @@ class OpenAIServer:
 
     def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
         self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
-        config = uvicorn.Config(api.app, host=host, port=port, log_config=None, log_level=log_level,
-                                timeout_graceful_shutdown=drain_timeout_s, lifespan="off", access_log=False)
+        config = uvicorn.Config(
+            api.app,
+            host=host,
+            port=port,
+            log_config=None,
+            log_level=log_level,
+            timeout_graceful_shutdown=drain_timeout_s,
+            lifespan="off",
+            access_log=False,
+        )
         self.server = _Server(config)
         self.interrupted = False  # stopped by Ctrl-C
 
@@ -453,8 +557,10 @@ class OpenAIServer:
             if self.server.started:
                 raise
             c = self.server.config
-            raise RuntimeError(f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
-                               "serve.port=0 picks a free port)") from None
+            raise RuntimeError(
+                f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
+                "serve.port=0 picks a free port)"
+            ) from None
         finally:
             self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
 

@@ -117,8 +117,14 @@ class ServeStats:
 
 
 class Scheduler:
-    def __init__(self, decoder: SpecDecoder, num_slots: int, max_queue: int,
-                 generator: Optional[torch.Generator] = None, max_prefill_tokens: int = 8192):
+    def __init__(
+        self,
+        decoder: SpecDecoder,
+        num_slots: int,
+        max_queue: int,
+        generator: Optional[torch.Generator] = None,
+        max_prefill_tokens: int = 8192,
+    ):
         if num_slots > decoder.batch_size:
             raise ValueError(f"{num_slots} slots, but the decoder's cache holds {decoder.batch_size} rows")
         self.dec, self.n, self.max_queue = decoder, num_slots, max_queue
@@ -127,8 +133,9 @@ class Scheduler:
         self.generator = generator  # shared by sampled requests without a seed
         self.cache = decoder.cache.rows(num_slots)
         self.slots: list[Optional[GenerationRequest]] = [None] * num_slots
-        self.state = SpecState([[0] for _ in range(num_slots)], [0] * num_slots, [False] * num_slots,
-                               list(range(num_slots)), self.device)
+        self.state = SpecState(
+            [[0] for _ in range(num_slots)], [0] * num_slots, [False] * num_slots, list(range(num_slots)), self.device
+        )
         self._live_changed = True  # slots left since the last round: their live flags go to the device
         self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
@@ -157,8 +164,10 @@ class Scheduler:
         or ShuttingDown."""
         need = len(req.prompt) + req.max_tokens + self.k
         if not req.prompt or need > self.dec.model.max_seq_len:
-            raise ValueError(f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
-                             f"draft tokens needs {need} KV slots, the cache has {self.dec.model.max_seq_len}")
+            raise ValueError(
+                f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
+                f"draft tokens needs {need} KV slots, the cache has {self.dec.model.max_seq_len}"
+            )
         if req.seed is not None and req.temperature > 0:
             req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         with self._cv:
@@ -166,8 +175,9 @@ class Scheduler:
                 raise ShuttingDown("the server is shutting down")
             free = self.n - self.running  # waiting requests about to take a free slot do not queue
             if len(self.waiting) >= self.max_queue + free:
-                raise QueueFull(f"{len(self.waiting) - free} requests are waiting for a slot "
-                                f"(serve.max_queue={self.max_queue})")
+                raise QueueFull(
+                    f"{len(self.waiting) - free} requests are waiting for a slot (serve.max_queue={self.max_queue})"
+                )
             req.t_submit = time.perf_counter()
             self.stats.submitted += 1
             self.stats.prompt_tokens += len(req.prompt)
@@ -288,8 +298,13 @@ class Scheduler:
         t0, m, st = time.perf_counter(), len(reqs), self.state
         rows = slice(start, start + m)
         pre = self.dec.prefill([r.prompt for r in reqs], None, rows)
-        sampling = RowSampling.per_row([r.temperature for r in reqs], [r.top_p for r in reqs],
-                                       [r.generator for r in reqs], self.device, self.generator)
+        sampling = RowSampling.per_row(
+            [r.temperature for r in reqs],
+            [r.top_p for r in reqs],
+            [r.generator for r in reqs],
+            self.device,
+            self.generator,
+        )
         first = sample(pre.out.logits[:, -1], sampling)  # [m]
         for j, req in enumerate(reqs):
             st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
@@ -311,8 +326,12 @@ class Scheduler:
         if self._sampling is None:
             reqs = self.slots[: self._round_rows()]
             self._sampling = RowSampling.per_row(
-                [r.temperature if r else 0.0 for r in reqs], [r.top_p if r else 1.0 for r in reqs],
-                [r.generator if r else None for r in reqs], self.device, self.generator)
+                [r.temperature if r else 0.0 for r in reqs],
+                [r.top_p if r else 1.0 for r in reqs],
+                [r.generator if r else None for r in reqs],
+                self.device,
+                self.generator,
+            )
         return self._sampling
 
     def _round_rows(self) -> int:
@@ -366,16 +385,23 @@ class Scheduler:
         else:
             self._release(i, req, finish, tokens=out)
 
-    def _release(self, i: int, req: GenerationRequest, reason: str, error: Optional[str] = None,
-                 tokens: Optional[list[int]] = None) -> None:
+    def _release(
+        self,
+        i: int,
+        req: GenerationRequest,
+        reason: str,
+        error: Optional[str] = None,
+        tokens: Optional[list[int]] = None,
+    ) -> None:
         st = self.state
         self.slots[i], self._sampling = None, None
         st.history[i], st.lengths[i], st.live[i] = [0], 0, False
         self._live_changed = True
         self._finish(req, reason, error, tokens or [])
 
-    def _finish(self, req: GenerationRequest, reason: str, error: Optional[str] = None,
-                tokens: Optional[list[int]] = None) -> None:
+    def _finish(
+        self, req: GenerationRequest, reason: str, error: Optional[str] = None, tokens: Optional[list[int]] = None
+    ) -> None:
         with self._cv:  # cancel() finishes waiting requests from another thread
             req.finish_reason, req.t_done = reason, time.perf_counter()
             self.stats.finished[reason] += 1

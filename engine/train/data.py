@@ -36,16 +36,19 @@ from engine.train.eagle3 import Batch
 from engine.train.selfdistill import Sample
 
 
-def save_samples(path: Path, samples: list[Sample], meta: dict, synth_s: float,
-                 phase_s: Optional[dict[str, float]] = None) -> None:
+def save_samples(
+    path: Path, samples: list[Sample], meta: dict, synth_s: float, phase_s: Optional[dict[str, float]] = None
+) -> None:
     """samples.jsonl, meta.json (the cache key) and stats.json (how long synthesis took: `synth_s`, and
     by phase, e.g. graph capture, messages, answers)."""
     path.mkdir(parents=True, exist_ok=True)
     tmp = path / f"samples.jsonl.{os.getpid()}.tmp"  # per process: two jobs may synthesise the same key
     with open(tmp, "w") as f:
         for s in samples:
-            f.write(json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids,
-                                "cut": s.cut}) + "\n")
+            f.write(
+                json.dumps({"user": s.user, "prompt_ids": s.prompt_ids, "answer_ids": s.answer_ids, "cut": s.cut})
+                + "\n"
+            )
     tmp.rename(path / "samples.jsonl")  # complete or absent: never half-written
     (path / "meta.json").write_text(json.dumps(meta, indent=2, sort_keys=True))
     (path / "stats.json").write_text(json.dumps({"synth_s": synth_s, "phase_s": phase_s or {}}))
@@ -108,8 +111,10 @@ class VocabMap:
     @classmethod
     def identity(cls, vocab_size: int, device) -> "VocabMap":
         """Drafts that predict over the target's whole vocabulary (its lm_head)."""
-        return cls(torch.zeros(vocab_size, dtype=torch.long, device=device),
-                   torch.ones(vocab_size, dtype=torch.bool, device=device))
+        return cls(
+            torch.zeros(vocab_size, dtype=torch.long, device=device),
+            torch.ones(vocab_size, dtype=torch.bool, device=device),
+        )
 
     @classmethod
     def of(cls, head) -> "VocabMap":
@@ -120,9 +125,17 @@ class VocabMap:
 
 
 @torch.no_grad()
-def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len: int, device,
-                 features: FeatureKind = FeatureKind.aux, causal: bool = True,
-                 label_temperature: float = 1.0) -> Batch:
+def target_batch(
+    target,
+    cache,
+    samples: list[Sample],
+    vocab: VocabMap,
+    max_len: int,
+    device,
+    features: FeatureKind = FeatureKind.aux,
+    causal: bool = True,
+    label_temperature: float = 1.0,
+) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
     attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
@@ -134,7 +147,7 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     answer = torch.zeros(b, width, dtype=torch.bool)
     for i, s in enumerate(samples):
         ids[i, : lens[i]] = torch.tensor(s.ids[: lens[i]])
-        answer[i, len(s.prompt_ids): lens[i]] = True
+        answer[i, len(s.prompt_ids) : lens[i]] = True
     ids, answer = ids.to(device), answer.to(device)
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < torch.tensor(lens, device=device)[:, None]
@@ -147,7 +160,11 @@ def target_batch(target, cache, samples: list[Sample], vocab: VocabMap, max_len:
     label_logits = F.linear(out.hidden_states[:, 1:], w)  # [B, L-1, Vd]: z_{p+1} over the draft vocabulary
     top = vocab.to_draft[torch.cat([ids[:, 2:], ids.new_zeros(b, 1)], 1)]  # [B, L-1]: x_{p+2}
     return Batch(
-        tokens=ids[:, 1:], positions=positions[:, :-1], feats=feats[:, :-1], label_logits=label_logits,
-        top=top, mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1), label_temperature=label_temperature,
+        tokens=ids[:, 1:],
+        positions=positions[:, :-1],
+        feats=feats[:, :-1],
+        label_logits=label_logits,
+        top=top,
+        mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
+        label_temperature=label_temperature,
     )
-

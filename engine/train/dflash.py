@@ -37,8 +37,9 @@ from engine.model import apply_rope
 from engine.train.eagle3 import Batch, _shift
 
 
-def block_attention(q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int,
-                    group: int) -> Tensor:
+def block_attention(
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int
+) -> Tensor:
     """Attention of every anchor's block over its context prefix and its own block.
 
     q [B, H, T*blk, D]; k_ctx/v_ctx [B, KV, T, D] (context at positions 0..T-1); k_blk/v_blk
@@ -78,7 +79,7 @@ def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
     for layer in head.layers:
         att = layer.self_attn
         heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-        split = lambda y, n, nh: y.view(b, n, nh, d).transpose(1, 2)  # noqa: E731  [B, nh, n, D]
+        split = lambda y, n, nh, d=d: y.view(b, n, nh, d).transpose(1, 2)  # noqa: E731  [B, nh, n, D]
         k_ctx = apply_rope(split(att.k_proj(c), t, kv), ccos, csin)
         v_ctx = split(att.v_proj(c), t, kv)
         hn = layer.input_layernorm(x)
@@ -100,5 +101,9 @@ def check_dflash_training(cfg, plan) -> None:
     for key in ("ttt_steps", "eval_k"):
         value = getattr(cfg.train, key)
         if value > block - 1:
-            raise ConfigError(f"train.{key}", value, f"a DFlash block of {block} tokens predicts {block - 1} "
-                              "positions", f"1..{block - 1}, or a larger draft.block_size")
+            raise ConfigError(
+                f"train.{key}",
+                value,
+                f"a DFlash block of {block} tokens predicts {block - 1} positions",
+                f"1..{block - 1}, or a larger draft.block_size",
+            )

@@ -23,7 +23,6 @@ the keys a query sees:
     batch.top      [B, T]          draft id of x_{p+2}, the sample's next token: on the target's own greedy
                                    answers, its greedy token (-1: outside the draft vocab)
     batch.mask     [B, T] bool     positions trained on (the answer part of a sample)
-    batch.anchor_weight [B, T]     optional loss weight of the chain anchored at j (round_weights)
     step logits    [B, T, Vd]      one tensor per TTT step
 
 Attention: `ttt_attention` materializes the [T, T + s] scores (any device, the reference);
@@ -62,7 +61,6 @@ class Batch:
     label_logits: Tensor  # [B, T, Vd] the target's logits over the draft vocabulary
     top: Tensor  # [B, T] int64
     mask: Tensor  # [B, T] bool
-    anchor_weight: Optional[Tensor] = None  # [B, T] float: loss weight of the chain anchored at j
     label_temperature: float = 1.0  # labels = softmax(label_logits / T)
 
     @property
@@ -79,7 +77,7 @@ def _shift(x: Tensor, n: int, dim: int) -> Tensor:
     if n == 0:
         return x
     t = x.shape[dim]
-    pad = x.new_zeros(*x.shape[:dim], min(n, t), *x.shape[dim + 1:])
+    pad = x.new_zeros(*x.shape[:dim], min(n, t), *x.shape[dim + 1 :])
     return torch.cat([pad, x.narrow(dim, 0, t - min(n, t))], dim)
 
 
@@ -143,8 +141,9 @@ def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
     `ttt_attention` also sees zero-filled ones; every other row is the same attention."""
     s, t = len(keys) - 1, q.shape[2]
     mask = _ttt_block_mask(t, s, q.device)
-    return _flex_kernel(q.device.type)(q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask,
-                                       enable_gqa=group > 1)
+    return _flex_kernel(q.device.type)(
+        q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask, enable_gqa=group > 1
+    )
 
 
 def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:
@@ -175,8 +174,9 @@ TRITON_OPS = ForwardOps(
 )
 
 
-def ttt_attend(att, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], attention,
-               ops: ForwardOps) -> Tensor:
+def ttt_attend(
+    att, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], attention, ops: ForwardOps
+) -> Tensor:
     """One unrolled step's attention: x [B, T, in] -> q/k/v with RoPE; this step's keys and values join
     the earlier steps' (`keys`, `values`, appended in place); -> o_proj of the output [B, T, H]."""
     b, t, _ = x.shape
@@ -197,7 +197,7 @@ def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: Fo
     sin = head.rope_sin[batch.positions].to(rot)
     g = head.fc(batch.feats.to(emb.dtype))  # [B, T, H]
     keys, values, logits = [], [], []
-    for s in range(steps):
+    for _ in range(steps):
         x = torch.cat([emb, ops.norm(m.hidden_norm, g)], -1)  # [B, T, 2H]
         h = g + ttt_attend(att, x, cos, sin, keys, values, attention, ops)
         h = h + m.mlp(ops.norm(m.post_attention_layernorm, h))  # [B, T, H]
@@ -211,44 +211,26 @@ def step_valid(mask: Tensor, s: int) -> Tensor:
     return mask & (torch.arange(mask.shape[1], device=mask.device) >= s)[None]
 
 
-def ttt_loss(logits: list[Tensor], batch: Batch, decay: float = 0.8, kernel: str = "torch",
-             reach: float = 0.0) -> tuple[Tensor, dict[str, Tensor]]:
-    """Weighted cross-entropy against the target distribution; also per-step loss and greedy accuracy
-    (0-d tensors: reading them is a device sync, left to the caller). With `batch.anchor_weight`, step s
-    at p is weighted by the weight of its chain's anchor p - s (see `round_weights`). Only the valid
-    positions are computed; `kernel` is soft_cross_entropy's (torch or triton).
-
-    `reach` (0..1) puts the loss where inference drafts. A chain is only continued while its drafts are
-    right, so step s of the chain anchored at j is ever drafted only if steps 0..s-1 at j..j+s-1 were
-    all right (greedy, the head's own argmax against the target's token). Such a step weighs 1, any other
-    1 - reach, and the step's loss keeps its denominator (the valid positions, or their anchor weights):
-    step s's share of the loss then falls with the share of chains that reach it, as its share of the
-    accept length does (reach = 1: d(accept length)/d(acceptance of step s) is the reach of s times what
-    follows). Step 0 always weighs 1. `reach_s` in the stats: the share of step s's positions reached."""
+def ttt_loss(
+    logits: list[Tensor], batch: Batch, decay: float = 0.8, kernel: str = "torch"
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Cross-entropy against the target distribution, step s weighted decay ** s; also per-step loss and
+    greedy accuracy (0-d tensors: reading them is a device sync, left to the caller). Only the valid
+    positions are computed; `kernel` is soft_cross_entropy's (torch or triton)."""
     total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
     target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
     probs = batch.labels.flatten(0, 1) if kernel == "torch" else None  # the torch path's labels, once a batch
-    alive = torch.ones_like(batch.mask)  # [B, T] by anchor j: the chain's drafts so far all right
     for s, lg in enumerate(logits):
         valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
         n = valid.sum().clamp(min=1)
-        base = valid.float() if batch.anchor_weight is None else valid * _shift(batch.anchor_weight, s, 1)
-        w = base
-        if reach > 0 and s > 0:
-            reached = _shift(alive, s, 1)  # [B, T] by position
-            w = base * torch.where(reached, 1.0, 1.0 - reach)
-            stats[f"reach_{s}"] = (reached & valid).sum() / n
-        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel,
-                                     probs)
-        loss_s = (ce.view_as(w) * w).sum() / base.sum().clamp(min=1e-6)
-        total = total + decay ** s * loss_s
-        norm += decay ** s
+        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel, probs)
+        loss_s = (ce.view_as(valid) * valid).sum() / n
+        total = total + decay**s * loss_s
+        norm += decay**s
         with torch.no_grad():
             right = (top.view_as(valid) == batch.top) & valid  # [B, T] by position
             stats[f"loss_{s}"] = loss_s.detach()
             stats[f"acc_{s}"] = right.sum() / n
-            if reach > 0:
-                alive = alive & _shift_left(right, s)
     return total / norm, stats
 
 
@@ -280,7 +262,7 @@ def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tens
     usable = mask.clone()
     for s in range(1, k):
         usable[:, : t - s] &= mask[:, s:]
-    usable[:, t - k + 1:] = False  # [B, T] anchors with all k positions in the row and trained on
+    usable[:, t - k + 1 :] = False  # [B, T] anchors with all k positions in the row and trained on
     return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
 
 
@@ -336,11 +318,3 @@ def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) 
     _, stop = _trained_span(mask)
     tokens = torch.minimum(length + 1, stop[:, None] - pos)[anchors].sum()
     return int(tokens), int(anchors.sum()), anchors
-
-
-def round_weights(logits: list[Tensor], batch: Batch, k: int, extra: float) -> Tensor:
-    """Anchor weights [B, T] for the loss: 1 everywhere, 1 + extra where the loop, replayed with the
-    head's current greedy chains (`loop_anchors`), starts a round. The loop's accept length is tokens
-    over rounds and rounds pile up where the draft fails, so this weighs the chains that cost rounds."""
-    anchors = loop_anchors(chain_lengths(logits, batch, k), batch.mask)  # [B, T], no host sync
-    return 1.0 + extra * anchors.float()

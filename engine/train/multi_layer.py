@@ -14,7 +14,6 @@ reads its own earlier outputs, only module i-1's at the same position.
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 from torch import Tensor
 

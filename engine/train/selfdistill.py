@@ -55,14 +55,27 @@ def cut_share(samples: Sequence[Sample]) -> float:
     return sum(s.cut for s in samples) / max(len(samples), 1)
 
 
-def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tokens: int = 64,
-               max_answer_tokens: int = 256, prompt_temperature: float = 1.0, prompt_top_p: float = 0.95,
-               answer_temperature: float = 0.0,
-               seed: int = 0, min_prompt_chars: int = 8, graphs=None, sync_every: int = 16,
-               system_prompts: Sequence[str] = (), drop_cut: bool = False,
-               passage_share: float = 0.0, passage_tasks: Sequence[str] = (),
-               passage_tokens: tuple[int, int] = (32, 160), passage_temperature: float = 0.0,
-               phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
+def synthesize(
+    target: LoadedModel,
+    n: int,
+    batch_size: int = 16,
+    max_prompt_tokens: int = 64,
+    max_answer_tokens: int = 256,
+    prompt_temperature: float = 1.0,
+    prompt_top_p: float = 0.95,
+    answer_temperature: float = 0.0,
+    seed: int = 0,
+    min_prompt_chars: int = 8,
+    graphs=None,
+    sync_every: int = 16,
+    system_prompts: Sequence[str] = (),
+    drop_cut: bool = False,
+    passage_share: float = 0.0,
+    passage_tasks: Sequence[str] = (),
+    passage_tokens: tuple[int, int] = (32, 160),
+    passage_temperature: float = 0.0,
+    phase_s: Optional[dict[str, float]] = None,
+) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
     are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
     `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
@@ -77,13 +90,39 @@ def synthesize(target: LoadedModel, n: int, batch_size: int = 16, max_prompt_tok
     and the passage tasks' answers ("passages") are added to it (each phase ends on a host read of its
     tokens, so the times are whole)."""
     n_tasks = passage_task_count(n, passage_share, passage_tasks)
-    samples = _magpie(target, n - n_tasks, batch_size, max_prompt_tokens, max_answer_tokens, prompt_temperature,
-                      prompt_top_p, answer_temperature, seed, min_prompt_chars, graphs, sync_every,
-                      system_prompts, drop_cut, phase_s)
+    samples = _magpie(
+        target,
+        n - n_tasks,
+        batch_size,
+        max_prompt_tokens,
+        max_answer_tokens,
+        prompt_temperature,
+        prompt_top_p,
+        answer_temperature,
+        seed,
+        min_prompt_chars,
+        graphs,
+        sync_every,
+        system_prompts,
+        drop_cut,
+        phase_s,
+    )
     if n_tasks:
-        samples += _passage_tasks(target, samples, n_tasks, passage_tasks, passage_tokens, passage_temperature,
-                                  batch_size, max_answer_tokens, answer_temperature, seed, graphs, sync_every,
-                                  phase_s)
+        samples += _passage_tasks(
+            target,
+            samples,
+            n_tasks,
+            passage_tasks,
+            passage_tokens,
+            passage_temperature,
+            batch_size,
+            max_answer_tokens,
+            answer_temperature,
+            seed,
+            graphs,
+            sync_every,
+            phase_s,
+        )
     return samples
 
 
@@ -93,10 +132,23 @@ def passage_task_count(n: int, share: float, tasks: Sequence[str]) -> int:
     return round(n * share) if tasks else 0
 
 
-def _magpie(target: LoadedModel, n: int, batch_size: int, max_prompt_tokens: int, max_answer_tokens: int,
-            prompt_temperature: float, prompt_top_p: float, answer_temperature: float, seed: int,
-            min_prompt_chars: int, graphs, sync_every: int, system_prompts: Sequence[str], drop_cut: bool,
-            phase_s: Optional[dict[str, float]]) -> list[Sample]:
+def _magpie(
+    target: LoadedModel,
+    n: int,
+    batch_size: int,
+    max_prompt_tokens: int,
+    max_answer_tokens: int,
+    prompt_temperature: float,
+    prompt_top_p: float,
+    answer_temperature: float,
+    seed: int,
+    min_prompt_chars: int,
+    graphs,
+    sync_every: int,
+    system_prompts: Sequence[str],
+    drop_cut: bool,
+    phase_s: Optional[dict[str, float]],
+) -> list[Sample]:
     """Steps 1-3: `n` Magpie samples (synthesize's arguments)."""
     tok, model = target.tokenizer, target.model
     turns = [tok.user_turn(sp or None) for sp in (system_prompts or [""])]
@@ -125,8 +177,9 @@ def _magpie(target: LoadedModel, n: int, batch_size: int, max_prompt_tokens: int
             continue
         prompts = [tok.encode_chat(u) for u, _ in users]
         t1 = time.perf_counter()
-        for (u, cut), p, r in zip(users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng,
-                                                               sync_every=sync_every)):
+        for (u, cut), p, r in zip(
+            users, prompts, gen.generate(prompts, answer, tok.eos_token_ids, rng, sync_every=sync_every)
+        ):
             samples.append(Sample(u, p, r.tokens, cut))
         if phase_s is not None:
             phase_s["messages"] = phase_s.get("messages", 0.0) + t1 - t0
@@ -134,9 +187,12 @@ def _magpie(target: LoadedModel, n: int, batch_size: int, max_prompt_tokens: int
         bar.update(len(users))
     bar.close()
     if len(samples) < n:
-        warnings.warn(f"self-distill: {len(samples)} of {n} samples after {tries} generation "
-                      f"batches; the rest of the user messages were shorter than min_prompt_chars={min_prompt_chars}"
-                      f"{' or cut at max_prompt_tokens=' + str(max_prompt_tokens) if drop_cut else ''}", stacklevel=2)
+        warnings.warn(
+            f"self-distill: {len(samples)} of {n} samples after {tries} generation "
+            f"batches; the rest of the user messages were shorter than min_prompt_chars={min_prompt_chars}"
+            f"{' or cut at max_prompt_tokens=' + str(max_prompt_tokens) if drop_cut else ''}",
+            stacklevel=2,
+        )
     return samples
 
 
@@ -145,8 +201,11 @@ def passages(target: LoadedModel, samples: Sequence[Sample], tokens: tuple[int, 
     tokens[0]..tokens[1] tokens before it, decoded, in the samples' order."""
     stop = set(target.tokenizer.eos_token_ids)
     low, high = tokens
-    return [target.tokenizer.decode(s.answer_ids[:-1]).strip() for s in samples
-            if s.answer_ids and s.answer_ids[-1] in stop and low <= len(s.answer_ids) - 1 <= high]
+    return [
+        target.tokenizer.decode(s.answer_ids[:-1]).strip()
+        for s in samples
+        if s.answer_ids and s.answer_ids[-1] in stop and low <= len(s.answer_ids) - 1 <= high
+    ]
 
 
 def task_messages(texts: Sequence[str], tasks: Sequence[str], n: int) -> list[str]:
@@ -156,10 +215,21 @@ def task_messages(texts: Sequence[str], tasks: Sequence[str], n: int) -> list[st
     return [tasks[(i % p + i // p) % t].format(passage=texts[i % p]) for i in range(n)]
 
 
-def _passage_tasks(target: LoadedModel, samples: Sequence[Sample], n: int, tasks: Sequence[str],
-                   tokens: tuple[int, int], passage_temperature: float, batch_size: int, max_answer_tokens: int,
-                   answer_temperature: float, seed: int, graphs, sync_every: int,
-                   phase_s: Optional[dict[str, float]]) -> list[Sample]:
+def _passage_tasks(
+    target: LoadedModel,
+    samples: Sequence[Sample],
+    n: int,
+    tasks: Sequence[str],
+    tokens: tuple[int, int],
+    passage_temperature: float,
+    batch_size: int,
+    max_answer_tokens: int,
+    answer_temperature: float,
+    seed: int,
+    graphs,
+    sync_every: int,
+    phase_s: Optional[dict[str, float]],
+) -> list[Sample]:
     """Step 4: `n` samples whose user message is a task about one of `samples`' answers (with
     `passage_temperature` > 0: about answers to the first ceil(n / 4) of `samples`' messages sampled anew
     at that temperature, texts the target would not write greedily, whose words must be copied rather
@@ -172,31 +242,52 @@ def _passage_tasks(target: LoadedModel, samples: Sequence[Sample], n: int, tasks
     if passage_temperature > 0:
         firsts = samples[: -(-n // 4)]
         sampled = SamplingParams(temperature=passage_temperature, top_p=0.95, max_new_tokens=max_answer_tokens)
-        source = [Sample(s.user, s.prompt_ids, a) for s, a in
-                  zip(firsts, _answers(gen, [s.prompt_ids for s in firsts], sampled, tok, rng, seed, 1, sync_every))]
+        source = [
+            Sample(s.user, s.prompt_ids, a)
+            for s, a in zip(
+                firsts, _answers(gen, [s.prompt_ids for s in firsts], sampled, tok, rng, seed, 1, sync_every)
+            )
+        ]
     texts = passages(target, source, tokens)
     if not texts:
-        raise ValueError(f"self-distill: no complete answer of {tokens[0]}..{tokens[1]} tokens among "
-                         f"{len(source)} samples to ask passage tasks about; valid: more samples, or a wider "
-                         f"train.data.passage_tokens")
+        raise ValueError(
+            f"self-distill: no complete answer of {tokens[0]}..{tokens[1]} tokens among "
+            f"{len(source)} samples to ask passage tasks about; valid: more samples, or a wider "
+            f"train.data.passage_tokens"
+        )
     users = task_messages(texts, tasks, n)
     prompts = [tok.encode_chat(u) for u in users]
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
-    out = [Sample(u, p, a) for u, p, a in
-           zip(users, prompts, _answers(gen, prompts, answer, tok, rng, seed, 2, sync_every))]
+    out = [
+        Sample(u, p, a)
+        for u, p, a in zip(users, prompts, _answers(gen, prompts, answer, tok, rng, seed, 2, sync_every))
+    ]
     if phase_s is not None:
         phase_s["passages"] = phase_s.get("passages", 0.0) + time.perf_counter() - t0
     return out
 
 
-def _answers(gen: Generator, prompts: list[list[int]], params: SamplingParams, tok, rng: torch.Generator,
-             seed: int, stream: int, sync_every: int) -> list[list[int]]:
+def _answers(
+    gen: Generator,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    tok,
+    rng: torch.Generator,
+    seed: int,
+    stream: int,
+    sync_every: int,
+) -> list[list[int]]:
     """The target's answers to `prompts`, a generation batch at a time, batch b drawing from its own
     generator seeded by (seed, stream, b): apart from the Magpie batches' seeds and from each other stream."""
     out: list[list[int]] = []
-    for b, i in enumerate(tqdm(range(0, len(prompts), gen.batch_size), desc="passage tasks", unit="batch",
-                               dynamic_ncols=True)):
+    for b, i in enumerate(
+        tqdm(range(0, len(prompts), gen.batch_size), desc="passage tasks", unit="batch", dynamic_ncols=True)
+    ):
         rng.manual_seed((seed << 32) + (stream << 28) + (1 << 31) + b)
-        out += [r.tokens for r in gen.generate(prompts[i: i + gen.batch_size], params, tok.eos_token_ids, rng,
-                                               sync_every=sync_every)]
+        out += [
+            r.tokens
+            for r in gen.generate(
+                prompts[i : i + gen.batch_size], params, tok.eos_token_ids, rng, sync_every=sync_every
+            )
+        ]
     return out

@@ -35,9 +35,16 @@ from engine.model import StaticKVCache
 from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.dflash import check_dflash_training, dflash_forward
-from engine.train.eagle3 import (TRITON_OPS, chain_acceptance, chain_lengths, round_weights, simulated_loop,
-                                 ttt_attention_flex, ttt_forward, ttt_loss)
 from engine.train.eagle import eagle_forward
+from engine.train.eagle3 import (
+    TRITON_OPS,
+    chain_acceptance,
+    chain_lengths,
+    simulated_loop,
+    ttt_attention_flex,
+    ttt_forward,
+    ttt_loss,
+)
 from engine.train.multi_layer import multi_layer_forward
 from engine.train.selfdistill import Sample
 
@@ -87,13 +94,11 @@ class TrainSettings:
     save_every: int
     eval_k: int  # drafts per chain for the held-out accept_length
     loop_horizon: Optional[int]  # new tokens per answer of the replayed held-out loop (its max_new_tokens)
-    round_weight: float  # extra loss weight of the chains the replayed loop anchors rounds at (0: off)
     attention: str  # the training forward's attention: eager (materialized scores) | flex (FlexAttention)
     max_time_s: Optional[float]
     seed: int
     label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-    reach_weight: float = 0.0  # training loss: steps no greedy chain reaches weigh 1 - reach_weight (ttt_loss)
     kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, rms_norm.py, rope.py)
     ema_decay: float = 0.0  # > 0: evaluate and end on an EMA of the weights (engine/train/average.py); 0: off
 
@@ -123,23 +128,36 @@ def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
 
 
 class Trainer:
-    def __init__(self, head, target, train: list[Sample], heldout: list[Sample], vocab: VocabMap,
-                 settings: TrainSettings, out_dir: Path, log: Callable[[dict, int], None],
-                 spec: TrainSpec = TRAIN_SPECS["eagle3"]):
+    def __init__(
+        self,
+        head,
+        target,
+        train: list[Sample],
+        heldout: list[Sample],
+        vocab: VocabMap,
+        settings: TrainSettings,
+        out_dir: Path,
+        log: Callable[[dict, int], None],
+        spec: TrainSpec = TRAIN_SPECS["eagle3"],
+    ):
         self.spec = spec
         self.head, self.target, self.s, self.out_dir, self.log = head, target, settings, out_dir, log
         self.train_samples, self.heldout = train, heldout
         self.vocab = vocab
         self.device = target.lm_head.weight.device
-        rows = max(len(g) for split in (train, heldout) for g in batches(split, settings.max_tokens,
-                                                                          settings.max_len, None))
+        rows = max(
+            len(g) for split in (train, heldout) for g in batches(split, settings.max_tokens, settings.max_len, None)
+        )
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
         self.params = [p for p in head.parameters() if p.requires_grad]
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
-        self.opt = torch.optim.AdamW([{"params": decay, "weight_decay": settings.weight_decay},
-                                      {"params": no_decay, "weight_decay": 0.0}], lr=settings.lr, betas=(0.9, 0.95),
-                                     fused=self.device.type == "cuda")
+        self.opt = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": settings.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=settings.lr,
+            betas=(0.9, 0.95),
+            fused=self.device.type == "cuda",
+        )
         # no trainable parameters (a frozen head, evaluated only: benchmarks/copy_probe.py): nothing to average
         self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 and self.params else None
         self.last_weights: Optional[list[torch.Tensor]] = None  # with ema: the last step's own weights, at the end
@@ -158,9 +176,18 @@ class Trainer:
         tmp = self.out_dir / "checkpoint.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         self.head.save(tmp)
-        torch.save({"optimizer": self.opt.state_dict(), "step": self.step, "epoch": self.epoch,
-                    "index": self.index, "elapsed_s": self.elapsed_s, "rng": torch.get_rng_state(),
-                    "ema": self.ema.state_dict() if self.ema is not None else None}, tmp / "trainer_state.pt")
+        torch.save(
+            {
+                "optimizer": self.opt.state_dict(),
+                "step": self.step,
+                "epoch": self.epoch,
+                "index": self.index,
+                "elapsed_s": self.elapsed_s,
+                "rng": torch.get_rng_state(),
+                "ema": self.ema.state_dict() if self.ema is not None else None,
+            },
+            tmp / "trainer_state.pt",
+        )
         shutil.rmtree(self.ckpt_dir, ignore_errors=True)
         tmp.rename(self.ckpt_dir)
 
@@ -188,13 +215,23 @@ class Trainer:
         return contextlib.nullcontext()
 
     def _batch(self, samples: list[Sample], label_temperature: float = 1.0):
-        return target_batch(self.target, self.cache, samples, self.vocab, self.s.max_len, self.device,
-                            self.spec.features, label_temperature=label_temperature)
+        return target_batch(
+            self.target,
+            self.cache,
+            samples,
+            self.vocab,
+            self.s.max_len,
+            self.device,
+            self.spec.features,
+            label_temperature=label_temperature,
+        )
 
     def _epoch_order(self) -> list[list[Sample]]:
         if self._order[0] != self.epoch:
-            self._order = (self.epoch, batches(self.train_samples, self.s.max_tokens, self.s.max_len,
-                                               self.s.seed + self.epoch))
+            self._order = (
+                self.epoch,
+                batches(self.train_samples, self.s.max_tokens, self.s.max_len, self.s.seed + self.epoch),
+            )
         return self._order[1]
 
     def evaluate(self) -> dict[str, float]:
@@ -214,9 +251,9 @@ class Trainer:
             batch = self._batch(group)
             with self._autocast():
                 logits = self.spec.forward(self.head, batch, max(self.s.ttt_steps, k))
-            l, stats = self.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
+            batch_loss, stats = self.loss(logits[: self.s.ttt_steps], batch, self.s.loss_decay)
             n = batch.num_tokens
-            loss, tokens = loss + l.item() * n, tokens + n
+            loss, tokens = loss + batch_loss.item() * n, tokens + n
             covered += int(((batch.top >= 0) & batch.mask).sum())  # the target's token is a draft token
             for s in range(self.s.ttt_steps):
                 acc[s] += stats[f"acc_{s}"].item() * n if f"acc_{s}" in stats else 0.0
@@ -227,10 +264,12 @@ class Trainer:
             n_tok, n_rounds, _ = simulated_loop(length, batch.mask, self.s.loop_horizon)
             loop_tokens, loop_rounds = loop_tokens + n_tok, loop_rounds + n_rounds
         self.head.train()
-        out = {"val_loss": loss / max(tokens, 1),
-               f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1),
-               f"val_loop_accept_length_k{k}": loop_tokens / max(loop_rounds, 1),
-               "val_draft_vocab_coverage": covered / max(tokens, 1)}
+        out = {
+            "val_loss": loss / max(tokens, 1),
+            f"val_accept_length_k{k}": 1.0 + float(accepted.sum()) / max(anchors, 1),
+            f"val_loop_accept_length_k{k}": loop_tokens / max(loop_rounds, 1),
+            "val_draft_vocab_coverage": covered / max(tokens, 1),
+        }
         out.update({f"val_acc_{s}": acc[s] / max(tokens, 1) for s in range(self.s.ttt_steps)})
         out.update({f"val_accept_rate_pos_{i}": float(accepted[i]) / max(anchors, 1) for i in range(k)})
         return out
@@ -259,9 +298,7 @@ class Trainer:
                 group["lr"] = lr
             with self._autocast():
                 logits = self.train_forward(self.head, batch, s.ttt_steps)
-            if s.round_weight > 0:
-                batch.anchor_weight = round_weights(logits, batch, s.eval_k, s.round_weight)
-            loss, stats = self.loss(logits, batch, s.loss_decay, reach=s.reach_weight)
+            loss, stats = self.loss(logits, batch, s.loss_decay)
             self.opt.zero_grad(set_to_none=True)
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
@@ -273,15 +310,21 @@ class Trainer:
             bar.update(1)
             if self.step % 10 == 0 or self.step == s.steps:
                 now = time.perf_counter()
-                row = {"train_loss": loss.item(), "lr": lr, "grad_norm": float(grad_norm),
-                       "epoch": self.epoch, "train_tokens_per_s": int(tokens_seen) / max(now - last_log, 1e-9),
-                       **{f"train_{k}": v.item() for k, v in stats.items()}}
+                row = {
+                    "train_loss": loss.item(),
+                    "lr": lr,
+                    "grad_norm": float(grad_norm),
+                    "epoch": self.epoch,
+                    "train_tokens_per_s": int(tokens_seen) / max(now - last_log, 1e-9),
+                    **{f"train_{k}": v.item() for k, v in stats.items()},
+                }
                 tokens_seen, last_log = 0, now
                 if not math.isfinite(row["train_loss"]):  # stop at once: every step after it trains on NaN
                     raise FloatingPointError(
                         f"train_draft: train_loss={row['train_loss']} at step {self.step} (grad_norm "
                         f"{row['grad_norm']}, lr {lr:g}, train.kernels={s.kernels}); valid: a finite loss. "
-                        f"Try a lower train.lr, or train.kernels=torch to rule out the Triton kernels")
+                        f"Try a lower train.lr, or train.kernels=torch to rule out the Triton kernels"
+                    )
                 self.log(row, self.step)
                 bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc0=f"{row['train_acc_0']:.2f}")
             if self.step % s.eval_every == 0 and self.step < s.steps:

@@ -15,8 +15,9 @@ import torch
 from torch import Tensor
 
 
-def build_draft_vocab(sequences: Iterable[list[int]], vocab_size: int, draft_vocab_size: int,
-                      always: Iterable[int] = ()) -> tuple[Tensor, Tensor]:
+def build_draft_vocab(
+    sequences: Iterable[list[int]], vocab_size: int, draft_vocab_size: int, always: Iterable[int] = ()
+) -> tuple[Tensor, Tensor]:
     """Top `draft_vocab_size` tokens by count (ties: lower id first); `always` (e.g. EOS) are kept in."""
     counts = Counter(t for seq in sequences for t in seq)
     keep = list(dict.fromkeys(always))
