@@ -97,3 +97,20 @@ def assert_trained_beats_random(
     good, bad = (run(compose_cfg(*both, *own))["eval_results"]["metrics"] for own in (trained, random_))
     assert good["match_baseline"] == 1.0 and bad["match_baseline"] == 1.0
     assert good["accept_length"] > bad["accept_length"] + 0.2, (good["accept_length"], bad["accept_length"])
+
+
+# A draft training run on the tiny target in seconds (16 self-distilled samples, short sequences); each
+# test adds its recipe (+experiment=train_<draft>_smollm2) and its steps, TTT steps and cadence.
+TINY_TRAIN = [
+    "model=tiny",
+    "model.random.init_std=0.15",
+    "train.data.num_samples=16",
+    "train.data.batch_size=8",
+    "train.data.max_prompt_tokens=12",
+    "train.data.max_answer_tokens=24",
+    "train.data.min_prompt_chars=1",
+    "train.heldout=0.25",
+    "train.warmup_steps=5",
+    "train.max_tokens=1024",
+    "train.max_len=64",
+]

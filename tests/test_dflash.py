@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_trained_beats_random, compose_cfg, spread_init
+from conftest import TINY_TRAIN, assert_trained_beats_random, compose_cfg, spread_init
 from safetensors import safe_open
 from test_graphs import poison
 from test_model import _prompts, pair
@@ -367,20 +367,11 @@ def test_training_forward_equals_the_inference_block(target):
 
 TRAIN = [
     "+experiment=train_dflash_smollm2",
+    *TINY_TRAIN,
     *TINY,
-    "model.random.init_std=0.15",
     "draft.block_size=4",
     "draft.num_steps=3",
-    "train.data.num_samples=16",
-    "train.data.batch_size=8",
-    "train.data.max_prompt_tokens=12",
-    "train.data.max_answer_tokens=24",
-    "train.data.min_prompt_chars=1",
-    "train.heldout=0.25",
     "train.lr=1e-2",
-    "train.warmup_steps=5",
-    "train.max_tokens=1024",
-    "train.max_len=64",
     "train.eval_every=30",
     "train.save_every=30",
     "train.ttt_steps=3",

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_trained_beats_random, compose_cfg
+from conftest import TINY_TRAIN, assert_trained_beats_random, compose_cfg
 from test_graphs import CUDA, POLICIES, poison, setup, spec_generator
 from test_model import _prompts, pair
 from test_speculative import oracle_prefix, run_all, tap
@@ -218,19 +218,9 @@ def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
 
 TRAIN = [
     "+experiment=train_mtp_smollm2",
-    "model=tiny",
-    "model.random.init_std=0.15",
+    *TINY_TRAIN,
     "draft.num_steps=3",
-    "train.data.num_samples=16",
-    "train.data.batch_size=8",
-    "train.data.max_prompt_tokens=12",
-    "train.data.max_answer_tokens=24",
-    "train.data.min_prompt_chars=1",
-    "train.heldout=0.25",
     "train.lr=5e-3",
-    "train.warmup_steps=5",
-    "train.max_tokens=1024",
-    "train.max_len=64",
     "train.eval_every=20",
     "train.save_every=20",
     "train.ttt_steps=3",

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg, spread_init
+from conftest import TINY_TRAIN, compose_cfg, spread_init
 from mlflow.tracking import MlflowClient
 from safetensors import safe_open
 from test_model import pair
@@ -377,21 +377,11 @@ def test_loop_anchors_by_pointer_doubling_equal_the_walk(t):
 # the real one (1.227 vs 1.211 on an H200)
 TRAIN = [
     "dtype=float32",
+    *TINY_TRAIN,
     "+experiment=train_eagle3_smollm2",
-    "model=tiny",
-    "model.random.init_std=0.15",
     "draft.aux_layer_ids=[1,2,3]",
     "draft.draft_vocab_size=96",
-    "train.data.num_samples=16",
-    "train.data.batch_size=8",
-    "train.data.max_prompt_tokens=12",
-    "train.data.max_answer_tokens=24",
-    "train.data.min_prompt_chars=1",
-    "train.heldout=0.25",
     "train.lr=5e-3",
-    "train.warmup_steps=5",
-    "train.max_tokens=1024",
-    "train.max_len=64",
     "train.eval_every=20",
     "train.save_every=20",
     "train.ttt_steps=4",
