@@ -269,8 +269,7 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
             "pipeline",
             "model=tiny",
             "device=cpu",
-            "eval.limit=400",
-            "eval.max_new_tokens=16",
+            "eval.max_new_tokens=64",  # 164 prompts of up to 64 tokens: seconds of eval to land in
             "experiment_name=ctrlc",
         ],
         cwd=REPO,
@@ -279,19 +278,22 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
         stderr=subprocess.PIPE,
         text=True,
     )
-    seen = ""
-    while not re.search(r"eval: .*?\b[1-9]\d*/\d+", seen):  # the progress bar: its first finished prompt
-        ch = p.stderr.read(1)
-        assert ch, seen[-2000:]
-        seen += ch
+    # Wait for the progress bar's first finished prompt, reading what the pipe holds and searching only its
+    # tail: a reader that lags the bar (a char at a time, the whole log searched each time) can see the
+    # first prompt only after the pass has ended, and the signal then lands after the eval.
+    seen, fd = "", p.stderr.fileno()
+    while not re.search(r"eval: [^\r\n]*?\b[1-9]\d*/\d+", seen[-400:]):
+        chunk = os.read(fd, 65536).decode(errors="replace")
+        assert chunk, seen[-2000:]
+        seen += chunk
     p.send_signal(signal.SIGINT)
     out, err = p.communicate(timeout=120)
     err = seen + err
     assert p.returncode == 130, err[-2000:]
-    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err
-    assert "[eval] interrupted during the eval pass" in out
+    assert "Traceback" not in err and "interrupted (Ctrl-C)" in err, err[-3000:]
+    assert "[eval] interrupted during the eval pass" in out, (out[-2000:], err[-2000:])
     (r,) = runs_of(outputs, "ctrlc")  # (interrupted: its results.jsonl holds the prompts that finished)
-    assert r.info.status == "KILLED"
+    assert r.info.status == "KILLED", (r.info.status, out[-2000:], err[-2000:])
     kept = download_text(outputs, r.info.run_id, "results.jsonl").splitlines()
     assert 1 <= len(kept) and all(json.loads(line)["output"] is not None for line in kept)
 
