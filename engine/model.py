@@ -367,8 +367,6 @@ def _rows_kernel(x: Tensor, max_rows: Optional[int] = None) -> bool:
 
 
 class DecoderLayer(nn.Module):
-    max_rows: Optional[int] = None  # _rows_kernel's row limit (LlamaModel.set_batch_invariant); None: any rows
-
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
@@ -379,30 +377,36 @@ class DecoderLayer(nn.Module):
     # The residual stream is carried as (x, delta): the add of a sublayer's output happens in the next
     # norm, which lets the fused path do add + RMSNorm in one kernel; the plain path adds first.
     def pre(
-        self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs, fused: bool
+        self,
+        x: Tensor,
+        delta: Optional[Tensor],
+        cache: StaticKVCache,
+        a: AttnInputs,
+        fused: bool,
+        max_rows: Optional[int] = None,
     ) -> tuple[Tensor, Tensor]:
-        """-> (the residual stream entering this layer, q [b, heads, t, d]); writes k/v to the cache."""
+        """-> (the residual stream entering this layer, q [b, heads, t, d]); writes k/v to the cache.
+        `max_rows`: _rows_kernel's row limit (None: batch-invariant, any rows)."""
         att, norm = self.self_attn, self.input_layernorm
         if not fused:
             h = x if delta is None else x + delta
             return h, att.project(norm(h), cache, a)
-        if _rows_kernel(x, self.max_rows):  # decode / verify: norm fused into the projection's prologue
+        if _rows_kernel(x, max_rows):  # decode / verify: norm fused into the projection's prologue
             h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, self.qkv_weight, self.qkv_bias)
         else:
             h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
             qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
         return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv)
 
-    def post(self, h: Tensor, o: Tensor, fused: bool) -> tuple[Tensor, Tensor]:
+    def post(self, h: Tensor, o: Tensor, fused: bool, max_rows: Optional[int] = None) -> tuple[Tensor, Tensor]:
         """-> (the stream after attention, the MLP output: the delta the next norm adds)."""
         norm = self.post_attention_layernorm
         if not fused:
             h = h + self.self_attn.o_proj(o)
             return h, self.mlp(norm(h))
         o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
-        if _rows_kernel(
-            h, self.max_rows
-        ):  # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
+        # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
+        if _rows_kernel(h, max_rows):
             h, act = add_rmsnorm_gemv(
                 h,
                 gemv(o, o_proj.weight, o_proj.bias),
@@ -512,8 +516,6 @@ class LlamaModel(nn.Module):
         throughput work that compares no output across batch sizes (self-distillation). Programs and
         graphs built afterwards follow it."""
         self.batch_invariant = on
-        for layer in self.model.layers:
-            layer.max_rows = None if on else THROUGHPUT_ROWS
 
     def new_cache(self, batch_size: int, dtype: Optional[torch.dtype] = None) -> StaticKVCache:
         p = self.lm_head.weight
@@ -548,7 +550,7 @@ class LlamaModel(nn.Module):
 
         def pre(i):
             def fn(env):
-                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
+                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused, max_rows)
                 if i in aux_ids:  # the stream entering layer i
                     env["aux_list"].append(env["x"])
 
@@ -565,7 +567,7 @@ class LlamaModel(nn.Module):
 
         def post(i):
             def fn(env):
-                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
+                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused, max_rows)
 
             return fn
 

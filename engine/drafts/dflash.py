@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from engine.drafts.base import DeviceDraft, FeatureKind
-from engine.drafts.heads import _Head
+from engine.drafts.heads import _Head, eagle_config
 from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.program import Step, chain, merge_runs, run_steps, scoped
 from kernels.gemv import add_rmsnorm_gemv
@@ -65,18 +65,9 @@ def dflash_config(
 ) -> dict:
     """config.json of a DFlash head of the target's width (random init, training)."""
     return {
+        **eagle_config(target),  # the Llama shape keys of a head of the target's width
         "architectures": [ARCHITECTURE],
-        "model_type": "llama",
-        "hidden_size": target.hidden_size,
-        "intermediate_size": target.intermediate_size,
-        "num_attention_heads": target.num_heads,
-        "num_key_value_heads": target.num_kv_heads,
-        "head_dim": target.head_dim,
         "num_hidden_layers": num_layers,
-        "rms_norm_eps": target.rms_norm_eps,
-        "rope_theta": target.rope_theta,
-        "vocab_size": target.vocab_size,
-        "max_position_embeddings": target.max_position_embeddings,
         "tie_word_embeddings": False,
         "target_hidden_size": target.hidden_size,
         "num_target_layers": target.num_layers,
