@@ -204,7 +204,11 @@ class Tracker:
         return [f"figures/{p.name}" for p in paths]
 
     def _start_system_metrics(self) -> None:
+        import logging
+
         from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not two INFO lines a run
 
         self._monitor = SystemMetricsMonitor(
             self.run_id, sampling_interval=self.cfg.tracking.system_metrics_interval_s, tracking_uri=self.uri
