@@ -36,6 +36,7 @@ def _ok(v: Optional[float]) -> bool:
 
 
 def _bar_labels(ax, bars, fmt: str = "{:.3g}") -> None:
+    ax.margins(y=0.12)  # headroom for the value above the tallest bar
     for b in bars:
         ax.annotate(
             fmt.format(b.get_height()), (b.get_x() + b.get_width() / 2, b.get_height()), ha="center", va="bottom"
