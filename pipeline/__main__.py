@@ -2,13 +2,15 @@
 
 A bad config is reported as one message naming each bad key, its value and what is valid, with exit
 status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
-job of the sweep fails so, is marked FAILED: the sweep stops there).
+job of the sweep fails so, is marked FAILED: the sweep stops there). A job returns the eval's
+`tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises.
 """
 
 from __future__ import annotations
 
 import logging
 import sys
+from typing import Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
@@ -35,10 +37,15 @@ def run(cfg: DictConfig) -> dict:
     return execute(plan)
 
 
+def objective(ctx: dict) -> Optional[float]:
+    """What a sweeper optimises (hydra/sweeper=optuna_tokens_per_s): the eval's tokens/s, or None."""
+    return ctx.get("eval_results", {}).get("metrics", {}).get("tokens_per_s")
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> Optional[float]:
     try:
-        run(cfg)
+        return objective(run(cfg))
     except (PlanError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())

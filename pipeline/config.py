@@ -270,6 +270,10 @@ class TrackingConfig:
     tracking_uri: Optional[str] = None
     artifact_root: Optional[str] = None
     run_name: Optional[str] = None
+    # MLflow system metrics (system/cpu_utilization_percentage, memory, GPU with nvidia-ml-py) sampled
+    # on a thread every system_metrics_interval_s; null: on when psutil imports.
+    system_metrics: Optional[bool] = None
+    system_metrics_interval_s: float = 10.0
 
 
 @dataclass

@@ -5,8 +5,13 @@ The store defaults to SQLite under outputs/ (`sqlite:///<repo>/outputs/mlflow.db
 fluent state), so tests can point a tracker at a temporary store.
 
     with Tracker(cfg, outputs) as t:     # creates the run; params = flattened config; tags = git, device, torch
-        t.log_metrics({...}); t.log_text(text, "results.jsonl")
+        t.log_metrics({...}); t.log_text(text, "results.jsonl"); t.log_figures(metrics)
     # leaving the block: FINISHED, or FAILED when an exception escapes (the exception propagates)
+
+System metrics (`tracking.system_metrics`, on by default where psutil imports): MLflow's own
+`SystemMetricsMonitor` samples CPU, memory, disk, network (and GPUs through nvidia-ml-py) on a thread
+every `tracking.system_metrics_interval_s` as `system/*` metrics; leaving the block takes one last
+sample, so a run shorter than the interval still has its row.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Any, Optional
 
 import torch
 
+from engine.errors import check_values
 from pipeline.config import RunConfig, flatten, to_yaml
 from pipeline.paths import PARENT_ENV, REPO
 from stages.base import device_name
@@ -48,6 +54,45 @@ def git_sha() -> str:
         return "unknown"
 
 
+def psutil_present() -> bool:
+    try:
+        import psutil  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def system_metrics_on(t) -> bool:
+    """`tracking.system_metrics`: null follows psutil; true without psutil is a config error."""
+    interval = t.system_metrics_interval_s
+    check_values([("tracking.system_metrics_interval_s", interval, interval > 0, "> 0 (seconds)")])
+    check_values(
+        [
+            (
+                "tracking.system_metrics",
+                t.system_metrics,
+                not t.system_metrics or psutil_present(),
+                "false or null (or pip install psutil)",
+                "psutil is not installed",
+            )
+        ]
+    )
+    return psutil_present() if t.system_metrics is None else t.system_metrics
+
+
+def sweep_job_tags() -> dict[str, str]:
+    """A sweep job's number and overrides (from Hydra's job config, set in whatever process runs the job)."""
+    try:
+        from hydra.core.hydra_config import HydraConfig
+
+        if not HydraConfig.initialized():
+            return {}
+        job = HydraConfig.get().job
+        return {"sweep.job": str(job.num), "sweep.job_overrides": " ".join(HydraConfig.get().overrides.task)[:5000]}
+    except Exception:  # not under Hydra's job runner (tests composing configs)
+        return {}
+
+
 def fail_sweep_parent(tracking_uri: Optional[str], outputs: Path) -> None:
     """A sweep's job failed before a run of its own began (a plan error): the sweep stops there, so its
     parent run is FAILED rather than left RUNNING. A no-op outside a sweep."""
@@ -70,6 +115,8 @@ class Tracker:
         self.cfg, self.device = cfg, device
         self.artifact_root = Path(t.artifact_root or outputs / "mlartifacts")
         self.run_id: Optional[str] = None
+        self.system_metrics = system_metrics_on(t)
+        self._monitor = None
 
     def experiment_id(self, name: str) -> str:
         exp = self.client.get_experiment_by_name(name)
@@ -92,8 +139,13 @@ class Tracker:
             tags = {"git_sha": git_sha(), "device": device_name(self.device), "torch_version": torch.__version__}
             if os.environ.get(PARENT_ENV):  # a job of a Hydra sweep: nest under the sweep's run
                 tags["mlflow.parentRunId"] = os.environ[PARENT_ENV]
+                tags.update(sweep_job_tags())
+            if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # which GPU a parallel sweep job got
+                tags["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
             self.log_text(to_yaml(cfg), "config.yaml")
+            if self.system_metrics:
+                self._start_system_metrics()
         except BaseException:
             self.client.set_terminated(self.run_id, status="FAILED")
             raise
@@ -102,6 +154,7 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
+        self._stop_system_metrics()
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status=status)
         if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
@@ -129,3 +182,47 @@ class Tracker:
             path.write_text(text)
             parent = str(Path(artifact_file).parent)
             self.client.log_artifact(self.run_id, str(path), None if parent == "." else parent)
+
+    @property
+    def artifact_dir(self) -> str:
+        """Where this run's artifacts are (a local path for the file store, else the URI)."""
+        from urllib.parse import unquote, urlparse
+
+        uri = self.client.get_run(self.run_id).info.artifact_uri
+        parsed = urlparse(uri)
+        return unquote(parsed.path) if parsed.scheme == "file" else uri
+
+    def log_figures(self, metrics: dict[str, float]) -> list[str]:
+        """The run's figures (pipeline.figures: those its metrics have data for) as PNG artifacts under
+        `figures/` -> their artifact paths."""
+        from pipeline.figures import write_run_figures
+
+        with tempfile.TemporaryDirectory() as d:
+            paths = write_run_figures(metrics, Path(d))
+            for p in paths:
+                self.client.log_artifact(self.run_id, str(p), "figures")
+        return [f"figures/{p.name}" for p in paths]
+
+    def _start_system_metrics(self) -> None:
+        import logging
+
+        from mlflow.system_metrics.system_metrics_monitor import SystemMetricsMonitor
+
+        logging.getLogger("mlflow.system_metrics").setLevel(logging.WARNING)  # not two INFO lines a run
+
+        self._monitor = SystemMetricsMonitor(
+            self.run_id, sampling_interval=self.cfg.tracking.system_metrics_interval_s, tracking_uri=self.uri
+        )
+        self._monitor.start()
+
+    def _stop_system_metrics(self) -> None:
+        monitor, self._monitor = self._monitor, None
+        if monitor is None:
+            return
+        monitor.finish()  # joins the sampling thread
+        try:  # one last sample, so a run shorter than the interval still has its system metrics
+            monitor.collect_metrics()
+            monitor.publish_metrics(monitor.aggregate_metrics())
+            monitor.mlflow_logger.flush()
+        except Exception as e:  # never fail a finished run over its system metrics
+            print(f"[mlflow] system metrics: last sample not logged ({e})", flush=True)

@@ -20,7 +20,9 @@ Metrics (names from the design):
     baseline_step_ms, baseline_host_ms                  its decode step and the idle between steps
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 
-Artifacts: `results.jsonl` (one line per prompt) and the summary printed at the end.
+Artifacts: `results.jsonl` (one line per prompt), `figures/*.png` (pipeline/figures.py: acceptance per
+position, time per phase of a round, tokens/s against the baseline and peers, each where measured) and
+the summary printed at the end, followed by where the artifacts went.
 """
 
 from __future__ import annotations
@@ -344,10 +346,14 @@ class EvalStage(Stage):
             metrics.update(self._run_peer(name, target, data.encoded, params, records, e.batch_size, env, cfg.seed))
             metrics[f"ratio_vs.{name}"] = metrics["tokens_per_s"] / metrics[f"peer_tokens_per_s.{name}"]
 
+        where = None
         if env.tracker is not None:
             env.tracker.log_metrics(metrics)
             env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in records) + "\n", "results.jsonl")
+            figures = env.tracker.log_figures(metrics)  # acceptance per position, round phases, tokens/s
+            where = f"results.jsonl{''.join(', ' + f for f in figures)} in {env.tracker.artifact_dir}"
         print(summary_table(cfg, env, metrics))
+        print(f"[eval] {where or 'tracking off: no results.jsonl or figures written'}", flush=True)
         return {"eval_results": {"metrics": metrics, "records": records, "baseline": baseline}}
 
     @staticmethod

@@ -93,7 +93,7 @@ def test_compare_shows_what_differs(outputs):
     assert rows["eval.batch_size"] == ["3", "1"]  # newest first
     assert "model.source" not in rows  # the same in both: not a row
     assert "tokens_per_s" in rows and "FINISHED" in rows["status"]
-    with pytest.raises(SystemExit, match="no such experiment"):
+    with pytest.raises(ConfigError, match="no such experiment"):
         compare("nope", f"sqlite:///{outputs / 'mlflow.db'}")
 
 
