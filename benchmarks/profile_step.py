@@ -35,12 +35,13 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from engine.drafts.registry import make_draft
-from engine.generate import Generator
+from engine.generate import Generator, check_capacity
+from engine.prompts import load_prompts
 from engine.round import PHASES
+from engine.sampling import SamplingParams
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import REPO
 from pipeline.plan import build_plan
-from stages.eval import encode_prompts, sampling_params
 
 
 class PhaseRanges:
@@ -87,7 +88,7 @@ def _phase_table(prof, cuda: bool) -> dict[str, tuple[int, float]]:
     return {k: (n, us) for k, (n, us) in totals.items()}
 
 
-def _profile(gen: Generator, data, params, target, rng, batch: int, n: int):
+def _profile(gen: Generator, encoded: list[list[int]], params, target, rng, batch: int, n: int):
     """Generate over the first n prompts under the profiler; -> (profile, results, wall seconds)."""
     cuda = torch.cuda.is_available()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
@@ -96,7 +97,7 @@ def _profile(gen: Generator, data, params, target, rng, batch: int, n: int):
     results, t0 = [], time.perf_counter()
     with profile(activities=acts) as prof:
         for i in range(0, n, batch):
-            results += gen.generate(data.encoded[i : min(i + batch, n)], params, target.tokenizer.eos_token_ids, rng)
+            results += gen.generate(encoded[i : min(i + batch, n)], params, target.tokenizer.eos_token_ids, rng)
     gen.phase_hook = None
     return prof, results, time.perf_counter() - t0
 
@@ -133,6 +134,20 @@ def report(name: str, gen: Generator, prof, results, wall: float, cuda: bool) ->
     return "\n".join(lines)
 
 
+def encode_prompts(cfg, target) -> list[list[int]]:
+    """The eval set's first `eval.limit` prompts as token ids, encoded as the eval encodes them."""
+    e, tok = cfg.eval, target.tokenizer
+    encoded = []
+    for p in load_prompts(e.dataset, e.limit):
+        if p.token_ids is not None:
+            encoded.append(list(p.token_ids))
+        else:
+            encoded.append(tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text))
+    k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+    check_capacity([len(x) for x in encoded], e.max_new_tokens, cfg.model.max_seq_len, k)
+    return encoded
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "outputs" / "profile"))
@@ -150,9 +165,9 @@ def main() -> None:
         inputs.update({k: context[k] for k in stage.optional if k in context})
         context.update(stage.run(cfg, inputs, env))
     target, graphs, e = context["target"], context.get("graphs"), cfg.eval
-    data = encode_prompts(cfg, target)
-    params = sampling_params(e)
-    n, batch = min(args.prompts, len(data.encoded)), e.batch_size
+    encoded = encode_prompts(cfg, target)
+    params = SamplingParams(e.temperature, e.top_p, e.max_new_tokens, ignore_eos=e.ignore_eos)
+    n, batch = min(args.prompts, len(encoded)), e.batch_size
     rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
     k = cfg.draft.num_steps if env.draft_plan is not None else 0
     runs = [("no draft", Generator(target.model, batch, graphs=graphs))]
@@ -169,8 +184,8 @@ def main() -> None:
         f"{cfg.graph.target}/{cfg.graph.draft}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
     ]
     for name, gen in runs:
-        gen.generate(data.encoded[:batch], params, target.tokenizer.eos_token_ids, rng)  # warm-up
-        prof, results, wall = _profile(gen, data, params, target, rng, batch, n)
+        gen.generate(encoded[:batch], params, target.tokenizer.eos_token_ids, rng)  # warm-up
+        prof, results, wall = _profile(gen, encoded, params, target, rng, batch, n)
         text.append(report(name, gen, prof, results, wall, cuda))
         if args.kernels:
             key = "self_device_time_total" if cuda else "self_cpu_time_total"

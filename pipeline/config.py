@@ -200,16 +200,6 @@ class TrainDataConfig:
     # [] = the default only. They steer the topics (Magpie); answers are always under the default.
     system_prompts: list[str] = field(default_factory=list)
     min_prompt_chars: int = 16
-    # Tasks about passages (conf/passages): this share of num_samples asks one of passage_tasks (templates
-    # with a {passage} slot) about one of the Magpie samples' complete answers of passage_tokens [min, max]
-    # tokens (a passage met again gets the next task), answered by the target as the others are.
-    # 0: Magpie messages only.
-    passage_share: float = 0.0
-    passage_tasks: list[str] = field(default_factory=list)
-    passage_tokens: list[int] = field(default_factory=lambda: [32, 160])
-    # > 0: the passages are answers to Magpie messages sampled anew at this temperature (text the target
-    # would not write greedily: its words must be copied, not guessed); 0: the greedy answers themselves
-    passage_temperature: float = 0.0
     graph: str = "auto"  # graph policy of the generation: auto (full on CUDA, else none) | none | full | debug
     sync_every: int = 16  # decode steps between host looks (1: the eval's round loop); the same samples
     seed: int = 0

@@ -101,58 +101,8 @@ def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] 
         sync_every=d.sync_every,
         system_prompts=list(d.system_prompts),
         drop_cut=d.drop_cut_prompts,
-        passage_share=d.passage_share,
-        passage_tasks=list(d.passage_tasks),
-        passage_tokens=tuple(d.passage_tokens),
-        passage_temperature=d.passage_temperature,
         phase_s=phase_s,
     )
-
-
-def check_passages(d) -> None:
-    """train.data's passage tasks: a share in [0, 1), templates that each take the passage, a token range."""
-    if not 0.0 <= d.passage_share < 1.0:
-        raise ConfigError(
-            "train.data.passage_share",
-            d.passage_share,
-            "the share of samples that are passage tasks",
-            "0 <= passage_share < 1 (0: off)",
-        )
-    if d.passage_share and not d.passage_tasks:
-        raise ConfigError(
-            "train.data.passage_tasks",
-            list(d.passage_tasks),
-            "no task to ask about the passages",
-            "templates with a {passage} slot, e.g. passages=tasks",
-        )
-    for task in d.passage_tasks:
-        try:
-            task.format(passage="")  # any other field or a lone brace raises
-            ok = "{passage}" in task
-        except (KeyError, IndexError, ValueError):
-            ok = False
-        if not ok:
-            raise ConfigError(
-                "train.data.passage_tasks",
-                task,
-                "not a template of the passage",
-                "text with one {passage} slot and no other braces ({{ }} for literal ones)",
-            )
-    if d.passage_temperature < 0:
-        raise ConfigError(
-            "train.data.passage_temperature",
-            d.passage_temperature,
-            "the temperature the passages are sampled at",
-            ">= 0 (0: the greedy answers)",
-        )
-    low_high = list(d.passage_tokens)
-    if len(low_high) != 2 or not 1 <= low_high[0] <= low_high[1]:
-        raise ConfigError(
-            "train.data.passage_tokens",
-            low_high,
-            "the passages' length range in tokens",
-            "[min, max] with 1 <= min <= max",
-        )
 
 
 def train_dir(cfg, env: StageEnv) -> Path:
@@ -248,7 +198,6 @@ class TrainDraftStage(Stage):
                 "where the cosine schedule ends, as a share of lr",
                 "0 <= min_lr_ratio <= 1",
             )
-        check_passages(t.data)
         if not 0.0 < t.data.prompt_top_p <= 1.0:
             raise ConfigError(
                 "train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1"
@@ -280,7 +229,7 @@ class TrainDraftStage(Stage):
         budget = f", stop after {t.max_time_s:g}s" if t.max_time_s else ""
         return (
             f"self-distil {t.data.num_samples} samples (graph {data_graph(cfg, env)}"
-            f"{steering(t.data.system_prompts)}{passage_words(dataclasses.asdict(t.data))}), hold out {t.heldout:.0%}; "
+            f"{steering(t.data.system_prompts)}), hold out {t.heldout:.0%}; "
             f"{t.steps} steps, TTT {t.ttt_steps} steps, lr {t.lr:g}, {t.max_tokens} tokens/batch{budget}, "
             f"attention {train_attention(cfg, env.device)}, kernels {train_kernels(cfg, env.device)}"
             f"{f', labels at T {t.label_temperature:g}' if t.label_temperature != 1 else ''}"
@@ -511,7 +460,7 @@ def model_card(f: dict) -> str:
 - Stage `train_draft` of this repository (`{command}`), on {f["device"]}.
 - Data: {f["samples"]} samples self-distilled from the target itself ({f["data_s"]} s): user messages sampled
   from the target's chat template ({sampling}), answered by the target greedily
-  (up to {d["max_answer_tokens"]} tokens; {f["answer_tokens"]} answer tokens){passage_words(d, card=True)}. \
+  (up to {d["max_answer_tokens"]} tokens; {f["answer_tokens"]} answer tokens). \
 No benchmark prompt set was used.
 - {f["objective"]}, loss against the target's distribution{label_words(f)} over the
   {vocab} vocabulary ({optimiser}
@@ -576,21 +525,6 @@ def average_words(f: dict) -> str:
     if f.get("weights") == "last":
         return f"; these are the last step's own weights (the run's head is their EMA at decay {decay:g})"
     return f"; the weights are an exponential moving average of the training weights (decay {decay:g})"
-
-
-def passage_words(d: dict, card: bool = False) -> str:
-    """The plan's and the card's words for train.data's passage tasks ("" when off); `d`: train.data as a
-    dict (an older card's has no passage keys)."""
-    share, tasks = d.get("passage_share", 0.0), d.get("passage_tasks", [])
-    if not share:
-        return ""
-    if not card:
-        return f", {share:.0%} of them tasks about passages"
-    low, high = d.get("passage_tokens", [32, 160])
-    return (
-        f"; {share:.0%} of the samples instead ask one of {len(tasks)} tasks (summarize, extract, rewrite, "
-        f"critique, ...) about one of the target's own complete answers of {low}-{high} tokens"
-    )
 
 
 def cut_words(f: dict) -> str:

@@ -98,19 +98,35 @@ def test_unknown_group_option_is_rejected():
 
 def test_magpie_group_sets_the_system_messages_of_self_distillation():
     assert to_run_config(compose_cfg()).train.data.system_prompts == []  # plain: the template's default
-    topics = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics")).train.data
-    assert len(topics.system_prompts) == 10 and topics.system_prompts.count("") == 2
-    assert any("math" in p for p in topics.system_prompts)
-    wide = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=topics_wide")).train.data
-    assert len(wide.system_prompts) == 20 and len(set(wide.system_prompts)) == 19
-    assert wide.num_samples == 98304  # the rest of the recipe stays
     detailed = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2")).train.data  # the recipe's
     assert len(detailed.system_prompts) == 10 and detailed.system_prompts.count("") == 1
-    assert all(
-        len(p) > len(t) for p, t in zip(detailed.system_prompts[2:], topics.system_prompts[2:])
-    )  # asking for more
+    assert any("math" in p for p in detailed.system_prompts)
     plain = to_run_config(compose_cfg("+experiment=train_eagle3_smollm2", "magpie=plain")).train.data
-    assert plain.system_prompts == []
+    assert plain.system_prompts == [] and plain.num_samples == 98304  # the rest of the recipe stays
     with pytest.raises(ConfigCompositionException) as e:
-        compose_cfg("magpie=chat")
-    assert "topics_wide" in str(e.value)  # lists the available options
+        compose_cfg("magpie=topics_wide")  # tried, no gain, removed
+    assert "topics_detailed" in str(e.value)  # lists the available options
+
+
+def test_every_graph_option_composes_and_piecewise_is_breakable():
+    """Each conf/graph option a user types composes; `piecewise` (sglang's PCG word) is an alias that
+    composes to `breakable` itself; `bcg` is the target full with the draft breakable, not breakable
+    on both sides; the *_pcg and *_bcg experiments keep their names and policies."""
+    from pipeline.paths import REPO
+
+    names = sorted(p.stem for p in (REPO / "conf" / "graph").glob("*.yaml"))
+    assert names == ["bcg", "breakable", "debug", "full", "none", "piecewise"]
+    graphs = {n: to_run_config(compose_cfg(f"graph={n}")).graph for n in names}
+    assert {n: (g.target, g.draft) for n, g in graphs.items()} == {
+        "bcg": ("full", "breakable"),
+        "breakable": ("breakable", "breakable"),
+        "debug": ("debug", "debug"),
+        "full": ("full", "full"),
+        "none": ("none", "none"),
+        "piecewise": ("breakable", "breakable"),
+    }
+    assert graphs["piecewise"] == graphs["breakable"]
+    for exp, policies in [("eagle3_pcg", ("breakable", "breakable")), ("eagle3_bcg", ("full", "breakable"))]:
+        cfg = to_run_config(compose_cfg(f"+experiment={exp}", "graph.capture_sizes=[1,2]"))
+        assert (cfg.experiment_name, cfg.graph.target, cfg.graph.draft) == (exp, *policies)
+        assert cfg.graph.capture_sizes == [1, 2]

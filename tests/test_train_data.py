@@ -1,4 +1,4 @@
-"""Issue 5 groundwork: self-distilled data from the target, and the reduced draft vocabulary."""
+"""Self-distilled data from the target, and the reduced draft vocabulary."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from conftest import compose_cfg, spread_init
 
 from engine.loading import load_model
-from engine.train.selfdistill import Sample, cut_share, passages, synthesize, task_messages
+from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.vocab import build_draft_vocab
 from pipeline.config import to_run_config
 
@@ -140,75 +140,6 @@ def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outpu
     meta = {"data": "key"}
     save_samples(outputs / "cache", samples, meta, 1.0)
     assert load_samples(outputs / "cache", meta) == samples
-
-
-def test_task_messages_ask_each_passage_every_task_before_any_twice():
-    texts, tasks = ["alpha", "beta"], ["A: {passage}", "B: {passage}", "{passage} :C"]
-    msgs = task_messages(texts, tasks, 6)
-    assert msgs[:2] == ["A: alpha", "B: beta"]  # message i: task i about text i while texts last
-    for text in texts:
-        asked = [m for m in msgs if text in m]
-        assert sorted(a.replace(text, "{passage}") for a in asked) == sorted(tasks)  # all 3, none twice
-
-
-def _ending_target(outputs):
-    """The tiny target with its stop token likely enough that some greedy answers end inside a short limit."""
-    target = tiny_target(outputs)
-    spread_init(target.model, seed=2)
-    with torch.no_grad():
-        w = target.model.lm_head.weight
-        w[min(target.tokenizer.eos_token_ids)] = w.mean(0) * 30
-    return target
-
-
-def test_passage_tasks_ask_about_the_targets_own_complete_answers(outputs):
-    """passage_share: the last round(n * share) samples ask passage_tasks about the Magpie samples'
-    complete answers (stop token reached, length within passage_tokens), and hold the target's own
-    greedy answer to that message; seeded; the phase is timed; with no such answer, one clear error."""
-    from engine.generate import Generator
-    from engine.sampling import SamplingParams
-
-    target = _ending_target(outputs)
-    tok = target.tokenizer
-    tasks = ["Summarize: {passage}", "{passage}\nRewrite it."]
-    kw = dict(
-        n=12,
-        batch_size=4,
-        max_prompt_tokens=8,
-        max_answer_tokens=10,
-        seed=5,
-        min_prompt_chars=0,
-        passage_share=0.5,
-        passage_tasks=tasks,
-        passage_tokens=(1, 9),
-    )
-    phase_s: dict[str, float] = {}
-    samples = synthesize(target, phase_s=phase_s, **kw)
-    magpie, asked = samples[:6], samples[6:]
-    assert len(asked) == 6 and phase_s["passages"] > 0
-    stop = set(tok.eos_token_ids)
-    complete = [s for s in magpie if s.answer_ids[-1] in stop and 1 <= len(s.answer_ids) - 1 <= 9]
-    assert 0 < len(complete) < len(magpie)  # the test's target ends some answers, not all
-    texts = passages(target, magpie, (1, 9))
-    assert texts == [tok.decode(s.answer_ids[:-1]).strip() for s in complete]
-    assert [s.user for s in asked] == task_messages(texts, tasks, 6)
-    ref = Generator(target.model, 6).generate(
-        [tok.encode_chat(s.user) for s in asked], SamplingParams(max_new_tokens=10), tok.eos_token_ids
-    )
-    assert [s.answer_ids for s in asked] == [r.tokens for r in ref]
-    assert all(s.prompt_ids == tok.encode_chat(s.user) and not s.cut for s in asked)
-    assert [s.ids for s in synthesize(target, **kw)] == [s.ids for s in samples]  # seeded
-    plain = synthesize(target, **{**kw, "passage_share": 0.0})
-    assert len(plain) == 12 and not any(s.user.startswith("Summarize") for s in plain)
-    with pytest.raises(ValueError, match="no complete answer of 50..60 tokens"):
-        synthesize(target, **{**kw, "passage_tokens": (50, 60)})
-    # passage_temperature: the passages are answers to the first ceil(12 / 4) = 3 Magpie messages sampled
-    # anew (seeded): the Magpie samples stay, the tasks are asked about other texts
-    big = {**kw, "n": 24}
-    greedy, hot = synthesize(target, **big), synthesize(target, **big, passage_temperature=1.0)
-    assert [s.ids for s in hot[:12]] == [s.ids for s in greedy[:12]]
-    assert [s.user for s in hot[12:]] != [s.user for s in greedy[12:]]
-    assert [s.ids for s in synthesize(target, **big, passage_temperature=1.0)] == [s.ids for s in hot]
 
 
 def test_draft_vocab_keeps_the_most_frequent_tokens():

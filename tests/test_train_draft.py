@@ -1,4 +1,4 @@
-"""Issue 5: EAGLE3 training with training-time test, the `train_draft` stage, resume, and the round trip
+"""EAGLE3 training with training-time test, the `train_draft` stage, resume, and the round trip
 of a trained head into the eval stage (acceptance above a random head's on the training prompts)."""
 
 from __future__ import annotations
@@ -642,12 +642,6 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
         (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
         (["train.ema_decay=1"], "train.ema_decay"),
         (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
-        (["passages=tasks", "train.data.passage_share=1"], "train.data.passage_share"),
-        (["train.data.passage_share=0.25"], "train.data.passage_tasks"),  # passages=none: no task
-        (["passages=tasks", "train.data.passage_tasks=[Summarize this]"], "train.data.passage_tasks"),
-        (["passages=tasks", "train.data.passage_tasks=['{passage} {x}']"], "train.data.passage_tasks"),
-        (["passages=tasks", "train.data.passage_tokens=[64,32]"], "train.data.passage_tokens"),
-        (["passages=tasks", "train.data.passage_temperature=-1"], "train.data.passage_temperature"),
         (["draft.lm_head=tied"], "draft.lm_head"),
         (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
         (["draft.intermediate_size=0"], "draft.intermediate_size"),
@@ -684,50 +678,3 @@ def test_model_card_command_is_the_recipe_and_what_differs_from_it():
         "(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
         "train.lr=0.001 train.max_time_s=480`)"
     ) in model_card(facts)
-
-
-def test_model_card_and_plan_name_the_passage_tasks():
-    """With passages=tasks the plan and the card say what share of the samples are tasks about passages;
-    the shipped head's own card (none) does not."""
-    facts = json.loads((SHIPPED / "training.json").read_text())
-    assert "tasks" not in model_card(facts).split("No benchmark")[0].split("Data:")[1]
-    facts["data"].update(passage_share=0.25, passage_tasks=["Summarize: {passage}"] * 16, passage_tokens=[32, 160])
-    assert "25% of the samples instead ask one of 16 tasks" in model_card(facts)
-    assert "of 32-160 tokens" in model_card(facts)
-    plan = build_plan(to_run_config(compose_cfg(*TRAIN, "passages=tasks", "device=cpu")))
-    assert "25% of them tasks about passages" in plan.describe()
-
-
-def test_train_step_benchmark_builds_every_variant_and_times_a_step(outputs):
-    """benchmarks/train_step.py on the tiny target with the Triton kernels (interpreted): every variant's
-    forward is built (the flex ones need CUDA to run, not to build; building flex_fused_loss once passed
-    `ops` twice), and the eager step is timed phase by phase."""
-    import subprocess
-    import sys
-
-    from pipeline.paths import REPO
-
-    p = subprocess.run(
-        [
-            sys.executable,
-            "benchmarks/train_step.py",
-            "--variants",
-            "eager",
-            "--shapes",
-            "1x48",
-            "--iters",
-            "1",
-            "model=tiny",
-            "draft.aux_layer_ids=[0,1,2]",
-            "draft.draft_vocab_size=128",
-            "train.max_tokens=128",
-            "train.kernels=triton",
-        ],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert p.returncode == 0, p.stderr[-2000:]
-    row = next(line.split() for line in p.stdout.splitlines() if line.startswith("eager "))
-    assert row[1] == "1x48" and float(row[7]) > 0  # step ms

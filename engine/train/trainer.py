@@ -158,7 +158,7 @@ class Trainer:
             betas=(0.9, 0.95),
             fused=self.device.type == "cuda",
         )
-        # no trainable parameters (a frozen head, evaluated only: benchmarks/copy_probe.py): nothing to average
+        # no trainable parameters (a frozen head, evaluated only): nothing to average
         self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 and self.params else None
         self.last_weights: Optional[list[torch.Tensor]] = None  # with ema: the last step's own weights, at the end
         self.step, self.epoch, self.index = 0, 0, 0
