@@ -6,9 +6,16 @@ side by side. Registered peers:
 
     hf_generate       transformers `generate` with its default dynamic cache, batched with left padding
     hf_static_compile the same with `cache_implementation="static"`, whose decode step transformers
-                      compiles with torch.compile (the warm-up pays the compilation)
+                      compiles with torch.compile on CUDA. Every batch has one shape (prompts left-padded
+                      to the longest prompt of the set, the last batch filled up, the full max_new_tokens),
+                      so the static cache has one length and the step compiles once, in the warm-up
     hf_prompt_lookup  transformers prompt-lookup decoding (`prompt_lookup_num_tokens=10`): n-gram drafts
                       from the prompt, verified by the model; batch size 1 (transformers' limit)
+    torch_compile     the target's weights decoded the way gpt-fast does (engine/compiled_decode.py): plain
+                      torch ops over a static KV cache, the decode step under torch.compile with CUDA graphs
+
+Timing: `wall_s` is the generation over every batch after a warm-up at the timed shape; the warm-up's
+time (compilation included) is `warmup_s`, logged apart as `peer_warmup_s.<name>`.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from engine.compiled_decode import CompiledDecoder
 from engine.generate import sync
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
@@ -28,6 +36,7 @@ from engine.sampling import SamplingParams
 class PeerResult:
     outputs: list[list[int]]  # generated tokens per prompt (cut after the first stop token)
     wall_s: float  # generation time over all batches, warm-up excluded
+    warmup_s: float = 0.0  # the warm-up at the timed shape (compilation included)
 
     @property
     def generated_tokens(self) -> int:
@@ -68,8 +77,9 @@ def _cut(tokens: list[int], stop: frozenset[int]) -> list[int]:
     return tokens
 
 
-def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerResult]:
-    """A transformers `generate` peer with `extra` generation kwargs."""
+def _hf_peer(extra: dict, max_batch: int | None = None, fixed_shape: bool = False) -> Callable[..., PeerResult]:
+    """A transformers `generate` peer with `extra` generation kwargs; `fixed_shape`: every batch is
+    [batch_size, longest prompt] (left padding, the last batch filled with copies of its first prompt)."""
 
     @torch.inference_mode()
     def peer(
@@ -96,8 +106,13 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
                 kw.update(eos_token_id=sorted(stop_ids))
             return kw
 
+        longest = max(len(p) for p in prompts)
+
         def run(batch: list[list[int]], max_new: int = params.max_new_tokens) -> list[list[int]]:
-            width = max(len(p) for p in batch)
+            n = len(batch)
+            if fixed_shape:
+                batch = batch + [batch[0]] * (batch_size - n)
+            width = longest if fixed_shape else max(len(p) for p in batch)
             ids = torch.full((len(batch), width), pad, dtype=torch.long)
             mask = torch.zeros_like(ids)
             for i, p in enumerate(batch):  # left padding, as decoder-only generate expects
@@ -105,10 +120,14 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
                 mask[i, width - len(p) :] = 1
             out = model.generate(input_ids=ids.to(device), attention_mask=mask.to(device), **gen_kwargs(max_new))
             stop = frozenset() if params.ignore_eos else stop_ids
-            return [_cut(row[width:].tolist(), stop) for row in out]
+            return [_cut(row[width:].tolist(), stop) for row in out[:n]]
 
         torch.manual_seed(seed)
-        run(prompts[:batch_size], max_new=8)  # warm-up (and compilation for the static cache)
+        sync(device)
+        t0 = time.perf_counter()
+        run(prompts[:batch_size], max_new=params.max_new_tokens if fixed_shape else 8)  # warm-up (+ compile)
+        sync(device)
+        warmup_s = time.perf_counter() - t0
         outputs, wall = [], 0.0
         for i in range(0, len(prompts), batch_size):
             sync(device)
@@ -116,15 +135,72 @@ def _hf_peer(extra: dict, max_batch: int | None = None) -> Callable[..., PeerRes
             outputs += run(prompts[i : i + batch_size])
             sync(device)
             wall += time.perf_counter() - t0
-        return PeerResult(outputs, wall)
+        return PeerResult(outputs, wall, warmup_s)
 
     return peer
 
 
 hf_generate = _hf_peer({})
 
+STOP_CHECK_EVERY = 16  # decode steps between the host's looks at the stop tokens (one sync each)
+
+
+@torch.inference_mode()
+def torch_compile_peer(
+    loaded: LoadedModel,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    batch_size: int,
+    stop_ids: frozenset[int],
+    device: torch.device,
+    dtype: torch.dtype,
+    seed: int = 0,
+) -> PeerResult:
+    """The target's weights decoded gpt-fast's way (engine/compiled_decode.py), greedily; every batch
+    [batch_size, longest prompt] so that the step compiles once, in the warm-up."""
+    width, max_new = max(len(p) for p in prompts), params.max_new_tokens
+    dec = CompiledDecoder(loaded.model, batch_size, width, max_new, device)
+    stop = frozenset() if params.ignore_eos else stop_ids
+
+    def run(batch: list[list[int]], steps: int) -> list[list[int]]:
+        n = len(batch)
+        batch = batch + [batch[0]] * (batch_size - n)
+        pad = torch.tensor([width - len(p) for p in batch])
+        tokens = torch.stack([torch.tensor([0] * (width - len(p)) + p) for p in batch])  # [b, W] left-padded
+        out = torch.empty(batch_size, steps, dtype=torch.long, device=device)  # [b, max_new]
+        out[:, 0] = dec.prefill(tokens.to(device), pad.to(device))
+        slot = torch.tensor([width], device=device)  # [1]: the slot every row writes next
+        done = 1
+        for t in range(1, steps):
+            out[:, t] = dec.step(out[:, t - 1 : t], slot)
+            slot += 1
+            done = t + 1
+            if stop and done % STOP_CHECK_EVERY == 0:
+                seen = torch.isin(out[:n, :done], torch.tensor(sorted(stop), device=device)).any(-1)
+                if bool(seen.all()):
+                    break
+        return [_cut(row, stop) for row in out[:n, :done].tolist()]
+
+    sync(device)
+    t0 = time.perf_counter()
+    run(prompts[:batch_size], max_new)  # warm-up at the timed shape: compilation, CUDA graph capture
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    outputs, wall = [], 0.0
+    for i in range(0, len(prompts), batch_size):
+        sync(device)
+        t0 = time.perf_counter()
+        outputs += run(prompts[i : i + batch_size], max_new)
+        sync(device)
+        wall += time.perf_counter() - t0
+    return PeerResult(outputs, wall, warmup_s)
+
+
+GREEDY_PEERS = frozenset({"torch_compile"})  # peers that decode greedily only (eval.temperature=0)
+
 PEERS: dict[str, Callable[..., PeerResult]] = {
     "hf_generate": hf_generate,
-    "hf_static_compile": _hf_peer({"cache_implementation": "static"}),
+    "hf_static_compile": _hf_peer({"cache_implementation": "static"}, fixed_shape=True),
     "hf_prompt_lookup": _hf_peer({"prompt_lookup_num_tokens": 10}, max_batch=1),
+    "torch_compile": torch_compile_peer,
 }

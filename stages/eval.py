@@ -41,7 +41,7 @@ from engine.drafts.registry import DRAFTS, make_draft
 from engine.errors import ConfigError, check_values
 from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel
-from engine.peers import PEERS
+from engine.peers import GREEDY_PEERS, PEERS
 from engine.prompts import Prompt, check_dataset, load_prompts
 from engine.sampling import SamplingParams
 from stages.base import Stage, StageEnv, register_stage
@@ -229,6 +229,10 @@ class EvalStage(Stage):
         for peer in e.peers:
             if peer not in PEERS:
                 raise ConfigError("eval.peers", peer, "unknown peer", sorted(PEERS))
+            if peer in GREEDY_PEERS and e.temperature > 0:
+                raise ConfigError(
+                    "eval.peers", peer, f"decodes greedily, and eval.temperature={e.temperature}", "eval.temperature=0"
+                )
         spec = DRAFTS.get(cfg.draft.algorithm)
         if spec is not None and spec.needs_baseline:
             if not baseline_on(cfg):
@@ -377,6 +381,7 @@ class EvalStage(Stage):
         out = {
             f"peer_tokens_per_s.{name}": res.generated_tokens / res.wall_s,
             f"peer_generated_tokens.{name}": res.generated_tokens,
+            f"peer_warmup_s.{name}": res.warmup_s,
         }
         if params.greedy:
             same = sum(r.result.tokens == o for r, o in zip(records, res.outputs))

@@ -42,13 +42,14 @@ def test_tiny_eval_run_is_tracked(outputs):
             "+experiment=baseline",
             *TINY,
             "eval.batch_size=2",
-            "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup]",
+            "eval.peers=[hf_generate,hf_static_compile,hf_prompt_lookup,torch_compile]",
         )
     )
     metrics = ctx["eval_results"]["metrics"]
     assert metrics["generated_tokens"] == sum(len(r.result.tokens) for r in ctx["eval_results"]["records"])
-    for peer in ("hf_generate", "hf_static_compile", "hf_prompt_lookup"):  # the design's three peers
+    for peer in ("hf_generate", "hf_static_compile", "hf_prompt_lookup", "torch_compile"):
         assert metrics[f"peer_match.{peer}"] == 1.0, peer  # same weights, greedy, fp32: the same tokens
+        assert metrics[f"peer_warmup_s.{peer}"] > 0, peer  # the warm-up is timed apart from the passes
 
     (r,) = runs_of(outputs, "baseline")
     assert r.info.status == "FINISHED"

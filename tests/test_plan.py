@@ -70,6 +70,7 @@ def test_set_up_runs_only_the_stages_named(outputs):
         (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
         (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
         (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
+        (["eval.peers=[torch_compile]", "eval.temperature=0.7"], ["eval.peers='torch_compile'", "eval.temperature=0"]),
         (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
         (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
         (["model.random.vocab_size=100"], ["model.random.vocab_size=100", ">= 259"]),
