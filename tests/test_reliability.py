@@ -3,18 +3,30 @@
 Plan time: a prompt that does not fit the KV cache with eval.max_new_tokens and the draft's tokens fails
 the plan through the tokenizer alone (no weights), with the other bad values, exit 2 and no MLflow run.
 Hydra's run directories follow SPECPIPE_OUTPUTS.
+
+Server: a real server (a `python -m pipeline` subprocess, or the plan executed in a thread) on 127.0.0.1
+with the tiny model, driven by httpx and the `openai` client. The first SIGINT drains (new requests: 503
+with Retry-After, an OpenAI error body), a second one aborts what is in flight and ends the process
+cleanly; tokens_per_s counts busy time only.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
+import httpx
+import openai
 import pytest
 from conftest import compose_cfg
+from test_serve import Served
 
 from engine.tokenizer import ByteTokenizer
 from pipeline.config import to_run_config
@@ -87,3 +99,156 @@ def test_hydra_run_directories_follow_specpipe_outputs(tmp_path):
     assert len(mine) == 1, sorted(out.rglob("*"))
     in_repo = [p for p in (REPO / "outputs").glob("*/*/*/.hydra/overrides.yaml") if marker in p.read_text()]
     assert in_repo == []
+
+
+# ------------------------------------------------------------------------------------------ server
+class ServerProcess:
+    """`python -m pipeline +experiment=serve` on the tiny model; stdout and stderr read as they come."""
+
+    def __init__(self, outputs: Path, *overrides: str):
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "+experiment=serve",
+                "model=tiny",
+                "device=cpu",
+                "serve.port=0",
+                *overrides,
+            ],
+            cwd=REPO,
+            env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
+            threading.Thread(target=lambda f=stream, s=sink: s.extend(f), daemon=True).start()
+        port = self.wait_for(r"ready on http://127\.0\.0\.1:(\d+)/v1", 120)
+        self.root = f"http://127.0.0.1:{port.group(1)}"
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            for line in list(self.out):
+                if m := re.search(pattern, line):
+                    return m
+            assert self.p.poll() is None or any(re.search(pattern, x) for x in self.out), self.text()
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def text(self) -> str:
+        return "".join(self.out)[-3000:] + "\n--- stderr ---\n" + "".join(self.err)[-3000:]
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+
+def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly(outputs):
+    server = ServerProcess(outputs, "experiment_name=serve_drain")
+    try:
+        body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.root + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.p.send_signal(signal.SIGINT)  # Ctrl-C while the request streams: drain
+            server.wait_for(r"\[serve\] draining: 1 request in flight", 10)
+
+            client = openai.OpenAI(base_url=server.root + "/v1", api_key="unused", max_retries=0, timeout=10)
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.completions.create(model="tiny-random", prompt="Hi", max_tokens=4)
+            assert refused.value.status_code == 503
+            assert int(refused.value.response.headers["Retry-After"]) > 0
+            assert refused.value.response.json()["error"]["code"] == "shutting_down"
+            health = httpx.get(server.root + "/health", timeout=10)
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+
+            t_stop = time.monotonic()
+            server.p.send_signal(signal.SIGINT)  # again: stop now
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]", rest[-3:]
+        last = json.loads(rest[-2].removeprefix("data: "))
+        assert last["error"]["code"] == "abort" and last["error"]["type"] == "server_error", last
+        server.p.wait(15)
+        assert time.monotonic() - t_stop < 10, "the second Ctrl-C did not stop the server quickly"
+        assert server.p.returncode == 0, server.text()
+        time.sleep(0.2)  # the reader threads take the last lines
+        assert "Traceback" not in "".join(server.err) + "".join(server.out), server.text()
+        assert "aborting 1 in-flight request" in "".join(server.out), server.text()
+    finally:
+        server.kill()
+
+
+def test_tokens_per_s_counts_busy_time_not_idle_time(outputs):
+    s = Served(("+experiment=serve", "model=tiny", "device=cpu", "tracking=off", "serve.port=0"), outputs)
+    t0 = time.perf_counter()
+    time.sleep(3.0)  # idle: no request in flight
+    outs = [
+        s.client.completions.create(
+            model=s.model, prompt=p, max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+        )
+        for p in ("Hello", "The quick brown fox")
+    ]
+    time.sleep(2.0)
+    s.close()
+    wall = time.perf_counter() - t0
+    m = s.result["serve_results"]
+    tokens = sum(o.usage.completion_tokens for o in outs)
+    assert m["generated_tokens"] == tokens == 48
+    assert m["busy_s"] < wall - 4.5  # the 5 s of sleep are not busy time
+    assert m["tokens_per_s"] == pytest.approx(tokens / m["busy_s"])
+    assert m["tokens_per_s"] > 2 * tokens / wall  # what the whole wall time would have said
+
+
+def test_requests_generated_from_the_openapi_schema_get_no_server_error(outputs):
+    """Schemathesis writes requests from the server's own /openapi.json, valid ones and ones that break it
+    (positive and negative modes): none gets a 5xx, some are served, and the server is healthy after."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    s = Served(
+        (
+            "+experiment=serve",
+            "model=tiny",
+            "device=cpu",
+            "tracking=off",
+            "serve.port=0",
+            "model.max_seq_len=160",
+            "serve.max_tokens_limit=8",
+            "serve.default_max_tokens=8",
+        ),
+        outputs,
+    )
+    try:
+        schema = schemathesis.openapi.from_dict(httpx.get(s.root + "/openapi.json", timeout=10).json())
+        ops = [schema["/v1/completions"]["POST"], schema["/v1/chat/completions"]["POST"]]
+        cases = st.one_of([op.as_strategy(mode) for op in ops for mode in schemathesis.GenerationMode])
+        statuses: list[int] = []
+
+        @settings(
+            max_examples=100, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck)
+        )
+        @given(case=cases)
+        def fuzz(case):
+            r = case.call(base_url=s.root, timeout=30)
+            statuses.append(r.status_code)
+            assert r.status_code < 500, (case.as_curl_command(), r.status_code, r.text[:500])
+            (kind,) = r.headers["content-type"]  # schemathesis: each header's values
+            assert kind.startswith(("application/json", "text/event-stream")), kind
+            if r.status_code >= 400:
+                assert set(json.loads(r.text)["error"]) == {"message", "type", "param", "code"}, r.text
+
+        t0 = time.monotonic()
+        fuzz()
+        assert time.monotonic() - t0 < 60
+        assert len(statuses) >= 50 and 200 in statuses and any(400 <= x < 500 for x in statuses), statuses
+        health = httpx.get(s.root + "/health", timeout=10)
+        assert health.status_code == 200 and health.json()["status"] == "ok"
+    finally:
+        s.close()
