@@ -297,7 +297,12 @@ def describe_model(cfg, weights_dir: Path) -> ModelArgs:
 
 def load_tokenizer(cfg, weights_dir: Path, args: ModelArgs) -> Tokenizer:
     """The target's tokenizer without its weights (plan-time prompt checks); `args` from describe_model."""
-    return _source(cfg).tokenizer(cfg, weights_dir, args.eos_token_ids)
+    try:
+        return _source(cfg).tokenizer(cfg, weights_dir, args.eos_token_ids)
+    except ConfigError:
+        raise
+    except Exception as e:  # broken tokenizer files: the plan names them, no traceback
+        raise ConfigError("model.path", cfg.path, f"its tokenizer does not load ({type(e).__name__}: {e})") from None
 
 
 def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:

@@ -58,6 +58,17 @@ def test_a_prompt_beyond_the_kv_cache_fails_the_plan_naming_its_record(tmp_path,
     build_plan(to_run_config(compose_cfg(*TINY, f"eval.dataset={data}", "eval.limit=1")), outputs)
 
 
+def test_a_tokenizer_that_does_not_load_fails_the_plan_naming_model_path(tmp_path, outputs):
+    from conftest import tiny_hf_config
+
+    (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config().to_dict()))
+    (tmp_path / "model.safetensors").write_bytes(b"")  # the plan reads no weights
+    (tmp_path / "tokenizer.json").write_text("{not json")
+    cfg = to_run_config(compose_cfg("model=hf", f"model.path={tmp_path}", "device=cpu"))
+    with pytest.raises(PlanError, match=r"model.path='.*': its tokenizer does not load"):
+        build_plan(cfg, outputs)
+
+
 def test_prompt_lengths_are_reported_with_the_other_plan_errors_exit_2_and_no_run(tmp_path, outputs):
     data = question_jsonl(tmp_path / "question.jsonl", ["x" * 200])
     run = subprocess.run(
@@ -252,3 +263,67 @@ def test_requests_generated_from_the_openapi_schema_get_no_server_error(outputs)
         assert health.status_code == 200 and health.json()["status"] == "ok"
     finally:
         s.close()
+
+
+# ------------------------------------------------------------------------------------------ load
+def _load_test():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("load_test", REPO / "benchmarks" / "load_test.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_load_test_counts_requests_failures_by_kind_and_the_server_rss(outputs, tmp_path, capsys):
+    lt = _load_test()
+    s = Served(("+experiment=serve", "model=tiny", "device=cpu", "tracking=off", "serve.port=0"), outputs)
+    try:
+        common = ["--url", s.root, "--clients", "4", "--duration", "120", "--max-tokens", "4", "--ignore-eos"]
+        rows = tmp_path / "rows.json"
+        pid = ["--server-pid", str(os.getpid())]  # the server runs in this process
+        assert lt.main([*common, "--requests", "40", *pid, "--json", str(rows)]) == 0
+        (row,) = json.loads(rows.read_text())
+        assert row["requests"] == 40 and row["failures"] == 0 and row["failure_kinds"] == {}
+        out = capsys.readouterr().out
+        assert re.search(r"server RSS at start: \d+\.\d MiB", out) and "server RSS after:" in out, out
+        assert row["server_rss_mb"] > 0
+
+        assert lt.main([*common, "--requests", "8", "--model", "not-served", "--json", str(rows)]) == 1
+        (row,) = json.loads(rows.read_text())
+        assert row["failures"] == 8 and row["failure_kinds"] == {"HTTP 404": 8}
+        out = capsys.readouterr().out
+        assert "8 failed: HTTP 404 x8" in out and out.count("first of its kind") == 1, out
+    finally:
+        s.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.environ.get("SPECPIPE_SOAK"), reason="five minutes of load: SPECPIPE_SOAK=1 runs it")
+def test_soak_16_clients_for_5_minutes_on_cpu(outputs):
+    """The documented soak (docs/performance.md, Reliability): no failed request, a healthy server after,
+    and its resident memory not growing without bound."""
+    server = ServerProcess(outputs, "serve.max_batch_size=16", "tracking=off")
+    try:
+        run = subprocess.run(
+            [sys.executable, "benchmarks/load_test.py", "--url", server.root, "--clients", "16", "--duration", "300"]
+            + ["--max-tokens", "64", "--server-pid", str(server.p.pid), "--json", str(outputs / "soak.json")],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        print(run.stdout)
+        assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+        (row,) = json.loads((outputs / "soak.json").read_text())
+        start = float(re.search(r"server RSS at start: ([\d.]+) MiB", run.stdout).group(1))
+        assert row["failures"] == 0 and row["requests"] > 0
+        assert row["server_rss_mb"] < 1.5 * start, (start, row["server_rss_mb"])
+        assert httpx.get(server.root + "/health", timeout=10).json()["status"] == "ok"
+    finally:
+        server.p.send_signal(signal.SIGINT)
+        try:
+            server.p.wait(60)
+        finally:
+            server.kill()
