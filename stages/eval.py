@@ -109,16 +109,32 @@ def encode_prompt(p: Prompt, tok: Tokenizer, e) -> list[int]:
     return tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text)
 
 
-def prompt_length_error(cfg, tok: Tokenizer) -> Optional[ConfigError]:
-    """Plan time: every prompt + eval.max_new_tokens + k draft tokens (the last verify writes k slots
-    past the last token) against model.max_seq_len, through the tokenizer alone. One error naming the
-    dataset, the longest prompt's record, its tokens and the limit, or None when all fit."""
+def prompt_errors(cfg, tok: Tokenizer, vocab_size: int) -> list[ConfigError]:
+    """Plan time, through the tokenizer alone: given token ids inside the target's vocabulary, and every
+    prompt + eval.max_new_tokens + k draft tokens (the last verify writes k slots past the last token)
+    within model.max_seq_len. At most one error of each kind, naming the dataset's first bad record or
+    its longest prompt, the tokens, the limit and what would fit."""
     e, limit, k = cfg.eval, cfg.model.max_seq_len, draft_tokens(cfg)
     prompts = load_prompts(e.dataset, e.limit)
-    lens = [len(encode_prompt(p, tok, e)) for p in prompts]
+    encoded = [encode_prompt(p, tok, e) for p in prompts]
+    errors = []
+    bad_ids = [i for i, x in enumerate(encoded) if any(not 0 <= t < vocab_size for t in x)]
+    if bad_ids:
+        i = bad_ids[0]
+        errors.append(
+            ConfigError(
+                "eval.dataset",
+                e.dataset,
+                f"record {i + 1} (question_id {prompts[i].id!r}): prompt_token_ids "
+                f"{[t for t in encoded[i] if not 0 <= t < vocab_size][:5]} outside the target's vocabulary"
+                + (f"; {len(bad_ids) - 1} more records too" if len(bad_ids) > 1 else ""),
+                f"ids in [0, {vocab_size})",
+            )
+        )
+    lens = [len(x) for x in encoded]
     over = [i for i, n in enumerate(lens) if n + e.max_new_tokens + k > limit]
     if not over:
-        return None
+        return errors
     worst = max(over, key=lambda i: lens[i])
     others = f"; {len(over) - 1} more records do not fit either" if len(over) > 1 else ""
     need, room = lens[worst] + e.max_new_tokens + k, limit - e.max_new_tokens - k
@@ -126,15 +142,17 @@ def prompt_length_error(cfg, tok: Tokenizer) -> Optional[ConfigError]:
     fixes += [f"model.max_seq_len >= {need}"]
     if room >= 1:
         fixes.append(f"prompts of at most {room} tokens (a shorter prompt, or eval.limit to leave it out)")
-    return ConfigError(
-        "eval.dataset",
-        e.dataset,
-        f"record {worst + 1} (question_id {prompts[worst].id!r}) has {lens[worst]} prompt tokens: + "
-        f"eval.max_new_tokens={e.max_new_tokens}"
-        + (f" + draft.num_steps={k}" if k else "")
-        + f" = {need} KV slots, beyond model.max_seq_len={limit}{others}",
-        " or ".join(fixes),
-    )
+    return errors + [
+        ConfigError(
+            "eval.dataset",
+            e.dataset,
+            f"record {worst + 1} (question_id {prompts[worst].id!r}) has {lens[worst]} prompt tokens: + "
+            f"eval.max_new_tokens={e.max_new_tokens}"
+            + (f" + draft.num_steps={k}" if k else "")
+            + f" = {need} KV slots, beyond model.max_seq_len={limit}{others}",
+            " or ".join(fixes),
+        )
+    ]
 
 
 def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
@@ -249,8 +267,7 @@ class EvalStage(Stage):
         measurable = not {x.key for x in errors} & {"eval.limit", "eval.max_new_tokens"}  # what the check reads
         if measurable and 1 <= e.max_new_tokens < cfg.model.max_seq_len:
             tok = load_tokenizer(cfg.model, env.weights_dir, env.target_args)
-            if (x := prompt_length_error(cfg, tok)) is not None:
-                errors.append(x)
+            errors += prompt_errors(cfg, tok, env.target_args.vocab_size)
         if len(errors) > 1:
             raise ConfigErrors(errors)
         if errors:

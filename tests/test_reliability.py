@@ -58,6 +58,20 @@ def test_a_prompt_beyond_the_kv_cache_fails_the_plan_naming_its_record(tmp_path,
     build_plan(to_run_config(compose_cfg(*TINY, f"eval.dataset={data}", "eval.limit=1")), outputs)
 
 
+def test_token_ids_outside_the_vocabulary_are_reported_with_a_prompt_too_long(tmp_path, outputs):
+    data = tmp_path / "question.jsonl"
+    records = [
+        {"question_id": "ids", "prompt_token_ids": [256, 72, 999]},
+        {"question_id": "long", "turns": ["x" * 200]},
+    ]
+    data.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(PlanError) as err:
+        build_plan(to_run_config(compose_cfg(*TINY, f"eval.dataset={data}")), outputs)
+    text = str(err.value)
+    assert "record 1 (question_id 'ids'): prompt_token_ids [999] outside the target's vocabulary" in text, text
+    assert "(valid: ids in [0, 320))" in text and "record 2 (question_id 'long') has" in text, text
+
+
 def test_a_tokenizer_that_does_not_load_fails_the_plan_naming_model_path(tmp_path, outputs):
     from conftest import tiny_hf_config
 
