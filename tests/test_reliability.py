@@ -178,11 +178,22 @@ def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly
     server = ServerProcess(outputs, "experiment_name=serve_drain")
     try:
         body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 1900, "ignore_eos": True, "stream": True}
+        answers: list[httpx.Response] = []  # a non-streaming request in flight beside the stream
+        waiting = threading.Thread(
+            target=lambda: answers.append(
+                httpx.post(server.root + "/v1/completions", json={**body, "stream": False}, timeout=60)
+            )
+        )
         with httpx.stream("POST", server.root + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
-            server.p.send_signal(signal.SIGINT)  # Ctrl-C while the request streams: drain
-            server.wait_for(r"\[serve\] draining: 1 request in flight", 10)
+            waiting.start()
+            t0 = time.monotonic()
+            while httpx.get(server.root + "/health", timeout=10).json()["running"] < 2:
+                assert time.monotonic() - t0 < 10, "the second request did not start"
+                time.sleep(0.05)
+            server.p.send_signal(signal.SIGINT)  # Ctrl-C while both generate: drain
+            server.wait_for(r"\[serve\] draining: 2 requests in flight", 10)
 
             client = openai.OpenAI(base_url=server.root + "/v1", api_key="unused", max_retries=0, timeout=10)
             with pytest.raises(openai.APIStatusError) as refused:
@@ -199,12 +210,16 @@ def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly
         assert rest[-1] == "data: [DONE]", rest[-3:]
         last = json.loads(rest[-2].removeprefix("data: "))
         assert last["error"]["code"] == "abort" and last["error"]["type"] == "server_error", last
+        waiting.join(15)
+        (answer,) = answers
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "abort", answer.text
+        assert "Retry-After" in answer.headers
         server.p.wait(15)
         assert time.monotonic() - t_stop < 10, "the second Ctrl-C did not stop the server quickly"
         assert server.p.returncode == 0, server.text()
         time.sleep(0.2)  # the reader threads take the last lines
         assert "Traceback" not in "".join(server.err) + "".join(server.out), server.text()
-        assert "aborting 1 in-flight request" in "".join(server.out), server.text()
+        assert "aborting 2 in-flight requests" in "".join(server.out), server.text()
     finally:
         server.kill()
 
