@@ -1,7 +1,8 @@
 """Stage `eval`: generate over a prompt set, with the configured draft, and measure against peers.
 
 Prompts go through the tokenizer's chat template (or come as token ids, optionally with input
-embeddings), are checked against the KV cache before any generation, and run in batches of
+embeddings), are checked against the KV cache and the vocabulary at plan time (`check`: the tokenizer
+alone, before any weight loads; again before generating), and run in batches of
 `eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) first runs the no-draft
 baseline on the same prompts, so the job reports its own speedup and whether the output is unchanged.
 
