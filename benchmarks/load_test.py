@@ -13,6 +13,12 @@ tokens/s is completion tokens (the server's `usage`) over the level's wall time;
 request, send to last byte. `--stream` measures time to first token from the SSE stream instead
 of usage counts (tokens are then counted from the final usage chunk). Only asyncio and httpx: it
 runs wherever the server's clients would.
+
+Reliability runs (docs/performance.md, "Reliability"): `--requests N` ends a level after N requests
+(a long run: `--requests 2000`) instead of, or before, `--duration`; `--server-pid PID` prints the
+server process's resident memory before the first level and after each (psutil), so a soak
+(`--clients 16 --duration 300`) shows whether it grows. Failures are counted by kind (HTTP status or
+exception) and the first of each printed; the exit status is 1 when any request failed.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import argparse
 import asyncio
 import json
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
@@ -48,6 +55,8 @@ class LevelResult:
     tokens: int = 0
     failures: int = 0
     errors: list[str] = field(default_factory=list)
+    failure_kinds: Counter = field(default_factory=Counter)  # "HTTP 503", "ReadTimeout", ...: how many
+    rss_mb: Optional[float] = None  # the server's resident memory after the level (--server-pid)
 
     @property
     def requests(self) -> int:
@@ -63,6 +72,12 @@ class LevelResult:
             return float("nan")
         return xs[min(len(xs) - 1, max(0, round(q / 100 * len(xs) + 0.5) - 1))]  # nearest rank
 
+    def fail(self, kind: str, message: str) -> None:
+        self.failures += 1
+        if not self.failure_kinds[kind]:  # the first failure of each kind, in full
+            self.errors.append(message[:300])
+        self.failure_kinds[kind] += 1
+
     def row(self) -> dict:
         return {
             "clients": self.clients,
@@ -73,6 +88,8 @@ class LevelResult:
             "p50_s": round(self.pct(50), 3),
             "p99_s": round(self.pct(99), 3),
             "ttft_p50_s": round(self.pct(50, self.ttfts), 3) if self.ttfts else None,
+            "failure_kinds": dict(self.failure_kinds),
+            "server_rss_mb": round(self.rss_mb, 1) if self.rss_mb is not None else None,
         }
 
 
@@ -83,6 +100,12 @@ def load_prompts(path: Optional[str]) -> list[str]:
     return out or PROMPTS
 
 
+class HTTPFailure(RuntimeError):
+    def __init__(self, status: int, text: str):
+        super().__init__(f"HTTP {status}: {text[:200]}")
+        self.kind = f"HTTP {status}"
+
+
 async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult) -> None:
     t0 = time.perf_counter()
     try:
@@ -90,7 +113,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
             tokens, first = 0, None
             async with client.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
-                    raise RuntimeError(f"HTTP {r.status_code}: {(await r.aread())[:200]!r}")
+                    raise HTTPFailure(r.status_code, (await r.aread()).decode(errors="replace"))
                 async for line in r.aiter_lines():
                     if not line.startswith("data: ") or line == "data: [DONE]":
                         continue
@@ -107,13 +130,12 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
         else:
             r = await client.post(url, json=body)
             if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:200]}")
+                raise HTTPFailure(r.status_code, r.text)
             tokens = r.json()["usage"]["completion_tokens"]
         res.latencies.append(time.perf_counter() - t0)
         res.tokens += tokens
-    except Exception as e:  # counted, the run goes on
-        res.failures += 1
-        res.errors.append(repr(e)[:300])
+    except Exception as e:  # counted by kind, the run goes on
+        res.fail(getattr(e, "kind", type(e).__name__), repr(e))
 
 
 async def run_level(
@@ -128,17 +150,22 @@ async def run_level(
     timeout_s: float = 600.0,
     chat: bool = False,
     ignore_eos: bool = False,
+    max_requests: Optional[int] = None,
 ) -> LevelResult:
-    """`clients` loops sending completions until `duration_s` is up; in-flight requests finish."""
+    """`clients` loops sending completions until `duration_s` is up (or `max_requests` were sent);
+    in-flight requests finish."""
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
     res = LevelResult(clients, duration_s)
     deadline = time.perf_counter() + duration_s
+    sent = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     async with httpx.AsyncClient(timeout=timeout_s, limits=limits) as client:
 
         async def loop(c: int) -> None:
+            nonlocal sent
             i = c
-            while time.perf_counter() < deadline:
+            while time.perf_counter() < deadline and (max_requests is None or sent < max_requests):
+                sent += 1  # one event loop: no lock needed
                 text = prompts[i % len(prompts)]
                 body = {
                     "model": model,
@@ -181,6 +208,18 @@ def served_model(base_url: str) -> str:
     return r.json()["data"][0]["id"]
 
 
+def rss_mb(pid: int) -> float:
+    """Resident memory of process `pid` in MiB."""
+    try:
+        import psutil
+    except ImportError:
+        raise SystemExit("--server-pid needs psutil (pip install psutil)") from None
+    try:
+        return psutil.Process(pid).memory_info().rss / 2**20
+    except psutil.NoSuchProcess:
+        raise SystemExit(f"--server-pid {pid}: no such process") from None
+
+
 def table(results: list[LevelResult]) -> str:
     head = f"{'clients':>7} {'requests':>8} {'failures':>8} {'tokens/s':>9} {'req/s':>7} {'p50 s':>7} {'p99 s':>7}"
     if any(r.ttfts for r in results):
@@ -204,6 +243,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--model", default=None, help="model id (default: the server's /v1/models)")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--duration", type=float, default=30.0, help="seconds per concurrency level")
+    ap.add_argument(
+        "--requests", type=int, default=None, help="end a level after this many requests (a long run: 2000)"
+    )
+    ap.add_argument(
+        "--server-pid", type=int, default=None, help="print this server process's RSS at the start and after each level"
+    )
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--prompts", default=None, help="a question.jsonl (first turns); default: built-in")
@@ -228,6 +273,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     if a.wait_s > 0:
         wait_ready(a.url, a.wait_s)
     model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)
+    rss0 = rss_mb(a.server_pid) if a.server_pid else None
+    if rss0 is not None:
+        print(f"server RSS at start: {rss0:.1f} MiB (pid {a.server_pid})")
     results = []
     for n in a.clients:
         r = asyncio.run(
@@ -242,11 +290,18 @@ def main(argv: Optional[list[str]] = None) -> int:
                 a.stream,
                 chat=a.chat,
                 ignore_eos=a.ignore_eos,
+                max_requests=a.requests,
             )
         )
         results.append(r)
-        for e in r.errors[:3]:
-            print(f"  [{n} clients] failed: {e}")
+        if r.failures:
+            kinds = ", ".join(f"{k} x{v}" for k, v in r.failure_kinds.most_common())
+            print(f"  [{n} clients] {r.failures} failed: {kinds}")
+        for e in r.errors:
+            print(f"  [{n} clients] first of its kind: {e}")
+        if rss0 is not None:
+            r.rss_mb = rss_mb(a.server_pid)
+            print(f"  [{n} clients] server RSS after: {r.rss_mb:.1f} MiB ({r.rss_mb - rss0:+.1f} since the start)")
     if a.label:
         print(a.label)
     print(table(results))

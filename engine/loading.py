@@ -1,8 +1,9 @@
 """Weight sources for the target: a registry of `gguf`, `hf` and `random`, each in two halves.
 
 `describe(cfg)` reads configuration only (config.json, GGUF metadata, or the random-arch block) and
-returns `ModelArgs`: the plan validates and prints from it before any weight is read. `load(cfg)`
-returns the model and its tokenizer.
+returns `ModelArgs`: the plan validates and prints from it before any weight is read. `tokenizer(cfg)`
+builds the tokenizer alone (tokenizer files, or the GGUF's vocabulary: no weights), so the plan can
+measure prompts against the KV cache. `load(cfg)` returns the model and its tokenizer.
 
 GGUF files are read through transformers' GGUF support (dequantized, with q/k permuted back to the HF
 layout) once, and cached as an HF safetensors directory under `<weights_dir>/<stem>-<key>/`, keyed by
@@ -189,6 +190,7 @@ def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
 class ModelSource:
     describe: Callable  # (ModelConfig, weights_dir) -> ModelArgs, config files only
     load: Callable  # (ModelConfig, weights_dir) -> LoadedModel
+    tokenizer: Callable  # (ModelConfig, weights_dir, ModelArgs.eos_token_ids) -> Tokenizer, without weights
 
 
 def _describe_gguf(cfg, weights_dir: Path) -> ModelArgs:
@@ -210,6 +212,16 @@ def _load_gguf(cfg, weights_dir: Path) -> LoadedModel:
     return loaded
 
 
+def _tokenizer_gguf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
+    gguf = _gguf_path(cfg.path)
+    cached = gguf_cache_dir(gguf, weights_dir)
+    if (cached / "config.json").is_file():
+        return HFTokenizer.from_dir(str(cached), eos)
+    from transformers import AutoTokenizer  # the GGUF's vocabulary and merges, not its tensors
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), eos)
+
+
 def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
     if not cfg.path:
         raise ConfigError(
@@ -220,6 +232,10 @@ def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
 
 def _load_hf(cfg, weights_dir: Path) -> LoadedModel:
     return _load_hf_dir(Path(cfg.path).expanduser(), cfg.max_seq_len)
+
+
+def _tokenizer_hf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
+    return HFTokenizer.from_dir(str(Path(cfg.path).expanduser()), eos)
 
 
 def random_args(r) -> ModelArgs:
@@ -263,9 +279,9 @@ def _load_random(cfg, weights_dir: Path) -> LoadedModel:
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {
-    "gguf": ModelSource(_describe_gguf, _load_gguf),
-    "hf": ModelSource(_describe_hf, _load_hf),
-    "random": ModelSource(_describe_random, _load_random),
+    "gguf": ModelSource(_describe_gguf, _load_gguf, _tokenizer_gguf),
+    "hf": ModelSource(_describe_hf, _load_hf, _tokenizer_hf),
+    "random": ModelSource(_describe_random, _load_random, lambda cfg, weights_dir, eos: ByteTokenizer()),
 }
 
 
@@ -277,6 +293,16 @@ def _source(cfg) -> ModelSource:
 
 def describe_model(cfg, weights_dir: Path) -> ModelArgs:
     return _source(cfg).describe(cfg, weights_dir)
+
+
+def load_tokenizer(cfg, weights_dir: Path, args: ModelArgs) -> Tokenizer:
+    """The target's tokenizer without its weights (plan-time prompt checks); `args` from describe_model."""
+    try:
+        return _source(cfg).tokenizer(cfg, weights_dir, args.eos_token_ids)
+    except ConfigError:
+        raise
+    except Exception as e:  # broken tokenizer files: the plan names them, no traceback
+        raise ConfigError("model.path", cfg.path, f"its tokenizer does not load ({type(e).__name__}: {e})") from None
 
 
 def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:

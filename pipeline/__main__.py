@@ -20,7 +20,7 @@ from pipeline.compose_check import compose_problem
 from pipeline.config import register_configs, to_run_config
 from pipeline.execute import execute
 from pipeline.paths import outputs_dir
-from pipeline.plan import PlanError, build_plan
+from pipeline.plan import PlanError, build_plan, outputs_error
 from pipeline.tracking import fail_sweep_parent
 
 log = logging.getLogger("pipeline")
@@ -56,6 +56,9 @@ def main(cfg: DictConfig) -> Optional[float]:
 
 
 if __name__ == "__main__":
+    if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
+        print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
+        sys.exit(2)
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
         problem = compose_problem([a for a in args if not a.lstrip("+~").startswith("hydra.")])

@@ -145,20 +145,24 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
     return errors
 
 
+def outputs_error(outputs: Path) -> ConfigError | None:
+    """The error for an outputs folder runs cannot write to (weights cache, MLflow store, Hydra's run
+    directories, training outputs), or None."""
+    if (problem := outputs_problem(outputs)) is None:
+        return None
+    return ConfigError(
+        "SPECPIPE_OUTPUTS",
+        str(outputs),
+        f"the outputs folder {problem}",
+        "a writable directory (set SPECPIPE_OUTPUTS to one)",
+    )
+
+
 def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     errors = _check_registries(cfg)
     outputs = outputs or outputs_dir()
-    if (problem := outputs_problem(outputs)) is not None:  # weights cache, MLflow store, training outputs
-        raise PlanError(
-            [
-                ConfigError(
-                    "SPECPIPE_OUTPUTS",
-                    str(outputs),
-                    f"the outputs folder {problem}",
-                    "a writable directory (set SPECPIPE_OUTPUTS to one)",
-                )
-            ]
-        )
+    if (bad := outputs_error(outputs)) is not None:
+        raise PlanError([bad])
     device, dtype, target_args = torch.device("cpu"), torch.float32, None
     try:
         device = resolve_device(cfg.device)

@@ -1,7 +1,8 @@
 """Stage `eval`: generate over a prompt set, with the configured draft, and measure against peers.
 
 Prompts go through the tokenizer's chat template (or come as token ids, optionally with input
-embeddings), are checked against the KV cache before any generation, and run in batches of
+embeddings), are checked against the KV cache and the vocabulary at plan time (`check`: the tokenizer
+alone, before any weight loads; again before generating), and run in batches of
 `eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) first runs the no-draft
 baseline on the same prompts, so the job reports its own speedup and whether the output is unchanged.
 
@@ -38,12 +39,13 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.drafts.registry import DRAFTS, make_draft
-from engine.errors import ConfigError, check_values
+from engine.errors import ConfigError, ConfigErrors, check_values
 from engine.generate import Generator, SequenceResult, check_capacity
-from engine.loading import LoadedModel
+from engine.loading import LoadedModel, load_tokenizer
 from engine.peers import GREEDY_PEERS, PEERS
 from engine.prompts import Prompt, check_dataset, load_prompts
 from engine.sampling import SamplingParams
+from engine.tokenizer import Tokenizer
 from stages.base import Stage, StageEnv, register_stage
 
 
@@ -100,16 +102,69 @@ def _mean(xs) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
+def draft_tokens(cfg) -> int:
+    return cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+
+
+def encode_prompt(p: Prompt, tok: Tokenizer, e) -> list[int]:
+    if p.token_ids is not None:
+        return list(p.token_ids)
+    return tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text)
+
+
+def prompt_errors(cfg, tok: Tokenizer, vocab_size: int) -> list[ConfigError]:
+    """Plan time, through the tokenizer alone: given token ids inside the target's vocabulary, and every
+    prompt + eval.max_new_tokens + k draft tokens (the last verify writes k slots past the last token)
+    within model.max_seq_len. At most one error of each kind, naming the dataset's first bad record or
+    its longest prompt, the tokens, the limit and what would fit."""
+    e, limit, k = cfg.eval, cfg.model.max_seq_len, draft_tokens(cfg)
+    prompts = load_prompts(e.dataset, e.limit)
+    encoded = [encode_prompt(p, tok, e) for p in prompts]
+    errors = []
+    bad_ids = [i for i, x in enumerate(encoded) if any(not 0 <= t < vocab_size for t in x)]
+    if bad_ids:
+        i = bad_ids[0]
+        errors.append(
+            ConfigError(
+                "eval.dataset",
+                e.dataset,
+                f"record {i + 1} (question_id {prompts[i].id!r}): prompt_token_ids "
+                f"{[t for t in encoded[i] if not 0 <= t < vocab_size][:5]} outside the target's vocabulary"
+                + (f"; {len(bad_ids) - 1} more records too" if len(bad_ids) > 1 else ""),
+                f"ids in [0, {vocab_size})",
+            )
+        )
+    lens = [len(x) for x in encoded]
+    over = [i for i, n in enumerate(lens) if n + e.max_new_tokens + k > limit]
+    if not over:
+        return errors
+    worst = max(over, key=lambda i: lens[i])
+    others = f"; {len(over) - 1} more records do not fit either" if len(over) > 1 else ""
+    need, room = lens[worst] + e.max_new_tokens + k, limit - e.max_new_tokens - k
+    fixes = [f"eval.max_new_tokens <= {limit - lens[worst] - k}"] if limit - lens[worst] - k >= 1 else []
+    fixes += [f"model.max_seq_len >= {need}"]
+    if room >= 1:
+        fixes.append(f"prompts of at most {room} tokens (a shorter prompt, or eval.limit to leave it out)")
+    return errors + [
+        ConfigError(
+            "eval.dataset",
+            e.dataset,
+            f"record {worst + 1} (question_id {prompts[worst].id!r}) has {lens[worst]} prompt tokens: + "
+            f"eval.max_new_tokens={e.max_new_tokens}"
+            + (f" + draft.num_steps={k}" if k else "")
+            + f" = {need} KV slots, beyond model.max_seq_len={limit}{others}",
+            " or ".join(fixes),
+        )
+    ]
+
+
 def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
     e, tok = cfg.eval, target.tokenizer
     prompts = load_prompts(e.dataset, e.limit)
     encoded, embeds = [], []
     hidden = target.model.args.hidden_size
     for p in prompts:
-        if p.token_ids is not None:
-            encoded.append(list(p.token_ids))
-        else:
-            encoded.append(tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text))
+        encoded.append(encode_prompt(p, tok, e))
         x = p.load_embeds()
         if x is not None and tuple(x.shape) != (len(encoded[-1]), hidden):
             raise ConfigError(
@@ -123,7 +178,7 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
         [len(x) for x in encoded],
         e.max_new_tokens,
         cfg.model.max_seq_len,
-        cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0,
+        draft_tokens(cfg),
     )
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
@@ -202,8 +257,28 @@ class EvalStage(Stage):
     runs_target = True
 
     def check(self, cfg, env: StageEnv) -> None:
+        """Every bad value together; then, when the values hold, the prompts against the KV cache."""
         e = cfg.eval
-        check_dataset(e.dataset)
+        check_dataset(e.dataset)  # a dataset that cannot be read stops here
+        errors: list[ConfigError] = []
+        try:
+            self._check_values(cfg, env)
+        except ConfigErrors as x:
+            errors.extend(x.errors)
+        except ConfigError as x:
+            errors.append(x)
+        measurable = not {x.key for x in errors} & {"eval.limit", "eval.max_new_tokens"}  # what the check reads
+        if measurable and 1 <= e.max_new_tokens < cfg.model.max_seq_len:
+            tok = load_tokenizer(cfg.model, env.weights_dir, env.target_args)
+            errors += prompt_errors(cfg, tok, env.target_args.vocab_size)
+        if len(errors) > 1:
+            raise ConfigErrors(errors)
+        if errors:
+            raise errors[0]
+
+    @staticmethod
+    def _check_values(cfg, env: StageEnv) -> None:
+        e = cfg.eval
         check_values(
             [
                 ("eval.limit", e.limit, e.limit is None or e.limit >= 1, ">= 1, or null for all"),

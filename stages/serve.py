@@ -5,13 +5,15 @@
 The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
 graphs), the continuous-batching scheduler (engine/serve/scheduler.py: the same draft-and-verify round as
 eval) and the HTTP app (engine/serve/openai_server.py), and serves on `serve.host:serve.port` until Ctrl-C,
-which lets in-flight requests finish before the stage returns and the MLflow run closes normally.
+which drains (new requests get 503 with Retry-After, in-flight ones finish; a second Ctrl-C aborts them)
+before the stage returns and the MLflow run closes normally.
 
 The draft proposes greedily whatever the request's temperature (lossless either way, see
 engine/serve/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
 
 Logs at the end: `requests`, `requests_<finish_reason>`, `prompt_tokens`, `generated_tokens`,
-`tokens_per_s` (generated over the time from the first request to the last), `accept_length`,
+`tokens_per_s` (generated over `busy_s`, the time with at least one request in flight: idle time between
+requests left out), `accept_length`,
 `accept_rate_pos_<i>`, `rounds`, `graph_replays` / `graph_fallbacks` (totals and `.<phase>`).
 Provides `serve_results` (those metrics).
 """
@@ -19,6 +21,7 @@ Provides `serve_results` (those metrics).
 from __future__ import annotations
 
 import threading
+import time
 
 import torch
 
@@ -49,8 +52,10 @@ def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
         "rounds": stats.rounds,
     }
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
-    if stats.first_submit is not None and stats.last_finish is not None and stats.last_finish > stats.first_submit:
-        out["tokens_per_s"] = stats.generated_tokens / (stats.last_finish - stats.first_submit)
+    busy = stats.busy_time(time.perf_counter())
+    if busy > 0:  # over the time with a request in flight: an idle server does not dilute it
+        out["busy_s"] = busy
+        out["tokens_per_s"] = stats.generated_tokens / busy
     if stats.rounds:
         out["k_mean"] = sum(k * n for k, n in stats.rounds_by_k.items()) / stats.rounds
     if stats.row_rounds:
@@ -177,6 +182,7 @@ class ServeStage(Stage):
         print(
             "[serve] stopped"
             + (" (Ctrl-C)" if server.interrupted else "")
+            + (f", {server.aborted} in-flight requests aborted" if server.aborted else "")
             + ": "
             + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
             flush=True,

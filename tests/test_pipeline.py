@@ -67,10 +67,14 @@ def test_tiny_eval_run_is_tracked(outputs):
     assert "eval:\n  dataset: humaneval" in download_text(outputs, r.info.run_id, "config.yaml")
 
 
-def test_failure_marks_the_run_failed(outputs):
-    # The prompts are longer than this cache: found when the prompts are tokenized, inside the run.
-    with pytest.raises(ConfigError, match="model.max_seq_len=64"):
-        run(compose_cfg(*TINY, "model.max_seq_len=64", "experiment_name=fails"))
+def test_failure_marks_the_run_failed(outputs, tmp_path):
+    # Input embeddings of the wrong length: found when they are read, inside the run (the plan reads no
+    # tensors; prompt lengths against the cache are a plan error, tests/test_reliability.py).
+    torch.save(torch.zeros(2, 64), tmp_path / "e.pt")
+    qs = tmp_path / "question.jsonl"
+    qs.write_text(json.dumps({"question_id": 0, "prompt_token_ids": [256, 72, 105], "input_embeds": "e.pt"}) + "\n")
+    with pytest.raises(ConfigError, match="input_embeds of shape"):
+        run(compose_cfg(*TINY, f"eval.dataset={qs}", "experiment_name=fails"))
     (r,) = runs_of(outputs, "fails")
     assert r.info.status == "FAILED"
 

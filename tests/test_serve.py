@@ -500,6 +500,7 @@ def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
         out, _ = p.communicate(timeout=60)
         assert p.returncode == 0, out[-2000:]
         assert "[serve] stopped (Ctrl-C)" in out and "Traceback" not in out
+        assert "[serve] draining: 1 request in flight" in out and "[serve] draining: 0 left" in out, out[-2000:]
     finally:
         if p.poll() is None:
             p.kill()

@@ -23,7 +23,14 @@ Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
     404  a model other than the served one (code model_not_found); unknown routes
     422  well-formed JSON of the wrong shape (a missing field, a wrong type, temperature out of [0, 2])
     429  serve.max_queue requests already waiting (code queue_full)
-    503  shutting down
+    503  shutting down (code shutting_down, with Retry-After): every request that arrives while the server
+         drains, and in-flight ones aborted by a second Ctrl-C
+
+Stopping (`OpenAIServer`): the first Ctrl-C or SIGTERM drains: the listener stays open, new requests get
+the 503 above (/health answers 503 "draining", /metrics still answers), in-flight ones finish and the log
+counts them down; when none is left (or serve.drain_timeout_s passed) uvicorn shuts down. A second
+Ctrl-C aborts the in-flight requests (a streaming client gets an error event and `[DONE]`, a waiting one
+a 503) and stops within ABORT_GRACE_S, with no traceback.
 """
 
 from __future__ import annotations
@@ -52,6 +59,9 @@ from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
+RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a restart, or for a balancer to pick another replica
+ABORT_GRACE_S = 2.0  # after a stop-now abort: time for handlers to write their error before uvicorn closes
+OPEN_WHILE_DRAINING = ("/health", "/metrics")  # answered while draining: a balancer and a scraper still look
 
 
 @dataclass(frozen=True)
@@ -153,7 +163,35 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        return JSONResponse(self.body(), status_code=self.status, headers=headers)
+
+
+def shutting_down_error() -> ApiError:
+    return ApiError(
+        503,
+        "the server is shutting down; retry on another replica or later",
+        code="shutting_down",
+        type_="server_error",
+    )
+
+
+class _RefuseWhileDraining:
+    """ASGI middleware: while the server drains, a new request (but OPEN_WHILE_DRAINING) is a 503 with
+    Retry-After and `Connection: close`, instead of a refused connection. Plain ASGI, not Starlette's
+    BaseHTTPMiddleware, so streaming responses and disconnects pass through untouched."""
+
+    def __init__(self, app, api: "OpenAIApp"):
+        self.app, self.api = app, api
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and self.api.draining and scope["path"] not in OPEN_WHILE_DRAINING:
+            self.api.metrics.rejected.labels("503").inc()
+            response = shutting_down_error().response()
+            response.headers["Connection"] = "close"
+            await response(scope, receive, send)
+            return
+        await self.app(scope, receive, send)
 
 
 def extra_field_error(extra: dict) -> Optional[ApiError]:
@@ -210,8 +248,8 @@ class _Flight:
             self.scheduler.submit(self.req)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}; retry later", code="queue_full", type_="rate_limit_error") from None
-        except ShuttingDown as e:
-            raise ApiError(503, str(e), code="shutting_down", type_="server_error") from None
+        except ShuttingDown:
+            raise shutting_down_error() from None
         return self
 
     @property
@@ -277,6 +315,7 @@ class OpenAIApp:
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
         self.metrics = ServeMetrics(scheduler, graphs)
         self.created = int(time.time())
+        self.draining = False  # set by OpenAIServer on the first Ctrl-C: new requests get 503
         self.app = self._build()
 
     # -- validation -------------------------------------------------------------------------------
@@ -422,7 +461,8 @@ class OpenAIApp:
 
     # -- routes -----------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
-        app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)
+        app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)  # /openapi.json: `_openapi`
+        app.add_middleware(_RefuseWhileDraining, api=self)
         metrics = self.metrics
 
         @app.exception_handler(ApiError)
@@ -490,10 +530,11 @@ class OpenAIApp:
 
         @app.get("/health")
         async def health():
-            ok = self.scheduler.alive
+            ok = self.scheduler.alive and not self.draining
+            status = "ok" if ok else ("draining" if self.draining else "unavailable")
             return JSONResponse(
                 {
-                    "status": "ok" if ok else "unavailable",
+                    "status": status,
                     "running": self.scheduler.running,
                     "waiting": self.scheduler.queue_depth,
                 },
@@ -504,28 +545,62 @@ class OpenAIApp:
         async def prometheus():
             return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
+        app.openapi = lambda: self._openapi(app)
         return app
+
+    def _openapi(self, app: FastAPI) -> dict:
+        """FastAPI's schema of the routes, with what this server accepts that the pydantic models leave to
+        the handlers (their 400s stay the handlers'): the served model's name, max_tokens in [1,
+        serve.max_tokens_limit], token ids in the vocabulary, up to 4 non-empty stop strings, no field
+        beyond the modelled ones. A client generator (or a fuzzer: tests/test_reliability.py) writes
+        requests that can be served from it."""
+        if app.openapi_schema is None:
+            from fastapi.openapi.utils import get_openapi
+
+            doc = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            lim, schemas = self.limits, doc["components"]["schemas"]
+            for name in ("CompletionRequest", "ChatCompletionRequest"):
+                body = schemas[name]
+                props, body["additionalProperties"] = body["properties"], False
+                props["model"] = {**props["model"], "enum": [lim.model_name]}
+                for key in ("max_tokens", "max_completion_tokens"):
+                    if key in props:
+                        props[key]["anyOf"][0].update(minimum=1, maximum=lim.max_tokens_limit)
+                props["stop"]["anyOf"][0]["minLength"] = 1
+                props["stop"]["anyOf"][1].update(maxItems=4, items={"type": "string", "minLength": 1})
+            prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+            prompt[1].update(minItems=1, maxItems=1)  # one prompt per request
+            prompt[2].update(minItems=1, items={"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1})
+            app.openapi_schema = doc
+        return app.openapi_schema
 
 
 # ------------------------------------------------------------------------------------------ the server
 class _Server(uvicorn.Server):
-    """uvicorn's server, remembering a Ctrl-C. uvicorn re-raises the SIGINT it handled once drained,
-    but under Python's asyncio.run that only becomes a KeyboardInterrupt when the serving task is
-    still running to be cancelled: a race the caller cannot see. The signal handler itself is not."""
+    """uvicorn's server, stopping in two steps. Its own first signal would close the listener at once
+    (new clients refused) and its second cancel the ASGI tasks (tracebacks): here a signal only counts
+    (`stops`) and the event loop's tick, every 0.1 s, does the rest (`OpenAIServer._tick`)."""
 
-    sigint = False
+    sigint = False  # a Ctrl-C, not a SIGTERM, stopped it
+    stops = 0  # 1: drain, 2: stop now
+    tick: Optional[Callable[[], bool]] = None  # the draining step: True when uvicorn may shut down
 
     def handle_exit(self, sig: int, frame) -> None:
         self.sigint = self.sigint or sig == signal.SIGINT
-        super().handle_exit(sig, frame)
+        self.stops += 1  # not re-raised after the shutdown: the stage ends normally and logs its run
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self.stops > 0 and self.tick is not None and self.tick()
 
 
 class OpenAIServer:
     """uvicorn around `OpenAIApp`, with the scheduler's lifetime tied to it.
 
-    run() blocks: starts the engine thread, serves until Ctrl-C (or `shutdown()` from another
-    thread), lets in-flight requests finish (uvicorn's graceful shutdown, up to drain_timeout_s),
-    then drains and stops the engine. In the main thread a Ctrl-C ends run() normally."""
+    run() blocks: starts the engine thread, serves until Ctrl-C / SIGTERM (or `shutdown()` from another
+    thread), drains (new requests 503, in-flight ones finish, up to drain_timeout_s; a second Ctrl-C
+    aborts them), then stops uvicorn and the engine. In the main thread a Ctrl-C ends run() normally."""
 
     def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
         self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
@@ -535,23 +610,52 @@ class OpenAIServer:
             port=port,
             log_config=None,
             log_level=log_level,
-            timeout_graceful_shutdown=drain_timeout_s,
+            timeout_graceful_shutdown=ABORT_GRACE_S,  # the drain ran before: only connections closing remain
             lifespan="off",
             access_log=False,
         )
         self.server = _Server(config)
+        self.server.tick = self._tick
         self.interrupted = False  # stopped by Ctrl-C
+        self.aborted = 0  # requests aborted by a stop-now (a second Ctrl-C, or the drain timeout)
+        self._drain_deadline: Optional[float] = None
+        self._abort_at: Optional[float] = None
+        self._left: Optional[int] = None
 
     @property
     def port(self) -> int:
         return self.server.servers[0].sockets[0].getsockname()[1]
 
+    def _tick(self) -> bool:
+        """On the event loop, every 0.1 s once a stop was asked: drain, count down, abort on a second
+        stop or at the deadline. True: nothing in flight (or the abort's grace is over), shut down."""
+        now, left = time.monotonic(), self.scheduler.in_flight
+        if self._drain_deadline is None:
+            self.api.draining = True
+            self._drain_deadline = now + self.drain_timeout_s
+            print(
+                f"[serve] draining: {left} request{'s' if left != 1 else ''} in flight, new ones get 503 "
+                f"(up to serve.drain_timeout_s={self.drain_timeout_s:g}; Ctrl-C again stops now)",
+                flush=True,
+            )
+        elif left != self._left:
+            print(f"[serve] draining: {left} left", flush=True)
+        self._left = left
+        if left == 0:
+            return True
+        if self._abort_at is None and (self.server.stops > 1 or now >= self._drain_deadline):
+            self._abort_at, self.aborted = now, left
+            why = "Ctrl-C again" if self.server.stops > 1 else "serve.drain_timeout_s passed"
+            print(f"[serve] {why}: aborting {left} in-flight request{'s' if left != 1 else ''}", flush=True)
+            self.scheduler.abort()
+        return self._abort_at is not None and now - self._abort_at >= ABORT_GRACE_S
+
     def run(self) -> None:
         self.scheduler.start()
         try:
-            self.server.run()  # returns after the graceful shutdown
+            self.server.run()  # returns after the drain and uvicorn's shutdown
             self.interrupted = self.server.sigint
-        except KeyboardInterrupt:  # uvicorn re-raises the Ctrl-C it handled, once drained
+        except KeyboardInterrupt:  # a Ctrl-C before uvicorn installed its handlers
             self.interrupted = True
         except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)
             if self.server.started:
@@ -572,6 +676,6 @@ class OpenAIServer:
             time.sleep(0.02)
         return False
 
-    def shutdown(self) -> None:
-        """From any thread: what Ctrl-C does."""
-        self.server.should_exit = True
+    def shutdown(self, now: bool = False) -> None:
+        """From any thread: what Ctrl-C does (now=True: what a second one does)."""
+        self.server.stops = max(self.server.stops + 1, 2 if now else 1)

@@ -105,6 +105,16 @@ class ServeStats:
     round_s: float = 0.0
     first_submit: Optional[float] = None
     last_finish: Optional[float] = None
+    busy_s: float = 0.0  # time with at least one request submitted and not finished, closed intervals
+    busy_since: Optional[float] = None  # the open interval's start, while requests are in flight
+
+    def busy_time(self, now: float) -> float:
+        """Seconds with a request in flight up to `now` (idle time between requests left out)."""
+        return self.busy_s + (now - self.busy_since if self.busy_since is not None else 0.0)
+
+    @property
+    def in_flight(self) -> int:
+        return self.submitted - sum(self.finished.values())
 
     @property
     def accept_length(self) -> float:
@@ -155,6 +165,12 @@ class Scheduler:
         return sum(r is not None for r in self.slots)
 
     @property
+    def in_flight(self) -> int:
+        """Requests submitted and not finished (waiting, prefilling or generating)."""
+        with self._cv:
+            return self.stats.in_flight
+
+    @property
     def alive(self) -> bool:
         """The engine thread runs and takes requests."""
         return self._thread is not None and self._thread.is_alive() and not self._closing
@@ -179,6 +195,8 @@ class Scheduler:
                     f"{len(self.waiting) - free} requests are waiting for a slot (serve.max_queue={self.max_queue})"
                 )
             req.t_submit = time.perf_counter()
+            if self.stats.in_flight == 0:
+                self.stats.busy_since = req.t_submit
             self.stats.submitted += 1
             self.stats.prompt_tokens += len(req.prompt)
             if self.stats.first_submit is None:
@@ -204,6 +222,14 @@ class Scheduler:
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
         self._thread.start()
         return self
+
+    def abort(self) -> None:
+        """Stop taking requests and abort the running and waiting ones after the current round; returns at
+        once (a signal handler's or the event loop's way to stop now: `close` joins the engine thread)."""
+        with self._cv:
+            self._closing = self._stop = True
+            self._drain = False
+            self._cv.notify_all()
 
     def close(self, drain: bool = True, timeout: Optional[float] = None) -> None:
         """Stop taking requests; drain=True finishes the running and waiting ones first (up to
@@ -406,4 +432,7 @@ class Scheduler:
             req.finish_reason, req.t_done = reason, time.perf_counter()
             self.stats.finished[reason] += 1
             self.stats.last_finish = req.t_done
+            if self.stats.in_flight == 0 and self.stats.busy_since is not None:
+                self.stats.busy_s += req.t_done - self.stats.busy_since
+                self.stats.busy_since = None
         req.sink(TokenEvent(tokens or [], reason, error))
