@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from engine.drafts.registry import train_spec
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
@@ -130,6 +131,7 @@ def scoring_trainer(plan, loaded, head, samples: list[Sample], recipe, name: str
         settings(recipe, plan.env.device),
         plan.env.outputs_dir / name,
         lambda *a, **k: None,
+        train_spec(recipe.draft.algorithm),
     )
 
 

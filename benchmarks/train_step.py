@@ -23,11 +23,11 @@ import time
 
 import torch
 
+from engine.drafts.common.ttt import TORCH_OPS
+from engine.drafts.registry import train_spec
 from engine.train.data import VocabMap, target_batch
-from engine.train.eagle3 import TORCH_OPS
 from engine.train.selfdistill import Sample
-from engine.train.trainer import TRAIN_SPECS, Trainer, train_forward_options
-from engine.train.vocab import fit_draft_vocab
+from engine.train.trainer import Trainer, train_forward_options
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
 from stages.train_draft import settings
@@ -53,12 +53,13 @@ def main() -> None:
     plan = build_plan(cfg)
     ctx = plan.set_up("load", "configure_aux_capture")
     target, head = ctx["target"].model, ctx["draft_head"]
-    spec = TRAIN_SPECS[cfg.draft.algorithm]
+    spec = train_spec(cfg.draft.algorithm)
     dev = target.lm_head.weight.device
     shapes = [tuple(map(int, s.split("x"))) for s in args.shapes.split(",")]
     data = {s: samples(s[0], s[1], target.args.vocab_size, i) for i, s in enumerate(shapes)}
     student = head.copy(dev, torch.float32).requires_grad_(True)
-    fit_draft_vocab(student, (x.ids for v in data.values() for x in v), sorted(set(target.args.eos_token_ids)))
+    if spec.prepare is not None:  # EAGLE3: its draft vocabulary
+        spec.prepare(student, (x.ids for v in data.values() for x in v), sorted(set(target.args.eos_token_ids)))
     vocab = VocabMap.of(student)
     s = settings(cfg, dev)
     everything = [x for v in data.values() for x in v]  # sizes the target's KV rows for every shape

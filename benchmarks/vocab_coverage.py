@@ -20,10 +20,10 @@ import dataclasses
 import torch
 from safetensors import safe_open
 
+from engine.drafts.eagle3.vocab import build_draft_vocab
 from engine.generate import Generator
 from engine.prompts import load_prompts
 from engine.sampling import SamplingParams
-from engine.train.vocab import build_draft_vocab
 from pipeline.config import compose_run_config
 from pipeline.plan import build_plan
 from stages.train_draft import synthesize_data

@@ -11,6 +11,7 @@ import torch
 from conftest import compose_cfg
 from test_train_draft import TRAIN
 
+from engine.drafts.registry import train_spec
 from engine.train.data import VocabMap
 from engine.train.trainer import Trainer
 from pipeline.config import to_run_config
@@ -36,6 +37,7 @@ def test_copy_probe_rows_agree_with_the_trainers_first_draft_accuracy(outputs, c
         settings(cfg, plan.env.device),
         plan.env.outputs_dir / "copy_probe",
         lambda *a, **k: None,
+        train_spec(cfg.draft.algorithm),
     )
     rows = positions(trainer, samples, target.model.lm_head.weight)
     n = len(rows["own_hit"])

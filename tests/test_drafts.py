@@ -13,7 +13,7 @@ from test_model import _prompts, pair
 from test_pipeline import download_text, runs_of
 
 from engine import aux_layers
-from engine.drafts.heads import Eagle3Head, eagle3_config
+from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
