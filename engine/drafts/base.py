@@ -200,6 +200,10 @@ def write_rows(buf: Tensor, value: Tensor, rows: Optional[slice]) -> None:
 class DraftHead(Protocol):
     """The weights of a device draft (engine/drafts/common/head.py's `HeadBase` implements the shared part).
 
+    What every head offers the registry, the graphs and the train stage. Its forward programs are the
+    contract with its own draft loop: `FeatureHead` below for the EAGLE-family loop; the multi-layer
+    head's `module_program` and DFlash's `context_program` / `block_program` are documented in their folders.
+
     Tensors: b rows, t positions, H the head's hidden size, F the target features it reads
     (`feature_width`: n_aux x target hidden for aux features, the target's hidden size for final ones).
     """
@@ -235,6 +239,27 @@ class DraftHead(Protocol):
         """The target storage a captured draft graph reads: {embed_ptr, lm_head_ptr} (hazard 7)."""
         ...
 
+    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DraftHead":
+        """Same type, config and weights in storage of its own, bound to the same target."""
+        ...
+
+    def save(self, path) -> None:
+        """config.json + model.safetensors in the public layout of `architecture`."""
+        ...
+
+    def card_summary(self, facts: dict) -> str:
+        """The model card's description of the head (stages/train_draft.py writes the card)."""
+        ...
+
+    def card_objective(self, facts: dict) -> str:
+        """The model card's training objective."""
+        ...
+
+
+@runtime_checkable
+class FeatureHead(DraftHead, Protocol):
+    """A one-step head that the EAGLE-family loop (engine/drafts/common/feature.py) chains: EAGLE3, EAGLE."""
+
     def program(self, cache, *, embeds_input: bool = False) -> list[Step]:
         """One draft forward as steps: pre (segment), attention (break), post (segment).
 
@@ -251,22 +276,6 @@ class DraftHead(Protocol):
 
     def post(self, env: dict) -> None:
         """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t], logits [b, t, V]."""
-        ...
-
-    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DraftHead":
-        """Same type, config and weights in storage of its own, bound to the same target."""
-        ...
-
-    def save(self, path) -> None:
-        """config.json + model.safetensors in the public layout of `architecture`."""
-        ...
-
-    def card_summary(self, facts: dict) -> str:
-        """The model card's description of the head (stages/train_draft.py writes the card)."""
-        ...
-
-    def card_objective(self, facts: dict) -> str:
-        """The model card's training objective."""
         ...
 
 

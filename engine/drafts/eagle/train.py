@@ -1,6 +1,6 @@
 """EAGLE (-1/-2) training: the feature-level head, unrolled with training-time test as EAGLE3's is.
 
-The head (engine/drafts/heads.py `EagleHead`) reads, at position p, the token x_{p+1} and a feature g_p:
+The head (engine/drafts/eagle/head.py `EagleHead`) reads, at position p, the token x_{p+1} and a feature g_p:
 the target's final normed hidden state f_p at the first step, its own output at p - 1 after that. No
 input norm: fc maps [embed(x_{p+1}), g_p] to the layer's input x_p, whose residual stream the layer
 adds attention and MLP to; the target's frozen lm_head reads the output directly (it imitates f).
