@@ -87,7 +87,9 @@ class ModelConfig:
 
 @dataclass
 class DraftConfig:
-    # none | eagle3 | eagle | ngram | oracle | dflash (engine/drafts: the registry)
+    # none | eagle3 | eagle | multi_layer_eagle | ngram | oracle | dflash (engine/drafts: the registry).
+    # Every algorithm's keys in one node; each reads its own subset (its config dataclass in
+    # engine/drafts/<algorithm>/plan.py), and a key it does not read, set, is a plan error.
     algorithm: str = "none"
     # eagle3/eagle: a checkpoint directory (config.json + model.safetensors) or a random-init head.
     init: str = "checkpoint"  # checkpoint | random

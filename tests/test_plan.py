@@ -70,6 +70,12 @@ def test_set_up_runs_only_the_stages_named(outputs):
         (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
         (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
         (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
+        # a key the chosen draft does not read (each algorithm's own config: engine/drafts/config.py)
+        (["draft=ngram", "draft.block_size=8"], ["draft.block_size=8", "ngram does not read it", "draft.ngram_max"]),
+        (
+            ["draft=eagle", "draft.init=random", "draft.aux_layer_ids=[1,2]"],
+            ["draft.aux_layer_ids=[1, 2]", "eagle does not read it", "draft.init_seed"],
+        ),
         (["eval.peers=[torch_compile]", "eval.temperature=0.7"], ["eval.peers='torch_compile'", "eval.temperature=0"]),
         (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
         (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),

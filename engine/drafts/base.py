@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from engine import aux_layers
+from engine.drafts.config import DraftKeys
 from engine.graphs.runner import allocate
 from engine.program import Step, run_steps
 
@@ -324,7 +325,7 @@ class DraftContext:
     target: "LlamaModel"
     batch_size: int
     k: int  # draft tokens per round (draft.num_steps)
-    cfg: Any = None  # pipeline.config.DraftConfig
+    cfg: Any = None  # the algorithm's own config (Algorithm.config)
     references: Optional[list[list[int]]] = None  # the baseline's outputs (oracle)
     prompt_lens: Optional[list[int]] = None
 
@@ -339,7 +340,8 @@ def vocab_details(plan: DraftPlan) -> list[str]:
 class Algorithm:
     """One draft algorithm, as its folder exports it.
 
-    plan      (cfg: DraftConfig, target: ModelArgs) -> DraftPlan; raises ConfigError naming the key
+    config    the dataclass of the `draft.*` keys it reads (engine/drafts/config.py); plan and make get it
+    plan      (cfg: its config, target: ModelArgs) -> DraftPlan; raises ConfigError naming the key
     make      (plan, head or None, DraftContext) -> Draft, per run (its own KV cache and state buffers)
     head      the `DraftHead` class built from DraftPlan.head_config (None: weightless)
     train     how it trains on the shared self-distilled data (None: not trainable)
@@ -348,6 +350,7 @@ class Algorithm:
     """
 
     name: str
+    config: type[DraftKeys]
     plan: Callable[[Any, "ModelArgs"], DraftPlan]
     make: Callable[[DraftPlan, Optional[torch.nn.Module], DraftContext], Draft]
     head: Optional[type] = None

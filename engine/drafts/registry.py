@@ -18,6 +18,7 @@ import torch
 
 from engine.drafts import dflash, eagle, eagle3, lookup, multi_layer
 from engine.drafts.base import Algorithm, Draft, DraftContext, DraftPlan
+from engine.drafts.config import own_config
 from engine.errors import ConfigError
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.train.objective import TrainSpec
@@ -50,6 +51,7 @@ def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
     if cfg.algorithm == "none":
         return None
     spec = algorithm(cfg.algorithm)
+    cfg = own_config(spec.config, cfg)
     if cfg.num_steps < 1:
         raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
     return dataclasses.replace(spec.plan(cfg, target), spec=spec)
@@ -84,5 +86,5 @@ def make_draft(
         return None
     if graphs is not None and graphs.draft is not None:
         return graphs.draft
-    ctx = DraftContext(target, batch_size, k, cfg, references, prompt_lens)
+    ctx = DraftContext(target, batch_size, k, own_config(plan.spec.config, cfg), references, prompt_lens)
     return plan.spec.make(plan, head, ctx)

@@ -62,17 +62,6 @@ def reject_width(cfg, ckpt: HeadCheckpoint) -> None:
         )
 
 
-def reject_aux_ids(cfg) -> None:
-    """Drafts that read the target's final hidden state take no aux layer ids."""
-    if cfg.aux_layer_ids is not None:
-        raise ConfigError(
-            "draft.aux_layer_ids",
-            list(cfg.aux_layer_ids),
-            f"draft.algorithm={cfg.algorithm} reads the target's final hidden state, not aux layers",
-            "null (draft.algorithm=eagle3 or dflash read aux layers)",
-        )
-
-
 def check_vocab(cfg_json: dict, target: ModelArgs, path) -> None:
     if cfg_json.get("vocab_size", target.vocab_size) != target.vocab_size:
         raise ConfigError(

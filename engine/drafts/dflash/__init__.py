@@ -10,11 +10,12 @@ features injected as extra keys and values (`DFlashDraftModel`, z-lab's layout).
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.drafts.dflash.loop import DFlashDraft, make_dflash
-from engine.drafts.dflash.plan import describe_dflash, plan_dflash
+from engine.drafts.dflash.plan import DFlashConfig, describe_dflash, plan_dflash
 from engine.drafts.dflash.train import check_dflash_training, dflash_forward
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
+    config=DFlashConfig,
     name="dflash",
     plan=plan_dflash,
     make=make_dflash,

@@ -4,13 +4,28 @@ and its words in the plan line."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind, vocab_details
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.checks import check_fc, check_init, check_vocab
+from engine.drafts.config import HeadKeys
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.errors import ConfigError
 from engine.model import ModelArgs
+
+
+@dataclass(frozen=True)
+class DFlashConfig(HeadKeys):
+    """The `draft.*` keys draft.algorithm=dflash reads (engine/drafts/config.py)."""
+
+    aux_layer_ids: Optional[list[int]]  # target layers injected as key/values (null: checkpoint's)
+    aux_layer_convention: str  # input_of | output_of
+    block_size: Optional[int]  # tokens a block (null: checkpoint's)
+    mask_token_id: Optional[int]  # the mask token (null: checkpoint's)
+    num_layers: Optional[int]  # random init: decoder layers
 
 
 def spread_ids(num_layers: int, n: int = 5) -> list[int]:

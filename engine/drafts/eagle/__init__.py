@@ -10,11 +10,12 @@ The draft loop is the EAGLE family's (engine/drafts/common/feature.py).
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.common.feature import make_feature
 from engine.drafts.eagle.head import EagleHead, eagle_config
-from engine.drafts.eagle.plan import plan_eagle
+from engine.drafts.eagle.plan import EagleConfig, plan_eagle
 from engine.drafts.eagle.train import eagle_forward
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
+    config=EagleConfig,
     name="eagle",
     plan=plan_eagle,
     make=make_feature,

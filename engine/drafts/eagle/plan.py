@@ -3,16 +3,23 @@ width (token embedding + final hidden state)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.drafts.base import DraftPlan, FeatureKind
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_fc, check_init, check_vocab, reject_aux_ids
+from engine.drafts.common.checks import check_fc, check_init, check_vocab
+from engine.drafts.config import HeadKeys
 from engine.drafts.eagle.head import EagleHead, eagle_config
 from engine.model import ModelArgs
 
 
+@dataclass(frozen=True)
+class EagleConfig(HeadKeys):
+    """The `draft.*` keys draft.algorithm=eagle reads (engine/drafts/config.py)."""
+
+
 def plan_eagle(cfg, target: ModelArgs) -> DraftPlan:
     check_init(cfg)
-    reject_aux_ids(cfg)
     if cfg.init == "random":
         return DraftPlan("eagle", FeatureKind.final, None, eagle_config(target))
     ckpt = HeadCheckpoint.read(cfg.path, EagleHead.architecture)

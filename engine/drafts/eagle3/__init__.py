@@ -11,12 +11,13 @@ The draft loop is the EAGLE family's (engine/drafts/common/feature.py).
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.common.feature import make_feature
 from engine.drafts.eagle3.head import Eagle3Head, eagle3_config
-from engine.drafts.eagle3.plan import describe_eagle3, plan_eagle3
+from engine.drafts.eagle3.plan import Eagle3Config, describe_eagle3, plan_eagle3
 from engine.drafts.eagle3.train import ttt_forward
 from engine.drafts.eagle3.vocab import fit_draft_vocab
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
+    config=Eagle3Config,
     name="eagle3",
     plan=plan_eagle3,
     make=make_feature,

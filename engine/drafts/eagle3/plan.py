@@ -3,13 +3,29 @@ vocabulary, or a random head's draft vocabulary and lm_head; and its words in th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.checks import check_fc, check_init, check_vocab, mlp_width, reject_width
+from engine.drafts.config import HeadKeys
 from engine.drafts.eagle3.head import Eagle3Head, eagle3_config
 from engine.errors import ConfigError
 from engine.model import ModelArgs
+
+
+@dataclass(frozen=True)
+class Eagle3Config(HeadKeys):
+    """The `draft.*` keys draft.algorithm=eagle3 reads (engine/drafts/config.py)."""
+
+    aux_layer_ids: Optional[list[int]]  # target layers whose hidden states it reads (null: checkpoint's, else defaults)
+    aux_layer_convention: str  # input_of | output_of
+    draft_vocab_size: Optional[int]  # random init: a reduced draft vocabulary
+    lm_head: str  # random init: own | target
+    intermediate_size: Optional[int]  # random init: the MLP width
+
 
 LM_HEADS = ("own", "target")  # draft.lm_head of a random-init EAGLE3 head
 

@@ -3,10 +3,26 @@ baseline's outputs, which the run's DraftContext carries)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from engine.drafts.base import Draft, DraftContext, DraftPlan, FeatureKind
+from engine.drafts.config import DraftKeys
 from engine.drafts.lookup.drafts import NgramDraft, OracleDraft
 from engine.errors import ConfigError
 from engine.model import ModelArgs
+
+
+@dataclass(frozen=True)
+class NgramConfig(DraftKeys):
+    """The `draft.*` keys draft.algorithm=ngram reads (engine/drafts/config.py)."""
+
+    ngram_max: int  # longest suffix tried first
+    ngram_min: int  # shortest suffix that may match
+
+
+@dataclass(frozen=True)
+class OracleConfig(DraftKeys):
+    """draft.algorithm=oracle reads the common keys only."""
 
 
 def plan_ngram(cfg, target: ModelArgs) -> DraftPlan:

@@ -10,11 +10,12 @@ KV pool, over the target's final hidden state (`LlamaForCausalLMMultiLayerEagle`
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.multi_layer.head import MultiLayerEagleHead, StepCaches, multi_layer_config
 from engine.drafts.multi_layer.loop import MultiLayerDraft, make_multi_layer
-from engine.drafts.multi_layer.plan import plan_multi_layer
+from engine.drafts.multi_layer.plan import MultiLayerConfig, plan_multi_layer
 from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
+    config=MultiLayerConfig,
     name="multi_layer_eagle",
     plan=plan_multi_layer,
     make=make_multi_layer,

@@ -2,18 +2,28 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Optional
+
 from engine.drafts.base import DraftPlan, FeatureKind
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_init, check_vocab, mlp_width, reject_aux_ids, reject_width
+from engine.drafts.common.checks import check_init, check_vocab, mlp_width, reject_width
+from engine.drafts.config import HeadKeys
 from engine.drafts.multi_layer.head import MultiLayerEagleHead, multi_layer_config
 from engine.errors import ConfigError
 from engine.model import ModelArgs
 
 
+@dataclass(frozen=True)
+class MultiLayerConfig(HeadKeys):
+    """The `draft.*` keys draft.algorithm=multi_layer_eagle reads (engine/drafts/config.py)."""
+
+    intermediate_size: Optional[int]  # random init: each module's MLP width
+
+
 def plan_multi_layer(cfg, target: ModelArgs) -> DraftPlan:
     """k = draft.num_steps modules; a checkpoint must have at least k (num_nextn_predict_layers)."""
     check_init(cfg)
-    reject_aux_ids(cfg)
     if cfg.init == "random":
         return DraftPlan(
             "multi_layer_eagle",
