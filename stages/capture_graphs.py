@@ -11,7 +11,7 @@ memory pool). Logs `capture_s`, `graph_mem_mb` (totals and `.<phase>`).
 
 from __future__ import annotations
 
-from engine.drafts.registry import DRAFTS, make_draft
+from engine.drafts.registry import make_draft
 from engine.errors import ConfigError
 from engine.graphs.backends import NEEDS_CUDA, POLICIES
 from engine.graphs.graph_set import GraphSet
@@ -133,7 +133,7 @@ class CaptureGraphsStage(Stage):
         k = cfg.draft.num_steps if plan is not None else 0
         batch = max_batch(cfg)
         draft = None  # a device draft: its caches and state buffers are what the rounds replay over
-        if plan is not None and DRAFTS[plan.algorithm].head is not None:
+        if plan is not None and plan.spec.head is not None:
             draft = make_draft(plan, head, target, batch, k, cfg=cfg.draft)
         graphs = GraphSet(
             target,

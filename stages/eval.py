@@ -319,7 +319,7 @@ class EvalStage(Stage):
         if e.adaptive_k and plan is not None:
             table = gen.enable_adaptive_k(graphs.sizes if graphs is not None else [e.batch_size]).table()
             metrics.update({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
-        if plan is None or plan.algorithm != "oracle":
+        if plan is None or not plan.spec.needs_baseline:  # the oracle replays the baseline: no warmup
             self._warmup(gen, data, target, rng, e)
         gen.reset_stats()
         if env.device.type == "cuda":

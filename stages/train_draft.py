@@ -32,14 +32,14 @@ from typing import Optional
 
 import torch
 
+from engine.drafts.registry import train_spec
 from engine.errors import ConfigError, check_values
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
 from engine.train.selfdistill import Sample, cut_share, synthesize
-from engine.train.trainer import TRAIN_SPECS, Trainer, TrainSettings
-from engine.train.vocab import fit_draft_vocab
+from engine.train.trainer import Trainer, TrainSettings
 from kernels.runtime import triton
 from kernels.soft_ce import SOFT_CE_KERNELS
 from pipeline.paths import REPO
@@ -52,7 +52,7 @@ TRAIN_KERNELS = ("auto", *SOFT_CE_KERNELS)
 
 def flex_trains(algorithm: str, device: torch.device) -> bool:
     """FlexAttention can run this draft's training forward here (its fused backward is CUDA only)."""
-    return TRAIN_SPECS[algorithm].flex_attention and device.type == "cuda"
+    return train_spec(algorithm).flex_attention and device.type == "cuda"
 
 
 def train_attention(cfg, device: torch.device) -> str:
@@ -124,10 +124,9 @@ class TrainDraftStage(Stage):
 
     def check(self, cfg, env: StageEnv) -> None:
         t, d = cfg.train, cfg.draft
-        if d.algorithm not in TRAIN_SPECS:
-            raise ConfigError("draft.algorithm", d.algorithm, "no trainer for this draft", sorted(TRAIN_SPECS))
-        if TRAIN_SPECS[d.algorithm].check is not None:
-            TRAIN_SPECS[d.algorithm].check(cfg, env.draft_plan)
+        spec = train_spec(d.algorithm)
+        if spec.check is not None:
+            spec.check(cfg, env.draft_plan)
         check_values(
             [
                 _at_least(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
@@ -274,8 +273,8 @@ class TrainDraftStage(Stage):
             flush=True,
         )
 
-        spec = TRAIN_SPECS[cfg.draft.algorithm]
-        student = self._student(cfg, head, target, train, env)
+        spec = train_spec(cfg.draft.algorithm)
+        student = self._student(cfg, head, target, train, env, spec)
         trainer = Trainer(
             student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec
         )
@@ -345,12 +344,13 @@ class TrainDraftStage(Stage):
         save_samples(path, samples, meta, synth_s, phase_s)
         return samples, synth_s, phase_s, False
 
-    def _student(self, cfg, head, target, train, env: StageEnv):
+    def _student(self, cfg, head, target, train, env: StageEnv, spec):
         """A float32 trainable copy of the loaded head: from scratch, its draft vocabulary (EAGLE3 with an
         lm_head of its own) from the training split, then its output layer from the target's."""
         student = head.copy(env.device, torch.float32)
         if cfg.draft.init == "random":
-            fit_draft_vocab(student, (s.ids for s in train), sorted(set(target.args.eos_token_ids)))
+            if spec.prepare is not None:  # EAGLE3: its draft vocabulary
+                spec.prepare(student, (s.ids for s in train), sorted(set(target.args.eos_token_ids)))
             if cfg.train.init_from_target and hasattr(student, "init_from_target"):
                 student.init_from_target(target)
         return student.requires_grad_(True)

@@ -18,14 +18,14 @@ from test_speculative import AUX, oracle_prefix, tap
 
 from engine.drafts.base import SpecState
 from engine.drafts.dflash import DFlashDraft
+from engine.drafts.dflash.train import dflash_forward
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.program import run_steps
 from engine.sampling import SamplingParams
-from engine.train.dflash import dflash_forward
-from engine.train.eagle3 import Batch
+from engine.train.objective import Batch
 from pipeline.__main__ import run
 from pipeline.config import DraftConfig, to_run_config
 from pipeline.plan import PlanError, build_plan

@@ -13,8 +13,10 @@ from test_model import _prompts, pair
 from test_pipeline import download_text, runs_of
 
 from engine import aux_layers
-from engine.drafts.heads import Eagle3Head, eagle3_config
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.base import DraftHead, FeatureHead
+from engine.drafts.common.feature import make_feature
+from engine.drafts.eagle3 import Eagle3Head, eagle3_config
+from engine.drafts.registry import ALGORITHMS, DRAFTS, algorithm, load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.model import init_normal_
@@ -173,6 +175,33 @@ def test_wrong_architecture_and_missing_checkpoint(tmp_path, outputs):
 
 
 # ------------------------------------------------------------------------------------------ pipeline
+# ------------------------------------------------------------------------------------------ the registry
+# The weighted drafts and the aux layer ids each reads (None: the target's final hidden state).
+WEIGHTED = {"eagle3": [1, 2, 3], "eagle": None, "multi_layer_eagle": None, "dflash": [1, 2, 3]}
+
+
+def test_every_weighted_draft_builds_a_head_of_the_protocol_with_a_trainer():
+    """Each folder's record, through the table: the head built from its plan implements DraftHead (the
+    EAGLE family's also FeatureHead, the one-step program its loop chains), and it names how it trains
+    and the recipe the random-weights warning points to."""
+    assert {name for name, a in DRAFTS.items() if a.head is not None} == set(WEIGHTED)
+    _, target = pair()
+    for name, ids in WEIGHTED.items():
+        plan = plan_draft(DraftConfig(algorithm=name, init="random", aux_layer_ids=ids), target.args)
+        head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+        assert type(head) is plan.spec.head and isinstance(head, DraftHead), name
+        assert isinstance(head, FeatureHead) == (plan.spec.make is make_feature), name
+        assert plan.spec.train is not None and plan.spec.recipe in plan.random_weights_warning(), name
+        assert plan.describe().startswith(f"{name}, RANDOM-WEIGHT head"), plan.describe()
+
+
+def test_an_unknown_algorithm_is_one_error_naming_every_registered_one():
+    with pytest.raises(ConfigError) as e:
+        algorithm("eagle4")
+    assert e.value.key == "draft.algorithm" and e.value.value == "eagle4"
+    assert all(name in str(e.value) for name in ALGORITHMS)
+
+
 def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
     ctx = run(
         compose_cfg(

@@ -14,13 +14,13 @@ from test_model import _prompts, pair
 from test_speculative import oracle_prefix, run_all, tap
 
 from engine.drafts.multi_layer import StepCaches
+from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.sampling import SamplingParams
-from engine.train.eagle3 import Batch
-from engine.train.multi_layer import multi_layer_forward
+from engine.train.objective import Batch
 from pipeline.config import DraftConfig
 
 K = 3

@@ -17,7 +17,7 @@ from conftest import compose_cfg
 from safetensors import safe_open
 
 from engine.drafts import storage
-from engine.drafts.heads import HeadCheckpoint
+from engine.drafts.checkpoint import HeadCheckpoint
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 

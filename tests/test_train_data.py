@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose_cfg, spread_init
+from engine.drafts.eagle3.vocab import build_draft_vocab
 
 from engine.loading import load_model
 from engine.train.selfdistill import Sample, cut_share, synthesize
-from engine.train.vocab import build_draft_vocab
 from pipeline.config import to_run_config
 
 
@@ -184,9 +184,10 @@ def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
     """train.label_temperature: the labels are softmax(z / T) over the draft vocabulary, the same
     distribution as the target's own raised to 1 / T and renormalized; the draft's target token (`top`),
     the features and the mask do not move."""
+    from engine.drafts.eagle3.vocab import build_draft_vocab
+
     from engine.model import StaticKVCache
     from engine.train.data import VocabMap, target_batch
-    from engine.train.vocab import build_draft_vocab
 
     target = tiny_target(outputs).model
     spread_init(target, seed=4)  # peaked and flat positions both

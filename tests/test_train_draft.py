@@ -14,20 +14,12 @@ from mlflow.tracking import MlflowClient
 from safetensors import safe_open
 from test_model import pair
 
-from engine.drafts.heads import Eagle3Head, eagle3_config
+from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
+from engine.drafts.eagle3 import Eagle3Head, eagle3_config
+from engine.drafts.eagle3.train import ttt_forward
 from engine.model import StaticKVCache, run_steps
 from engine.train.average import WeightAverage
-from engine.train.eagle3 import (
-    TORCH_OPS,
-    TRITON_OPS,
-    Batch,
-    chain_acceptance,
-    chain_lengths,
-    simulated_loop,
-    ttt_attention_flex,
-    ttt_forward,
-    ttt_loss,
-)
+from engine.train.objective import Batch, chain_acceptance, chain_lengths, simulated_loop, ttt_loss
 from kernels.runtime import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
@@ -260,7 +252,8 @@ def test_ttt_forward_on_the_triton_ops_under_bf16_autocast_on_gpu():
 
 
 def test_train_forward_options_follow_attention_and_kernels():
-    from engine.train.trainer import TRAIN_SPECS, train_forward_options
+    from engine.drafts.registry import TRAIN_SPECS
+    from engine.train.trainer import train_forward_options
 
     s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
     fast = dataclasses.replace(s, attention="flex", kernels="triton")

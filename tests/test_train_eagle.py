@@ -1,4 +1,4 @@
-"""EAGLE (-1/-2) training (engine/train/eagle.py): the unrolled forward equals the head's own inference
+"""EAGLE (-1/-2) training (engine/drafts/eagle/train.py): the unrolled forward equals the head's own inference
 program where the chain is right, and the train_draft stage trains a head that drafts better than a
 random one through the real draft-and-verify loop."""
 
@@ -10,10 +10,10 @@ import torch
 from conftest import TINY_TRAIN, assert_trained_beats_random, compose_cfg
 from test_model import pair
 
+from engine.drafts.eagle.train import eagle_forward
 from engine.drafts.registry import load_head, plan_draft
 from engine.program import run_steps
-from engine.train.eagle import eagle_forward
-from engine.train.eagle3 import Batch
+from engine.train.objective import Batch
 from pipeline.__main__ import run
 from pipeline.config import DraftConfig
 

@@ -29,19 +29,29 @@ target features declare which (`FeatureKind`): `aux` (EAGLE3: concatenated aux l
 The round env a device draft's steps read (engine/round.py): lengths [b], live [b], last [b] (x_L),
 kv_len (host: the longest live length), the draft's own buffers' rows; propose writes draft [b, k];
 commit reads emitted [b, k+1], accepted [b] and the verify's features (t.aux or t.hidden).
+
+Each algorithm is one folder (engine/drafts/<name>/) that exports an `Algorithm` record: its plan
+function (config files only), its head class (the `DraftHead` protocol), the factory of its per-run
+Draft object, its training objective (`engine.train.objective.TrainSpec`) and its recipe. The registry
+(engine/drafts/registry.py) is the table of those records; nothing outside a folder branches on a name.
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
 
+from engine import aux_layers
 from engine.graphs.runner import allocate
-from engine.program import run_steps
+from engine.program import Step, run_steps
+
+if TYPE_CHECKING:
+    from engine.drafts.checkpoint import HeadCheckpoint
+    from engine.model import LlamaModel, ModelArgs
 
 
 class FeatureKind(str, enum.Enum):
@@ -183,3 +193,165 @@ class DeviceDraft(Draft):
 def write_rows(buf: Tensor, value: Tensor, rows: Optional[slice]) -> None:
     """A draft state buffer's rows after a prefill: `rows`, or the first n (a fresh batch of n rows)."""
     buf[rows if rows is not None else slice(0, value.shape[0])] = value
+
+
+# ---------------------------------------------------------------------------------------- heads
+@runtime_checkable
+class DraftHead(Protocol):
+    """The weights of a device draft (engine/drafts/common/head.py's `HeadBase` implements the shared part).
+
+    What every head offers the registry, the graphs and the train stage. Its forward programs are the
+    contract with its own draft loop: `FeatureHead` below for the EAGLE-family loop; the multi-layer
+    head's `module_program` and DFlash's `context_program` / `block_program` are documented in their folders.
+
+    Tensors: b rows, t positions, H the head's hidden size, F the target features it reads
+    (`feature_width`: n_aux x target hidden for aux features, the target's hidden size for final ones).
+    """
+
+    architecture: str  # config.json's architectures[0]; a checkpoint of another one is refused
+    config: dict  # the config.json it was built from (and saves)
+    max_seq_len: int  # the target's: its cache and RoPE tables cover these positions
+
+    def __init__(self, cfg: dict, max_seq_len: int) -> None: ...
+
+    @property
+    def feature_width(self) -> int:
+        """F: the width of the target features the draft's prefill and extend read."""
+        ...
+
+    def bind(self, target: "LlamaModel") -> "DraftHead":
+        """Share the target's token embedding and lm_head (same storage, out of state_dict); returns self."""
+        ...
+
+    def init_buffers(self, device=None) -> None:
+        """RoPE tables [cache_slots + 1, head_dim] on `device` (non-persistent buffers)."""
+        ...
+
+    def new_cache(self, batch_size: int):
+        """The head's own static KV cache of `batch_size` rows (multi-layer: one pool per module)."""
+        ...
+
+    def use_fused_kernels(self) -> None:
+        """Switch to the fused Triton path (in place; inference heads only)."""
+        ...
+
+    def graph_meta(self) -> dict:
+        """The target storage a captured draft graph reads: {embed_ptr, lm_head_ptr} (hazard 7)."""
+        ...
+
+    def copy(self, device=None, dtype: Optional[torch.dtype] = None) -> "DraftHead":
+        """Same type, config and weights in storage of its own, bound to the same target."""
+        ...
+
+    def save(self, path) -> None:
+        """config.json + model.safetensors in the public layout of `architecture`."""
+        ...
+
+    def card_summary(self, facts: dict) -> str:
+        """The model card's description of the head (stages/train_draft.py writes the card)."""
+        ...
+
+    def card_objective(self, facts: dict) -> str:
+        """The model card's training objective."""
+        ...
+
+
+@runtime_checkable
+class FeatureHead(DraftHead, Protocol):
+    """A one-step head that the EAGLE-family loop (engine/drafts/common/feature.py) chains: EAGLE3, EAGLE."""
+
+    def program(self, cache, *, embeds_input: bool = False) -> list[Step]:
+        """One draft forward as steps: pre (segment), attention (break), post (segment).
+
+        env in:  tokens [b, t], hidden [b, t, F or H], positions [b, t], valid [b, t], kv_len,
+                 input_embeds [b, t, H] (embeds_input)
+        env out: out_hidden [b, t, H], ids [b, t] (greedy, target ids), logits [b, t, V] (unfused only)
+        """
+        ...
+
+    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
+        """env hidden [b, t, F or H], tokens [b, t] (or embeds [b, t, H]) -> env g [b, t, H] (the residual),
+        q [b, heads, t, head_dim] (RoPE'd; k/v written into `cache` at the rows' slots)."""
+        ...
+
+    def post(self, env: dict) -> None:
+        """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t], logits [b, t, V]."""
+        ...
+
+
+# ---------------------------------------------------------------------------------------- plans
+@dataclass(frozen=True)
+class DraftPlan:
+    """What the plan resolved for a draft from config files alone (no weights)."""
+
+    algorithm: str  # the registry name
+    features: FeatureKind
+    aux: Optional[aux_layers.AuxLayers] = None  # drafts reading aux features: the target layers to capture
+    head_config: Optional[dict] = None  # weighted drafts: the head's config.json
+    checkpoint: Optional["HeadCheckpoint"] = None
+    # The algorithm's record; registry.plan_draft sets it (a folder's plan function cannot name its own
+    # record, which is built from it).
+    spec: Optional["Algorithm"] = field(default=None, repr=False, compare=False)
+
+    @property
+    def random_weights(self) -> bool:
+        """A draft with weights (EAGLE family, multi-layer, DFlash) and no checkpoint: random init."""
+        return self.checkpoint is None and self.head_config is not None
+
+    def random_weights_warning(self) -> str:
+        return (
+            f"the {self.algorithm} head has RANDOM WEIGHTS (draft.init=random): its accept_length and speedup "
+            f"measure plumbing and timing, not the algorithm. Train one with `python -m pipeline "
+            f"{self.spec.recipe}`, or point draft.path at a trained checkpoint with draft.init=checkpoint"
+        )
+
+    def describe(self) -> str:
+        parts = [self.algorithm]
+        if self.checkpoint is not None:
+            parts.append(f"checkpoint {self.checkpoint.path}")
+        elif self.head_config is not None:
+            parts.append("RANDOM-WEIGHT head")
+        parts += (self.spec.describe if self.spec is not None else vocab_details)(self)
+        if self.aux is not None:
+            parts.append(f"aux layers {self.aux.describe()}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class DraftContext:
+    """What `Algorithm.make` may use to build a run's Draft object."""
+
+    target: "LlamaModel"
+    batch_size: int
+    k: int  # draft tokens per round (draft.num_steps)
+    cfg: Any = None  # pipeline.config.DraftConfig
+    references: Optional[list[list[int]]] = None  # the baseline's outputs (oracle)
+    prompt_lens: Optional[list[int]] = None
+
+
+def vocab_details(plan: DraftPlan) -> list[str]:
+    """The plan line's words for a head with a draft vocabulary of its own ([] without one)."""
+    cfg = plan.head_config or {}
+    return [f"draft vocab {cfg['draft_vocab_size']}"] if "draft_vocab_size" in cfg else []
+
+
+@dataclass(frozen=True)
+class Algorithm:
+    """One draft algorithm, as its folder exports it.
+
+    plan      (cfg: DraftConfig, target: ModelArgs) -> DraftPlan; raises ConfigError naming the key
+    make      (plan, head or None, DraftContext) -> Draft, per run (its own KV cache and state buffers)
+    head      the `DraftHead` class built from DraftPlan.head_config (None: weightless)
+    train     how it trains on the shared self-distilled data (None: not trainable)
+    recipe    the shipped experiment that trains its head (for the random-weights warning)
+    describe  (plan) -> the plan line's words particular to it
+    """
+
+    name: str
+    plan: Callable[[Any, "ModelArgs"], DraftPlan]
+    make: Callable[[DraftPlan, Optional[torch.nn.Module], DraftContext], Draft]
+    head: Optional[type] = None
+    train: Any = None  # engine.train.objective.TrainSpec (typed there: it reads FeatureKind from here)
+    recipe: Optional[str] = None
+    describe: Callable[[DraftPlan], list[str]] = vocab_details
+    needs_baseline: bool = False  # proposes the no-draft baseline's outputs (the oracle)

@@ -1,2 +1,3 @@
-"""Draft training: self-distilled data from the target, the reduced draft vocabulary, the EAGLE3,
-multi-layer and DFlash objectives and the shared trainer."""
+"""Draft training shared by every algorithm: self-distilled data from the target (selfdistill.py, data.py),
+the objective and held-out acceptance (objective.py), the trainer loop (trainer.py) and its weight average
+(average.py). Each draft's own forward, checks and TrainSpec live in its folder under engine/drafts/."""

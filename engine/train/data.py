@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.base import FeatureKind
-from engine.train.eagle3 import Batch
+from engine.train.objective import Batch
 from engine.train.selfdistill import Sample
 
 

@@ -1,7 +1,10 @@
 """The draft-training loop: AdamW, warmup + cosine LR, bf16 autocast on CUDA, held-out evaluation,
 checkpoints in the public format, resume, a wall-clock budget.
 
-    Trainer(head, target, train, heldout, vocab, cfg, out_dir, log).fit() -> final held-out metrics
+    Trainer(head, target, train, heldout, vocab, cfg, out_dir, log, spec).fit() -> final held-out metrics
+
+`spec` (engine/train/objective.py's TrainSpec, from the draft's folder) is how the algorithm trains: its
+forward, features and loss; everything else here is the same for every draft.
 
 Checkpoint layout (`out_dir/checkpoint/`): the head as `config.json` + `model.safetensors` (loads like
 any EAGLE3 checkpoint) and `trainer_state.pt` (optimizer, step, epoch, position in the epoch, RNG). A
@@ -30,53 +33,13 @@ from typing import Callable, Optional
 import torch
 from tqdm.auto import tqdm
 
-from engine.drafts.base import FeatureKind
+from engine.drafts.checkpoint import HeadCheckpoint
+from engine.drafts.common.ttt import TRITON_OPS, ttt_attention_flex
 from engine.model import StaticKVCache
 from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
-from engine.train.dflash import check_dflash_training, dflash_forward
-from engine.train.eagle import eagle_forward
-from engine.train.eagle3 import (
-    TRITON_OPS,
-    chain_acceptance,
-    chain_lengths,
-    simulated_loop,
-    ttt_attention_flex,
-    ttt_forward,
-    ttt_loss,
-)
-from engine.train.multi_layer import multi_layer_forward
+from engine.train.objective import TrainSpec, chain_acceptance, chain_lengths, simulated_loop
 from engine.train.selfdistill import Sample
-
-
-@dataclass(frozen=True)
-class TrainSpec:
-    """How one draft algorithm trains on the shared self-distilled data.
-
-    features    what `target_batch` puts in Batch.feats (aux layers, or the final hidden state)
-    forward     (head, batch, steps) -> per-step logits [B, T, V], aligned so that logits[s][:, p]
-                predicts label index p (the target's distribution of x_{p+2}) for the chain anchored
-                at j = p - s: step s of a proposal made when the target holds positions 0..j
-    loss        (logits, batch, decay, kernel=...) -> (loss, stats); acceptance is read from the logits' greedy chains
-                (chain_lengths), the same for every draft
-    check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
-                only this algorithm constrains (e.g. DFlash: train.ttt_steps within the block)
-    """
-
-    features: FeatureKind
-    forward: Callable
-    flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
-    forward_ops: bool = False  # forward(..., ops=TRITON_OPS) exists (train.kernels=triton)
-    loss: Callable = ttt_loss
-    check: Optional[Callable] = None
-
-
-TRAIN_SPECS: dict[str, TrainSpec] = {
-    "eagle3": TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, forward_ops=True),
-    "multi_layer_eagle": TrainSpec(FeatureKind.final, multi_layer_forward),
-    "eagle": TrainSpec(FeatureKind.final, eagle_forward, flex_attention=True, forward_ops=True),
-    "dflash": TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
-}
 
 
 @dataclass
@@ -138,7 +101,7 @@ class Trainer:
         settings: TrainSettings,
         out_dir: Path,
         log: Callable[[dict, int], None],
-        spec: TrainSpec = TRAIN_SPECS["eagle3"],
+        spec: TrainSpec,
     ):
         self.spec = spec
         self.head, self.target, self.s, self.out_dir, self.log = head, target, settings, out_dir, log
@@ -196,8 +159,6 @@ class Trainer:
         state_path = self.ckpt_dir / "trainer_state.pt"
         if not state_path.is_file():
             return False
-        from engine.drafts.heads import HeadCheckpoint
-
         HeadCheckpoint.read(str(self.ckpt_dir), self.head.architecture).load_into(self.head)
         state = torch.load(state_path, map_location=self.device, weights_only=False)
         self.opt.load_state_dict(state["optimizer"])

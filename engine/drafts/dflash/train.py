@@ -1,6 +1,6 @@
 """DFlash training: every anchor's block at once, with exactly the attention the drafter sees at inference.
 
-At inference (engine/drafts/dflash.py) a block anchored at j (the target holds positions 0..j, its
+At inference (engine/drafts/dflash/) a block anchored at j (the target holds positions 0..j, its
 bonus token is x_{j+1}) reads
 
     context  c_p = hidden_norm(fc(f_p))       for p = 0..j       keys/values only
@@ -17,7 +17,7 @@ blk keys, and is exact for every anchor, not an approximation of inference.
     ctx scores    [B, H, T, blk, T]  masked to key p <= anchor j
     block scores  [B, H, T, blk, blk]
 
-Outputs follow the trainer's layout (engine/train/eagle3.py): logits[s][:, p] is the prediction for
+Outputs follow the trainer's layout (engine/train/objective.py): logits[s][:, p] is the prediction for
 label index p (the target's distribution of x_{p+2}) made by the block anchored at j = p - s, at
 block index s + 1; so the EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's
 position-decayed loss) and `chain_acceptance` apply unchanged. Labels are over the full target
@@ -34,7 +34,7 @@ from torch import Tensor
 
 from engine.errors import ConfigError
 from engine.model import apply_rope
-from engine.train.eagle3 import Batch, _shift
+from engine.train.objective import Batch, _shift
 
 
 def block_attention(

@@ -46,10 +46,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.drafts.base import DeviceDraft, FeatureKind
-from engine.drafts.heads import _Head, eagle_config
+from engine.drafts.common.head import HeadBase, llama_config
 from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
-from engine.program import Step, chain, merge_runs, run_steps, scoped
+from engine.program import Step, chain
 from kernels.gemv import add_rmsnorm_gemv
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -65,8 +64,7 @@ def dflash_config(
 ) -> dict:
     """config.json of a DFlash head of the target's width (random init, training)."""
     return {
-        **eagle_config(target),  # the Llama shape keys of a head of the target's width
-        "architectures": [ARCHITECTURE],
+        **llama_config(target, ARCHITECTURE),  # the Llama shape keys of a head of the target's width
         "num_hidden_layers": num_layers,
         "tie_word_embeddings": False,
         "target_hidden_size": target.hidden_size,
@@ -81,7 +79,7 @@ def dflash_config(
     }
 
 
-class DFlashHead(_Head):
+class DFlashHead(HeadBase):
     """The drafter's weights and its two programs (context write, block forward) over a static cache."""
 
     architecture = ARCHITECTURE
@@ -216,70 +214,3 @@ class DFlashHead(_Head):
             f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
             f"block positions 1..{f['train']['ttt_steps']}"
         )
-
-
-class DFlashDraft(DeviceDraft):
-    """The draft loop: `begin` and the extend write context k/v, the proposal runs one block forward.
-
-    State per row: the context cache holds positions 0..L-1; the next block starts with x_L, the round's
-    `last` (the bonus token): the draft keeps no buffers of its own. Round env keys: b.* (the block
-    program), x.* (the context write).
-    """
-
-    features = FeatureKind.aux
-
-    def __init__(self, head: DFlashHead, batch_size: int, k: int):
-        if not 1 <= k < head.block_size:
-            raise ValueError(
-                f"draft.num_steps={k}: a DFlash block of {head.block_size} tokens proposes 1..{head.block_size - 1}"
-            )
-        super().__init__(head, batch_size, k)
-
-    # -- the Draft interface ------------------------------------------------------------------------
-    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
-        """Context k/v of the prompt positions 0..T-1 (the draft reads no prompt token: only features)."""
-        b, t = prompt_tokens.shape
-        positions = torch.arange(t, device=first.device).expand(b, t)
-        cache = self.cache.rows(rows if rows is not None else b)
-        run_steps(self.head.context_program(cache), {"feats": feats, "positions": positions, "valid": valid})
-
-    def propose_steps(self, cache, k: int) -> list[Step]:
-        B = self.head.block_size
-
-        def bind(env):
-            last, lengths = env["last"], env["lengths"]  # [b], [b]
-            b = last.shape[0]
-            offsets = torch.arange(B, device=last.device)
-            tokens = torch.cat([last[:, None], last.new_full((b, B - 1), self.head.mask_token_id)], 1)  # [b, B]
-            env.update(
-                {
-                    "b.tokens": tokens,
-                    "b.positions": lengths[:, None] + offsets,
-                    "b.valid": env["live"][:, None].expand(b, B),
-                }
-            )
-
-        def pick(env):
-            env["draft"][:, :k].copy_(env["b.ids"])  # [b, k]
-
-        return [
-            Step("block_in", bind),
-            *scoped("b.", merge_runs(self.head.block_program(cache, k)), B),
-            Step("block_pick", pick),
-        ]
-
-    def commit_steps(self, cache, k: int) -> list[Step]:
-        """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot)."""
-
-        def bind(env):
-            accepted, lengths = env["accepted"], env["lengths"]
-            steps = torch.arange(k + 1, device=accepted.device)
-            env.update(
-                {
-                    "x.feats": env["t.aux"],
-                    "x.positions": lengths[:, None] + steps,
-                    "x.valid": (steps[None] <= accepted[:, None]) & env["live"][:, None],
-                }
-            )
-
-        return [Step("context_in", bind), *scoped("x.", self.head.context_program(cache))]

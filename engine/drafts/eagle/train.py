@@ -1,6 +1,6 @@
 """EAGLE (-1/-2) training: the feature-level head, unrolled with training-time test as EAGLE3's is.
 
-The head (engine/drafts/heads.py `EagleHead`) reads, at position p, the token x_{p+1} and a feature g_p:
+The head (engine/drafts/eagle/head.py `EagleHead`) reads, at position p, the token x_{p+1} and a feature g_p:
 the target's final normed hidden state f_p at the first step, its own output at p - 1 after that. No
 input norm: fc maps [embed(x_{p+1}), g_p] to the layer's input x_p, whose residual stream the layer
 adds attention and MLP to; the target's frozen lm_head reads the output directly (it imitates f).
@@ -8,7 +8,7 @@ adds attention and MLP to; the target's frozen lm_head reads the output directly
     batch.tokens [B, T]     x_{p+1} at p
     batch.feats  [B, T, H]  f_p: the target's final normed hidden states
     per-step logits [B, T, V] over the target's vocabulary, in the TrainSpec alignment: step s at p
-    reads step s - 1's output at p - 1 (engine/train/eagle3.py's `ttt_forward`, the same attention over
+    reads step s - 1's output at p - 1 (engine/drafts/eagle3/train.py's `ttt_forward`, the same attention over
     the keys of every step so far)
 
 Only the loss on tokens (the target's distribution, like EAGLE3's recipe) trains it; EAGLE-1's
@@ -20,7 +20,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from engine.train.eagle3 import TORCH_OPS, Batch, ForwardOps, _shift, ttt_attend, ttt_attention
+from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, ttt_attend, ttt_attention
+from engine.train.objective import Batch, _shift
 
 
 def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:

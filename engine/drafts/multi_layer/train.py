@@ -3,7 +3,7 @@
 Module i at position p reads x_{p+i+1} and module i-1's output at p (module 0: the target's final
 hidden state f_p) and predicts x_{p+i+2}. With true tokens everywhere this is one causal forward per
 module over the sequence, and it is exactly what inference computes while the drafts are right (see
-engine/drafts/multi_layer.py): no training-time-test unrolling is needed, because module i never
+engine/drafts/multi_layer/): no training-time-test unrolling is needed, because module i never
 reads its own earlier outputs, only module i-1's at the same position.
 
     batch.tokens [B, T]     x_{p+1} at p        -> module i reads tokens[p + i] (shifted left by i)
@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.model import apply_rope
-from engine.train.eagle3 import Batch, _shift, _shift_left
+from engine.train.objective import Batch, _shift, _shift_left
 
 
 def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -138,3 +138,8 @@ class FeatureDraft(DeviceDraft):
     @property
     def next(self) -> Tensor:
         return self.buf["d_next"]
+
+
+def make_feature(plan, head, ctx) -> FeatureDraft:
+    """`Algorithm.make` of the EAGLE-family heads: the loop reads the plan's feature kind."""
+    return FeatureDraft(head, ctx.batch_size, ctx.k, plan.features)

@@ -1,0 +1,83 @@
+"""Plan-time checks shared by the weighted drafts: init mode, checkpoint fc width, vocabulary, MLP width.
+
+Each raises one ConfigError naming the `draft.*` key, the bad value and what is valid.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from engine.drafts.checkpoint import HeadCheckpoint
+from engine.errors import ConfigError
+from engine.model import ModelArgs
+
+INITS = ("checkpoint", "random")
+
+
+def check_init(cfg) -> None:
+    if cfg.init not in INITS:
+        raise ConfigError("draft.init", cfg.init, "unknown", INITS)
+    if cfg.init == "checkpoint" and not cfg.path:
+        raise ConfigError(
+            "draft.path",
+            cfg.path,
+            f"draft.algorithm={cfg.algorithm} with draft.init=checkpoint needs a checkpoint directory",
+            "a checkpoint directory, or draft.init=random",
+        )
+
+
+def check_fc(ckpt: HeadCheckpoint, expected: int, why: str) -> None:
+    shape = ckpt.shapes.get("fc.weight")
+    if shape is None:
+        raise ConfigError("draft.path", str(ckpt.path), "no fc.weight in the checkpoint", "an EAGLE-family head")
+    if shape[1] != expected:
+        raise ConfigError(
+            "draft.path",
+            str(ckpt.path),
+            f"fc.weight takes {shape[1]} inputs, but the target provides {expected} ({why})",
+            f"a head whose fc takes {expected} inputs, or draft.aux_layer_ids with {shape[1]} // target hidden layers",
+        )
+
+
+def mlp_width(cfg, target: ModelArgs) -> Optional[int]:
+    """draft.intermediate_size of a random head: its layers' MLP width (None: the target's)."""
+    width = cfg.intermediate_size
+    if width is not None and width < 1:
+        raise ConfigError(
+            "draft.intermediate_size",
+            width,
+            "the draft layers' MLP width",
+            f">= 1, or null (the target's {target.intermediate_size})",
+        )
+    return width
+
+
+def reject_width(cfg, ckpt: HeadCheckpoint) -> None:
+    if cfg.intermediate_size is not None:
+        raise ConfigError(
+            "draft.intermediate_size",
+            cfg.intermediate_size,
+            f"a checkpoint's MLP width is its config.json's ({ckpt.config.get('intermediate_size')})",
+            "null (or draft.init=random)",
+        )
+
+
+def reject_aux_ids(cfg) -> None:
+    """Drafts that read the target's final hidden state take no aux layer ids."""
+    if cfg.aux_layer_ids is not None:
+        raise ConfigError(
+            "draft.aux_layer_ids",
+            list(cfg.aux_layer_ids),
+            f"draft.algorithm={cfg.algorithm} reads the target's final hidden state, not aux layers",
+            "null (draft.algorithm=eagle3 or dflash read aux layers)",
+        )
+
+
+def check_vocab(cfg_json: dict, target: ModelArgs, path) -> None:
+    if cfg_json.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise ConfigError(
+            "draft.path",
+            str(path),
+            f"vocab_size {cfg_json['vocab_size']} differs from the target's {target.vocab_size}",
+            "a head trained for this target",
+        )

@@ -1,0 +1,113 @@
+"""DFlash's plan: explicit target layer ids (config > checkpoint, never a default), block size and mask
+token from the config or the checkpoint, num_steps within the block, fc width against the aux layers;
+and its words in the plan line."""
+
+from __future__ import annotations
+
+from engine import aux_layers
+from engine.drafts.base import DraftPlan, FeatureKind, vocab_details
+from engine.drafts.checkpoint import HeadCheckpoint
+from engine.drafts.common.checks import check_fc, check_init, check_vocab
+from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
+from engine.errors import ConfigError
+from engine.model import ModelArgs
+
+
+def spread_ids(num_layers: int, n: int = 5) -> list[int]:
+    """n target layers spread over the depth (input_of), for an error message's example."""
+    return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)}) if num_layers > 2 else [1]
+
+
+def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
+    """Target layer ids are explicit (config > checkpoint, never a default), block size and mask token
+    from the config or the checkpoint, num_steps within the block, fc width against the aux layers."""
+    check_init(cfg)
+    ckpt, ck = None, {}
+    if cfg.init == "checkpoint":
+        ckpt = HeadCheckpoint.read(cfg.path, DFlashHead.architecture)
+        ck = ckpt.config
+        th = ck.get("target_hidden_size", ck.get("hidden_size"))
+        if th != target.hidden_size:
+            raise ConfigError(
+                "draft.path",
+                cfg.path,
+                f"target_hidden_size {th} differs from the target's hidden size {target.hidden_size}",
+                "a head trained for this target",
+            )
+        check_vocab(ck, target, cfg.path)
+    n_layers = target.num_layers
+    ckpt_ids = dflash_value(ck, "target_layer_ids")
+    if cfg.aux_layer_ids is not None:
+        aux = aux_layers.AuxLayers(
+            aux_layers.normalise(list(cfg.aux_layer_ids), cfg.aux_layer_convention, n_layers), "config"
+        )
+    elif ckpt_ids is not None:
+        aux = aux_layers.AuxLayers(
+            aux_layers.normalise(
+                list(ckpt_ids), "output_of", n_layers, key="draft checkpoint dflash_config.target_layer_ids"
+            ),
+            "checkpoint",
+        )
+    else:
+        raise ConfigError(
+            "draft.aux_layer_ids",
+            None,
+            "draft.algorithm=dflash has no default target layers: "
+            "they must be explicit (configured before graph capture, like EAGLE3's)",
+            f"unique ids in [0, {n_layers}] (input_of) for this {n_layers}-layer target, e.g. "
+            f"{spread_ids(n_layers)}, or a checkpoint with dflash_config.target_layer_ids",
+        )
+    n_aux = len(aux.input_of)
+
+    block = cfg.block_size or dflash_value(ck, "block_size") or cfg.num_steps + 1
+    if block < 2:
+        raise ConfigError("draft.block_size", block, "a block holds the bonus token and at least one mask", ">= 2")
+    if cfg.num_steps > block - 1:
+        raise ConfigError(
+            "draft.num_steps",
+            cfg.num_steps,
+            f"a block of draft.block_size={block} tokens proposes at most {block - 1}",
+            f"1..{block - 1}, or a larger draft.block_size",
+        )
+    mask = dflash_value(ck, "mask_token_id")
+    if ckpt is not None and cfg.mask_token_id is not None and cfg.mask_token_id != mask:
+        raise ConfigError(
+            "draft.mask_token_id",
+            cfg.mask_token_id,
+            f"the checkpoint was trained with mask_token_id={mask}",
+            f"null or {mask}",
+        )
+    mask = cfg.mask_token_id if cfg.mask_token_id is not None else mask
+    mask = target.vocab_size - 1 if mask is None else mask
+    if not 0 <= mask < target.vocab_size:
+        raise ConfigError(
+            "draft.mask_token_id", mask, "not an id of the target vocabulary", f"0..{target.vocab_size - 1}"
+        )
+    if ckpt is not None:
+        layers = ck.get("num_hidden_layers")
+        if cfg.num_layers is not None and cfg.num_layers != layers:
+            raise ConfigError(
+                "draft.num_layers", cfg.num_layers, f"the checkpoint has {layers} layers", f"null or {layers}"
+            )
+        check_fc(ckpt, n_aux * target.hidden_size, f"{n_aux} aux layers x target hidden {target.hidden_size}")
+        settings = {"target_layer_ids": list(aux.output_of), "block_size": block, "mask_token_id": mask}
+        head_cfg = {
+            **ck,
+            "block_size": block,
+            "mask_token_id": mask,
+            "dflash_config": {**(ck.get("dflash_config") or {}), **settings},
+        }
+    else:
+        layers = cfg.num_layers if cfg.num_layers is not None else 1
+        if layers < 1:
+            raise ConfigError("draft.num_layers", layers, "the drafter needs a decoder layer", ">= 1")
+        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers)
+    return DraftPlan("dflash", FeatureKind.aux, aux, head_cfg, ckpt)
+
+
+def describe_dflash(plan: DraftPlan) -> list[str]:
+    cfg = plan.head_config
+    return [
+        f"block {cfg['block_size']} (mask token {cfg['mask_token_id']}), {cfg['num_hidden_layers']} layers",
+        *vocab_details(plan),
+    ]

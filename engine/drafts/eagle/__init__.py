@@ -1,0 +1,26 @@
+"""EAGLE (EAGLE-1/2): one feature-level Llama layer over the target's final hidden state, predicting
+through the target's lm_head (`LlamaForCausalLMEagle`), trained with training-time test.
+
+    head.py   EagleHead, its config.json (`eagle_config`) and card text
+    plan.py   no aux layers; a checkpoint's vocabulary and fc width
+    train.py  the TTT forward (engine/drafts/common/ttt.py)
+The draft loop is the EAGLE family's (engine/drafts/common/feature.py).
+"""
+
+from engine.drafts.base import Algorithm, FeatureKind
+from engine.drafts.common.feature import make_feature
+from engine.drafts.eagle.head import EagleHead, eagle_config
+from engine.drafts.eagle.plan import plan_eagle
+from engine.drafts.eagle.train import eagle_forward
+from engine.train.objective import TrainSpec
+
+ALGORITHM = Algorithm(
+    name="eagle",
+    plan=plan_eagle,
+    make=make_feature,
+    head=EagleHead,
+    train=TrainSpec(FeatureKind.final, eagle_forward, flex_attention=True, forward_ops=True),
+    recipe="+experiment=train_eagle_smollm2",
+)
+
+__all__ = ["ALGORITHM", "EagleHead", "eagle_config"]

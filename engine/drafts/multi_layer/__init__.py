@@ -1,0 +1,26 @@
+"""Multi-layer EAGLE (MTP-style, `multi_layer_eagle`): one draft module per draft token, each with its own
+KV pool, over the target's final hidden state (`LlamaForCausalLMMultiLayerEagle`).
+
+    head.py   MultiLayerEagleHead (its modules and per-module KV pools), config.json and card text
+    loop.py   MultiLayerDraft: the proposal windows and the commit re-runs
+    plan.py   k = draft.num_steps modules; a checkpoint's width and module count
+    train.py  every module teacher-forced over whole sequences
+"""
+
+from engine.drafts.base import Algorithm, FeatureKind
+from engine.drafts.multi_layer.head import MultiLayerEagleHead, StepCaches, multi_layer_config
+from engine.drafts.multi_layer.loop import MultiLayerDraft, make_multi_layer
+from engine.drafts.multi_layer.plan import plan_multi_layer
+from engine.drafts.multi_layer.train import multi_layer_forward
+from engine.train.objective import TrainSpec
+
+ALGORITHM = Algorithm(
+    name="multi_layer_eagle",
+    plan=plan_multi_layer,
+    make=make_multi_layer,
+    head=MultiLayerEagleHead,
+    train=TrainSpec(FeatureKind.final, multi_layer_forward),
+    recipe="+experiment=train_mtp_smollm2",
+)
+
+__all__ = ["ALGORITHM", "MultiLayerDraft", "MultiLayerEagleHead", "StepCaches", "multi_layer_config"]

@@ -1,0 +1,42 @@
+"""Multi-layer EAGLE's plan: k = draft.num_steps modules; a checkpoint of the target's width with at least k."""
+
+from __future__ import annotations
+
+from engine.drafts.base import DraftPlan, FeatureKind
+from engine.drafts.checkpoint import HeadCheckpoint
+from engine.drafts.common.checks import check_init, check_vocab, mlp_width, reject_aux_ids, reject_width
+from engine.drafts.multi_layer.head import MultiLayerEagleHead, multi_layer_config
+from engine.errors import ConfigError
+from engine.model import ModelArgs
+
+
+def plan_multi_layer(cfg, target: ModelArgs) -> DraftPlan:
+    """k = draft.num_steps modules; a checkpoint must have at least k (num_nextn_predict_layers)."""
+    check_init(cfg)
+    reject_aux_ids(cfg)
+    if cfg.init == "random":
+        return DraftPlan(
+            "multi_layer_eagle",
+            FeatureKind.final,
+            None,
+            multi_layer_config(target, cfg.num_steps, mlp_width(cfg, target)),
+        )
+    ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
+    reject_width(cfg, ckpt)
+    check_vocab(ckpt.config, target, cfg.path)
+    if ckpt.config.get("hidden_size") != target.hidden_size:
+        raise ConfigError(
+            "draft.path",
+            cfg.path,
+            f"hidden_size {ckpt.config.get('hidden_size')} differs from the target's {target.hidden_size}",
+            "a head trained for this target",
+        )
+    modules = ckpt.config.get("num_nextn_predict_layers", 0)
+    if cfg.num_steps > modules:
+        raise ConfigError(
+            "draft.num_steps",
+            cfg.num_steps,
+            f"the checkpoint has {modules} modules, one per draft token",
+            f"1..{modules}",
+        )
+    return DraftPlan("multi_layer_eagle", FeatureKind.final, None, ckpt.config, ckpt)
