@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import compose_cfg, spread_init
-from engine.drafts.eagle3.vocab import build_draft_vocab
 
+from engine.drafts.eagle3.vocab import build_draft_vocab
 from engine.loading import load_model
 from engine.train.selfdistill import Sample, cut_share, synthesize
 from pipeline.config import to_run_config
@@ -185,7 +185,6 @@ def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):
     distribution as the target's own raised to 1 / T and renormalized; the draft's target token (`top`),
     the features and the mask do not move."""
     from engine.drafts.eagle3.vocab import build_draft_vocab
-
     from engine.model import StaticKVCache
     from engine.train.data import VocabMap, target_batch
 
