@@ -203,8 +203,8 @@ class Trainer:
         return self._order[1]
 
     def _clock(self, t0: float) -> float:
-        """Training seconds so far; with a time budget, rank 0's on every rank (the LR schedule and the stop
-        read it, so all ranks step alike and stop at the same step)."""
+        """Training seconds so far, read once a step; with a time budget, rank 0's on every rank (the LR
+        schedule and the stop read it, so all ranks step alike and stop at the same step)."""
         elapsed = time.perf_counter() - t0
         return distributed.from_main(elapsed, self.device) if self.s.max_time_s is not None else elapsed
 
@@ -289,8 +289,7 @@ class Trainer:
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            self.elapsed_s = self._clock(t0)
-            lr = lr_at(self.step, self.elapsed_s, s)
+            lr = lr_at(self.step, self.elapsed_s, s)  # on the clock of the last step's end (or the resume)
             for group in self.opt.param_groups:
                 group["lr"] = lr
             self.opt.zero_grad(set_to_none=True)
