@@ -24,9 +24,18 @@ from pipeline.plan import PlanError, build_plan
 from pipeline.tracking import default_tracking_uri
 
 # several batches an epoch (max_tokens 256 of rows up to 64 wide), some of an odd number of samples: the
-# ranks' parts differ in size and in trained tokens; an evaluation mid-run (rank 0 alone) and the recipe's
-# time budget (rank 0's clock) and EMA
-DDP = [*TRAIN, "device=cpu", "train.steps=20", "train.max_tokens=256", "train.eval_every=10", "train.save_every=10"]
+# ranks' parts differ in size and in trained tokens; an evaluation mid-run (rank 0 alone), the recipe's EMA,
+# and a time budget (rank 0's clock, broadcast every step) too long to reach: the recipe's 600 s would let
+# the LR schedule follow each run's own wall time, which differs between the runs
+DDP = [
+    *TRAIN,
+    "device=cpu",
+    "train.steps=20",
+    "train.max_tokens=256",
+    "train.eval_every=10",
+    "train.save_every=10",
+    "train.max_time_s=1e9",
+]
 
 
 def _torchrun(nproc: int, *overrides: str, outputs) -> subprocess.CompletedProcess:

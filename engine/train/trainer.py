@@ -120,6 +120,7 @@ class Trainer:
         )
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
         self.params = [p for p in head.parameters() if p.requires_grad]
+        distributed.broadcast_params(self.params)  # every rank starts from rank 0's weights (and EMA)
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -273,7 +274,6 @@ class Trainer:
         main = distributed.is_main()
         if resume and self.resume() and main:
             print(f"[train_draft] resumed from {self.ckpt_dir} at step {self.step}", flush=True)
-        distributed.broadcast_params(self.params)  # every rank starts from rank 0's weights
         self.head.train()
         t0, last_log = time.perf_counter() - self.elapsed_s, time.perf_counter()
         metrics = self.evaluate() if self.step == 0 and main else {}
