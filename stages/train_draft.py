@@ -256,7 +256,6 @@ class TrainDraftStage(Stage):
             cfg, loaded, env.outputs_dir / "train" / "data", data_graph(cfg, env)
         )
         train, heldout = split(samples, t.heldout, cfg.seed)
-        main = distributed.is_main()
         data = {
             "samples": len(samples),
             "answer_tokens": sum(len(s.answer_ids) for s in samples),
@@ -275,14 +274,13 @@ class TrainDraftStage(Stage):
                 **{f"data_{k}_s": v for k, v in phase_s.items()},
             }
         )
-        if main:
-            print(
-                f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
-                f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
-                f"{data_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
-                f"{len(train)} train / {len(heldout)} held out",
-                flush=True,
-            )
+        print(
+            f"[train_draft] {data['samples']} samples ({data['answer_tokens']} answer tokens, "
+            f"{data['prompts_cut']:.0%} of the user messages cut at {t.data.max_prompt_tokens} tokens) in "
+            f"{data_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
+            f"{len(train)} train / {len(heldout)} held out",
+            flush=True,
+        )
 
         spec = train_spec(cfg.draft.algorithm)
         student = self._student(cfg, head, target, train, env, spec)
@@ -291,7 +289,7 @@ class TrainDraftStage(Stage):
         )
         metrics = trainer.fit(resume=t.resume)
         export = out / "head"
-        if not main:  # rank 0 evaluates and exports
+        if not distributed.is_main():  # rank 0 evaluates and exports (the other ranks print nothing: execute)
             return {"draft_checkpoint": str(export)}
         if t.loop_eval_prompts > 0:
             metrics.update(
@@ -342,8 +340,7 @@ class TrainDraftStage(Stage):
         path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
         samples = load_samples(path, meta)
         if samples is not None:
-            if distributed.is_main():
-                print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
+            print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
             return (samples, *synth_seconds(path), True)
         t0 = time.perf_counter()
         rank, ranks = distributed.rank(), distributed.world_size()

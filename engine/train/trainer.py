@@ -226,7 +226,7 @@ class Trainer:
             loss.backward()
             return loss, stats, own, own
         tokens = distributed.sum_across(own)
-        (loss * (own / tokens)).backward()
+        (loss * (own / tokens.clamp(min=1))).backward()  # a batch without trained tokens: no gradient
         return loss, stats, own, tokens
 
     def evaluate(self) -> dict[str, float]:
