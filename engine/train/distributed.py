@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import signal
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
@@ -65,17 +66,24 @@ def backend(device: torch.device) -> str:
 @contextlib.contextmanager
 def process_group(device: torch.device) -> Iterator[None]:
     """Inside: this process is in the group torchrun described (nothing to do for one process); the
-    group is destroyed on the way out, whatever happens inside."""
+    group is destroyed on the way out, whatever happens inside. SIGTERM (torchrun stopping the workers
+    when one of them failed) raises SystemExit, so the MLflow run is marked FAILED, not left RUNNING."""
     if not launch().distributed or dist.is_initialized():
         yield
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     dist.init_process_group(backend(device), device_id=device if device.type == "cuda" else None)
+    previous = signal.signal(signal.SIGTERM, _terminated)
     try:
         yield
     finally:
+        signal.signal(signal.SIGTERM, previous)
         dist.destroy_process_group()
+
+
+def _terminated(signum, frame) -> None:
+    raise SystemExit(128 + signum)
 
 
 @contextlib.contextmanager
