@@ -16,6 +16,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError
+from engine.train.distributed import launch
 from pipeline.compose_check import compose_problem
 from pipeline.config import register_configs, to_run_config
 from pipeline.execute import execute
@@ -31,7 +32,8 @@ def run(cfg: DictConfig) -> dict:
     """Everything `main` does, callable from tests with a composed config."""
     run_cfg = to_run_config(cfg)
     plan = build_plan(run_cfg)
-    print(plan.describe(), flush=True)
+    if launch().rank == 0:  # under torchrun: one plan printed, not one per process
+        print(plan.describe(), flush=True)
     if run_cfg.dry_run:
         return {}
     return execute(plan)

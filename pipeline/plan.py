@@ -6,9 +6,10 @@
 Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> `capture_graphs`
 (when a graph policy is not `none`) -> `cfg.task`. Validation, in order: the registries named by the
 config (task, draft, graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
-downgrade), the target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint
-config, fc width against the aux layers, aux ids in range), then each stage's own `check`, then the
-requires/provides chain and the rule that aux capture is configured before any stage runs the target.
+downgrade; under torchrun, `resolve_ranks`: data-parallel runs train a draft, one GPU per process), the
+target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint config, fc width against
+the aux layers, aux ids in range), then each stage's own `check`, then the requires/provides chain
+and the rule that aux capture is configured before any stage runs the target.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
 from engine.errors import ConfigError, ConfigErrors
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
+from engine.train.distributed import launch
 from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir, outputs_problem
 from stages.base import STAGES, Stage, StageEnv, final_stages
@@ -44,6 +46,33 @@ def resolve_device(device: Device) -> torch.device:
     if device == Device.cuda and not torch.cuda.is_available():
         raise ConfigError("device", "cuda", "CUDA is not available on this host", "cpu, or auto")
     return torch.device(device.value)
+
+
+def resolve_ranks(task: str, device: torch.device) -> torch.device:
+    """The process's device under torchrun (WORLD_SIZE > 1): cuda:LOCAL_RANK on CUDA. Only train_draft runs
+    data-parallel, and nccl needs a GPU per process of the node."""
+    ranks = launch()
+    if not ranks.distributed:
+        return device
+    if task != "train_draft":
+        raise ConfigError(
+            "task",
+            task,
+            f"torchrun started {ranks.world_size} processes (WORLD_SIZE), but only train_draft trains data-parallel",
+            "train_draft, or one process (python -m pipeline) for this task",
+        )
+    if device.type != "cuda":
+        return device
+    gpus = torch.cuda.device_count()
+    if ranks.local_world_size > gpus:
+        raise ConfigError(
+            "device",
+            "cuda",
+            f"torchrun started {ranks.local_world_size} processes on this node, which has {gpus} GPU(s); "
+            f"nccl needs one GPU per process",
+            f"torchrun --nproc_per_node<={gpus}, or device=cpu (gloo)",
+        )
+    return torch.device("cuda", ranks.local_rank)
 
 
 def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
@@ -167,6 +196,7 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
     try:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
+        device = resolve_ranks(cfg.task, device)
     except ConfigError as e:
         errors.append(e)
     try:

@@ -17,6 +17,11 @@
    from the target's own output layer, restricted to the draft vocabulary).
 4. Export in the public EAGLE3 format, with a model card; MLflow gets the curves, the held-out per-position
    acceptance, and the exported head as artifacts. Provides `draft_checkpoint` (the export's path).
+
+Under torchrun (engine/train/distributed.py) every rank synthesises its share of the data (a shard under
+the data folder, joined by rank 0 after a barrier; the cache key does not depend on the ranks, like the
+graph policy it names how the data was made, not what was asked for) and trains on its part of each batch;
+rank 0 alone prints, logs, evaluates and exports.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from engine.errors import ConfigError, check_values
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
+from engine.train import distributed
 from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
 from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.trainer import Trainer, TrainSettings
@@ -84,12 +90,14 @@ def generation_graphs(model, batch_size: int, policy: str) -> Optional[GraphSet]
     ).capture()
 
 
-def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] = None) -> list[Sample]:
+def synthesize_data(
+    loaded, d, graphs=None, phase_s: Optional[dict[str, float]] = None, shard: tuple[int, int] = (0, 1)
+) -> list[Sample]:
     """`synthesize` with the settings of a `train.data` config (TrainDataConfig); a script passes a
-    `dataclasses.replace` of the recipe's."""
+    `dataclasses.replace` of the recipe's. `shard` (rank, ranks): that rank's share of the samples."""
     return synthesize(
         loaded,
-        d.num_samples,
+        distributed.share(d.num_samples, *shard),
         d.batch_size,
         d.max_prompt_tokens,
         d.max_answer_tokens,
@@ -102,6 +110,7 @@ def synthesize_data(loaded, d, graphs=None, phase_s: Optional[dict[str, float]] 
         system_prompts=list(d.system_prompts),
         drop_cut=d.drop_cut_prompts,
         phase_s=phase_s,
+        shard=shard,
     )
 
 
@@ -279,6 +288,9 @@ class TrainDraftStage(Stage):
             student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec
         )
         metrics = trainer.fit(resume=t.resume)
+        export = out / "head"
+        if not distributed.is_main():  # rank 0 evaluates and exports (the other ranks print nothing: execute)
+            return {"draft_checkpoint": str(export)}
         if t.loop_eval_prompts > 0:
             metrics.update(
                 loop_acceptance(
@@ -294,7 +306,6 @@ class TrainDraftStage(Stage):
             )
             log({k: v for k, v in metrics.items() if k.startswith("heldout_")}, trainer.step)
 
-        export = out / "head"
         self._export(student, export, cfg, metrics, data, env)
         if trainer.last_weights is not None:  # EMA: the last step's own weights too, for comparison
             last = student.copy(env.device, torch.float32)
@@ -332,17 +343,30 @@ class TrainDraftStage(Stage):
             print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
             return (samples, *synth_seconds(path), True)
         t0 = time.perf_counter()
+        rank, ranks = distributed.rank(), distributed.world_size()
         loaded.model.set_batch_invariant(False)  # cuBLAS at generation batches: no output compared across sizes
         try:
             graphs = generation_graphs(loaded.model, d.batch_size, graph)
             phase_s = {"graphs": time.perf_counter() - t0}  # then messages, answers (synthesize)
-            samples = synthesize_data(loaded, d, graphs, phase_s)
+            samples = synthesize_data(loaded, d, graphs, phase_s, shard=(rank, ranks))
             del graphs
         finally:
             loaded.model.set_batch_invariant(True)
+        if ranks == 1:
+            synth_s = time.perf_counter() - t0
+            save_samples(path, samples, meta, synth_s, phase_s)
+            return samples, synth_s, phase_s, False
+        # each rank's shard, then rank 0 joins them in rank order; every rank reads the whole set back
+        shards = path / "shards"
+        save_samples(shards / str(rank), samples, meta, time.perf_counter() - t0, phase_s)
+        distributed.barrier()
         synth_s = time.perf_counter() - t0
-        save_samples(path, samples, meta, synth_s, phase_s)
-        return samples, synth_s, phase_s, False
+        if rank == 0:
+            joined = [x for r in range(ranks) for x in load_samples(shards / str(r), meta)]
+            save_samples(path, joined, meta, synth_s, phase_s)
+            shutil.rmtree(shards)
+        distributed.barrier()
+        return load_samples(path, meta), synth_s, phase_s, False
 
     def _student(self, cfg, head, target, train, env: StageEnv, spec):
         """A float32 trainable copy of the loaded head: from scratch, its draft vocabulary (EAGLE3 with an

@@ -15,6 +15,10 @@ same tokens as the eval loop). Each generation batch draws from its own seeded g
 samples depend on the seed, the sizes and the device's kernels, not on the host's looks (sync_every).
 The training stage runs it with the target's `batch_invariant` off: its hundreds of rows a step go to
 cuBLAS, not to the rows kernels that keep a row's output independent of its batch.
+
+Sharded over ranks (`shard=(r, n)`, data-parallel training: engine/train/distributed.py), rank r draws its
+generation batches from seeds r, r + n, r + 2n, ... of the one-process sequence 0, 1, 2, ...: disjoint
+slices, the same samples for the same (seed, r, n), and `shard=(0, 1)` is the one-process run itself.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def synthesize(
     system_prompts: Sequence[str] = (),
     drop_cut: bool = False,
     phase_s: Optional[dict[str, float]] = None,
+    shard: tuple[int, int] = (0, 1),
 ) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
     are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
@@ -73,7 +78,8 @@ def synthesize(
     `system_prompts`: the system messages the user messages are written under, row by row (the answers
     are always asked for under the template's default, as the eval asks).
     `phase_s`: if given, the seconds spent writing the user messages ("messages") and the answers
-    ("answers") are added to it (each phase ends on a host read of its tokens, so the times are whole)."""
+    ("answers") are added to it (each phase ends on a host read of its tokens, so the times are whole).
+    `shard`: (rank, ranks): this rank's slice of the generation batches' seeds; only rank 0 shows progress."""
     tok, model = target.tokenizer, target.model
     turns = [tok.user_turn(sp or None) for sp in (system_prompts or [""])]
     prefixes = [turns[i % len(turns)][0] for i in range(batch_size)]
@@ -83,12 +89,13 @@ def synthesize(
     ask = SamplingParams(temperature=prompt_temperature, top_p=prompt_top_p, max_new_tokens=max_prompt_tokens)
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)
     samples: list[Sample] = []
-    bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True)
+    rank, ranks = shard
+    bar = tqdm(total=n, desc="self-distill", unit="sample", dynamic_ncols=True, disable=rank != 0)
     tries = 4 * (n // batch_size + 1)  # generation batches at most: short (and cut) messages are dropped
     for attempt in range(tries):
         if len(samples) >= n:
             break
-        rng.manual_seed((seed << 32) + attempt)
+        rng.manual_seed((seed << 32) + rank + ranks * attempt)
         t0 = time.perf_counter()
         users = []  # (message, cut)
         for r in gen.generate(prefixes, ask, end_ids, rng, sync_every=sync_every):

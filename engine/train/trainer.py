@@ -17,6 +17,12 @@ figures come back prefixed `last_`), so one run compares the two.
 
 The head trains in float32 (master weights); the target runs in the run's dtype. Only the head's own
 parameters train: the token embedding is the target's and stays frozen.
+
+Under torchrun (engine/train/distributed.py) every rank runs this loop on its part of each batch, the
+gradients summed so that all ranks step alike; rank 0 alone evaluates, logs, shows progress and saves.
+The split is exact: a rank's loss is weighed by its share of the batch's trained tokens, and every TTT
+step trains the same positions (a chat-templated prompt is longer than train.ttt_steps), so the summed
+gradient is the whole batch's, as one process computes it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ from tqdm.auto import tqdm
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.ttt import TRITON_OPS, ttt_attention_flex
 from engine.model import StaticKVCache
+from engine.train import distributed
 from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.objective import TrainSpec, chain_acceptance, chain_lengths, simulated_loop
@@ -113,6 +120,7 @@ class Trainer:
         )
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
         self.params = [p for p in head.parameters() if p.requires_grad]
+        distributed.broadcast_params(self.params)  # every rank starts from rank 0's weights (and EMA)
         decay = [p for p in self.params if p.dim() >= 2]
         no_decay = [p for p in self.params if p.dim() < 2]
         self.opt = torch.optim.AdamW(
@@ -195,6 +203,32 @@ class Trainer:
             )
         return self._order[1]
 
+    def _clock(self, t0: float) -> float:
+        """Training seconds so far, read once a step; with a time budget, rank 0's on every rank (the LR
+        schedule and the stop read it, so all ranks step alike and stop at the same step)."""
+        elapsed = time.perf_counter() - t0
+        return distributed.from_main(elapsed, self.device) if self.s.max_time_s is not None else elapsed
+
+    def _backward(self, group: list[Sample]) -> tuple[torch.Tensor, dict, torch.Tensor, torch.Tensor]:
+        """Forward and backward on this rank's part of the batch `group` -> (its loss, its stats, its trained
+        tokens, the whole batch's). The loss backpropagated is weighed by the rank's share of the tokens, so
+        the gradients summed over the ranks are the whole batch's mean loss's (one process: the loss itself)."""
+        mine = distributed.shard(group)
+        if not mine:  # fewer samples than ranks: this rank adds no gradient
+            own = torch.zeros((), dtype=torch.long, device=self.device)
+            return torch.zeros((), device=self.device), {}, own, distributed.sum_across(own)
+        batch = self._batch(mine, self.s.label_temperature)
+        with self._autocast():
+            logits = self.train_forward(self.head, batch, self.s.ttt_steps)
+        loss, stats = self.loss(logits, batch, self.s.loss_decay)
+        own = batch.mask.sum()
+        if distributed.world_size() == 1:
+            loss.backward()
+            return loss, stats, own, own
+        tokens = distributed.sum_across(own)
+        (loss * (own / tokens.clamp(min=1))).backward()  # a batch without trained tokens: no gradient
+        return loss, stats, own, tokens
+
     def evaluate(self) -> dict[str, float]:
         """Held-out figures of the weights the run exports: the EMA with ema_decay, else the weights."""
         with self.ema.applied() if self.ema is not None else contextlib.nullcontext():
@@ -237,14 +271,17 @@ class Trainer:
 
     def fit(self, resume: bool = False) -> dict[str, float]:
         s = self.s
-        if resume and self.resume():
+        main = distributed.is_main()
+        if resume and self.resume() and main:
             print(f"[train_draft] resumed from {self.ckpt_dir} at step {self.step}", flush=True)
         self.head.train()
         t0, last_log = time.perf_counter() - self.elapsed_s, time.perf_counter()
-        metrics = self.evaluate() if self.step == 0 else {}
+        metrics = self.evaluate() if self.step == 0 and main else {}
         if metrics:
             self.log(metrics, 0)
-        bar = tqdm(total=s.steps, initial=self.step, desc="train_draft", unit="step", dynamic_ncols=True)
+        bar = tqdm(
+            total=s.steps, initial=self.step, desc="train_draft", unit="step", dynamic_ncols=True, disable=not main
+        )
         tokens_seen = 0
         stopped_early = False
         while self.step < s.steps:
@@ -252,32 +289,31 @@ class Trainer:
             if self.index >= len(order):
                 self.epoch, self.index = self.epoch + 1, 0
                 continue
-            batch = self._batch(order[self.index], s.label_temperature)
-            self.elapsed_s = time.perf_counter() - t0
-            lr = lr_at(self.step, self.elapsed_s, s)
+            lr = lr_at(self.step, self.elapsed_s, s)  # on the clock of the last step's end (or the resume)
             for group in self.opt.param_groups:
                 group["lr"] = lr
-            with self._autocast():
-                logits = self.train_forward(self.head, batch, s.ttt_steps)
-            loss, stats = self.loss(logits, batch, s.loss_decay)
             self.opt.zero_grad(set_to_none=True)
-            loss.backward()
+            loss, stats, own, tokens = self._backward(order[self.index])
+            distributed.sum_gradients(self.params)
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
             self.opt.step()
             if self.ema is not None:
                 self.ema.update(self.step)
             self.step, self.index = self.step + 1, self.index + 1
-            tokens_seen += batch.mask.sum()
+            tokens_seen += tokens
             bar.update(1)
             if self.step % 10 == 0 or self.step == s.steps:
                 now = time.perf_counter()
+                # the whole batch's figures: each rank's weighed by its trained tokens
+                own_figures = {"loss": loss.item(), **{k: v.item() for k, v in stats.items()}}
+                figures = distributed.token_mean(int(own), own_figures)
                 row = {
-                    "train_loss": loss.item(),
+                    "train_loss": figures.pop("loss"),
                     "lr": lr,
                     "grad_norm": float(grad_norm),
                     "epoch": self.epoch,
                     "train_tokens_per_s": int(tokens_seen) / max(now - last_log, 1e-9),
-                    **{f"train_{k}": v.item() for k, v in stats.items()},
+                    **{f"train_{k}": v for k, v in figures.items()},
                 }
                 tokens_seen, last_log = 0, now
                 if not math.isfinite(row["train_loss"]):  # stop at once: every step after it trains on NaN
@@ -288,16 +324,18 @@ class Trainer:
                     )
                 self.log(row, self.step)
                 bar.set_postfix(loss=f"{row['train_loss']:.3f}", acc0=f"{row['train_acc_0']:.2f}")
-            if self.step % s.eval_every == 0 and self.step < s.steps:
+            if self.step % s.eval_every == 0 and self.step < s.steps and main:
                 metrics = self.evaluate()
                 self.log(metrics, self.step)
-            if self.step % s.save_every == 0:
+            if self.step % s.save_every == 0 and main:
                 self.save()
-            self.elapsed_s = time.perf_counter() - t0
+            self.elapsed_s = self._clock(t0)
             if s.max_time_s is not None and self.elapsed_s > s.max_time_s:
                 stopped_early = True
                 break
         bar.close()
+        if not main:  # the other ranks' part ends with the last step: rank 0 evaluates, saves and exports
+            return {"train_steps": self.step, "train_s": self.elapsed_s, "train_stopped_by_time": float(stopped_early)}
         metrics = self.evaluate()
         self.save()  # the raw weights and the average: a resumed run continues from here
         if self.ema is not None:  # end on the average; the last step's weights for comparison
