@@ -40,7 +40,10 @@ def setup(
     plan = head = draft = None
     if algorithm != "none":
         cfg = DraftConfig(
-            algorithm=algorithm, init="random", num_steps=k, aux_layer_ids=AUX if algorithm == "eagle3" else None
+            algorithm=algorithm,
+            init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
+            num_steps=k,
+            aux_layer_ids=AUX if algorithm == "eagle3" else None,
         )
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())

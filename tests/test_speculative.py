@@ -25,7 +25,7 @@ def target():
 def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
     cfg = DraftConfig(
         algorithm=algorithm,
-        init="random",
+        init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
         num_steps=k,
         aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
         **kw,
