@@ -77,6 +77,25 @@ def _cut(tokens: list[int], stop: frozenset[int]) -> list[int]:
     return tokens
 
 
+def _timed(
+    run: Callable[[list[list[int]]], list[list[int]]], warmup: Callable[[], object], prompts, batch_size, device
+) -> PeerResult:
+    """`warmup()` timed alone, then `run` over the prompts batch by batch, each batch timed between syncs."""
+    sync(device)
+    t0 = time.perf_counter()
+    warmup()
+    sync(device)
+    warmup_s = time.perf_counter() - t0
+    outputs, wall = [], 0.0
+    for i in range(0, len(prompts), batch_size):
+        sync(device)
+        t0 = time.perf_counter()
+        outputs += run(prompts[i : i + batch_size])
+        sync(device)
+        wall += time.perf_counter() - t0
+    return PeerResult(outputs, wall, warmup_s)
+
+
 def _hf_peer(extra: dict, max_batch: int | None = None, fixed_shape: bool = False) -> Callable[..., PeerResult]:
     """A transformers `generate` peer with `extra` generation kwargs; `fixed_shape`: every batch is
     [batch_size, longest prompt] (left padding, the last batch filled with copies of its first prompt)."""
@@ -123,19 +142,8 @@ def _hf_peer(extra: dict, max_batch: int | None = None, fixed_shape: bool = Fals
             return [_cut(row[width:].tolist(), stop) for row in out[:n]]
 
         torch.manual_seed(seed)
-        sync(device)
-        t0 = time.perf_counter()
-        run(prompts[:batch_size], max_new=params.max_new_tokens if fixed_shape else 8)  # warm-up (+ compile)
-        sync(device)
-        warmup_s = time.perf_counter() - t0
-        outputs, wall = [], 0.0
-        for i in range(0, len(prompts), batch_size):
-            sync(device)
-            t0 = time.perf_counter()
-            outputs += run(prompts[i : i + batch_size])
-            sync(device)
-            wall += time.perf_counter() - t0
-        return PeerResult(outputs, wall, warmup_s)
+        warm_new = params.max_new_tokens if fixed_shape else 8  # fixed shape: the warm-up compiles the timed shape
+        return _timed(run, lambda: run(prompts[:batch_size], max_new=warm_new), prompts, batch_size, device)
 
     return peer
 
@@ -162,7 +170,7 @@ def torch_compile_peer(
     dec = CompiledDecoder(loaded.model, batch_size, width, max_new, device)
     stop = frozenset() if params.ignore_eos else stop_ids
 
-    def run(batch: list[list[int]], steps: int) -> list[list[int]]:
+    def run(batch: list[list[int]], steps: int = max_new) -> list[list[int]]:
         n = len(batch)
         batch = batch + [batch[0]] * (batch_size - n)
         pad = torch.tensor([width - len(p) for p in batch])
@@ -181,19 +189,8 @@ def torch_compile_peer(
                     break
         return [_cut(row, stop) for row in out[:n, :done].tolist()]
 
-    sync(device)
-    t0 = time.perf_counter()
-    run(prompts[:batch_size], max_new)  # warm-up at the timed shape: compilation, CUDA graph capture
-    sync(device)
-    warmup_s = time.perf_counter() - t0
-    outputs, wall = [], 0.0
-    for i in range(0, len(prompts), batch_size):
-        sync(device)
-        t0 = time.perf_counter()
-        outputs += run(prompts[i : i + batch_size], max_new)
-        sync(device)
-        wall += time.perf_counter() - t0
-    return PeerResult(outputs, wall, warmup_s)
+    # the warm-up runs the timed shape: compilation, CUDA graph capture
+    return _timed(run, lambda: run(prompts[:batch_size]), prompts, batch_size, device)
 
 
 GREEDY_PEERS = frozenset({"torch_compile"})  # peers that decode greedily only (eval.temperature=0)
