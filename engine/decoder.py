@@ -32,29 +32,134 @@ Env keys this module owns (b rows, t positions, h hidden, d head_dim):
     mask   [b, 1, t, kv] bool or None (None: the Triton kernel or SDPA's causal kernel)
     aux_list  list of [b, t, h]: the streams entering the `capture` layers, in layer order
 
-Graph backends (engine/graphs/backends.py) capture the segments and run the breaks eagerly; a break's
-inputs and outputs are tracked by env key, so these keys hold the same tensors with the same meaning
-in every program (`attn` and `aux_list` are made in the first segment and only read afterwards).
-Python cost per eager step: one closure per step plus the layer's call, as the hand-built programs had.
+Graph backends (engine/graphs/backends.py, engine/program.py) capture the segments and run the breaks
+eagerly; a break's inputs and outputs are tracked by env key, so these keys hold the same tensors with
+the same meaning in every program: a break reads q, attn, mask (and kv_len) and writes o (and, at
+layer 0, mask, whose shape follows the live kv_len). `attn` is made in the first segment; `aux_list`
+is appended to by segments only, never by a break. Python cost per eager step: one closure per step
+plus the layer's calls, no dict or list built per call beyond the env's own entries.
+
+`AttnInputs` (the per-call attention metadata every layer reads) lives here; engine/model.py builds on
+this module, so its StaticKVCache, Attention and DecoderLayer appear below as the protocols they meet.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Callable, Optional, Protocol, Sequence
 
 import torch
 from torch import Tensor
 
-from engine.model import Attention, AttnInputs, DecoderLayer, StaticKVCache
 from engine.program import Step
+from kernels.fused import rope_cache_write
 
 STREAM, DELTA, QUERY, ATTN_OUT = "x", "delta", "q", "o"  # the residual stream, a layer's queries and attention output
 MASK, ATTN, AUX_LIST = "mask", "attn", "aux_list"
 CAUSAL = "causal"  # host flag of LlamaModel.forward: SDPA's causal kernel over fresh rows
 
 EnvFn = Callable[[dict], None]
+
+
+class KVCache(Protocol):
+    """A static KV cache (engine/model.py's StaticKVCache): [layers, b, kv_heads, slots + 1, d] each."""
+
+    k: Tensor
+    v: Tensor
+    dummy_slot: int
+
+
+class Attention(Protocol):
+    """engine/model.py's Attention: the break's work, q [b, heads, t, d] -> o [b, t, heads * d]."""
+
+    def attend(
+        self,
+        q: Tensor,
+        cache: KVCache,
+        mask: Optional[Tensor],
+        a: AttnInputs,
+        causal: bool = False,
+        max_rows: Optional[int] = None,
+    ) -> Tensor: ...
+
+
+class DecoderLayer(Protocol):
+    """engine/model.py's DecoderLayer: the math on each side of the attention, over (x, delta)."""
+
+    self_attn: Attention
+
+    def pre(
+        self, x: Tensor, delta: Optional[Tensor], cache: KVCache, a: AttnInputs, fused: bool, max_rows: Optional[int]
+    ) -> tuple[Tensor, Tensor]: ...
+
+    def post(self, h: Tensor, o: Tensor, fused: bool, max_rows: Optional[int]) -> tuple[Tensor, Tensor]: ...
+
+
+@dataclass
+class AttnInputs:
+    """Per-call attention metadata shared by every layer: RoPE positions, cache slots, query bounds.
+
+    Two kernels build it (the slots and the positions of valid tokens); the fused RoPE kernel reads the
+    fp32 tables at `rope_pos` itself, and only the plain path gathers cos / sin rows (`cos`, `sin`,
+    on first use). The mask depends on `kv_len`, which a graph with eager attention breaks (breakable,
+    piecewise) chooses per replay; it is built by the first attention call (`mask(kv_len)`).
+    """
+
+    slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
+    rope_pos: Tensor  # [b, t] each token's position (padding -> 0): its RoPE row
+    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0; DFlash: the block's last)
+    max_kv: int  # the cache's slots (the dummy slot excluded)
+    rope_cos: Tensor  # [max_pos, head_dim] float32 tables
+    rope_sin: Tensor
+    dtype: torch.dtype  # the activations'
+
+    @classmethod
+    def build(
+        cls,
+        positions: Tensor,
+        valid: Optional[Tensor],
+        rope_cos: Tensor,
+        rope_sin: Tensor,
+        dummy_slot: int,
+        dtype: torch.dtype,
+    ) -> "AttnInputs":
+        if valid is not None:
+            slots = torch.where(valid, positions, dummy_slot)
+            positions = torch.where(valid, positions, 0)
+        else:
+            slots = positions
+        return cls(slots, positions, positions, dummy_slot, rope_cos, rope_sin, dtype)
+
+    @functools.cached_property
+    def cos(self) -> Tensor:
+        """[b, 1, t, head_dim] in the activations' dtype (the plain path's apply_rope)."""
+        return self.rope_cos[self.rope_pos].to(self.dtype)[:, None]
+
+    @functools.cached_property
+    def sin(self) -> Tensor:
+        return self.rope_sin[self.rope_pos].to(self.dtype)[:, None]
+
+    def mask(self, kv_len: int) -> Tensor:
+        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
+        kv_len = min(kv_len, self.max_kv)
+        key_pos = torch.arange(kv_len, device=self.qpos.device)
+        return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
+
+    def rope_write(self, qkv: Tensor, cache: KVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
+        """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
+        return rope_cache_write(
+            qkv,
+            self.rope_cos,
+            self.rope_sin,
+            self.rope_pos,
+            self.slots,
+            cache.k[layer],
+            cache.v[layer],
+            heads,
+            kv_heads,
+        )
 
 
 class Layer(Protocol):
@@ -73,7 +178,7 @@ class Residual:
     """A `DecoderLayer` over the (x, delta) stream in env. `max_rows`: _rows_kernel's row limit."""
 
     layer: DecoderLayer
-    cache: StaticKVCache
+    cache: KVCache
     fused: bool = False
     max_rows: Optional[int] = None
 
@@ -137,7 +242,7 @@ class StepNames:
 
 def decoder_steps(
     layers: Sequence[Layer],
-    cache: StaticKVCache,
+    cache: KVCache,
     source: AttnSource,
     names: StepNames,
     *,

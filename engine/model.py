@@ -25,7 +25,6 @@ transformers does, so fp32 logits match it to ~1e-6.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from engine.decoder import AUX_LIST, DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
 from engine.program import Step, run_steps
 from kernels.decode_attention import decode_attention
-from kernels.fused import add_rmsnorm, rope_cache_write, rotate_half
+from kernels.fused import add_rmsnorm, rotate_half
 from kernels.gemv import add_rmsnorm_gemv, gemv, interleave_gate_up
 
 
@@ -202,71 +202,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(dtype)
-
-
-@dataclass
-class AttnInputs:
-    """Per-call attention metadata shared by every layer: RoPE positions, cache slots, query bounds.
-
-    Two kernels build it (the slots and the positions of valid tokens); the fused RoPE kernel reads the
-    fp32 tables at `rope_pos` itself, and only the plain path gathers cos / sin rows (`cos`, `sin`,
-    on first use). The mask depends on `kv_len`, which a graph with eager attention breaks (breakable,
-    piecewise) chooses per replay; it is built by the first attention call (`mask(kv_len)`).
-    """
-
-    slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
-    rope_pos: Tensor  # [b, t] each token's position (padding -> 0): its RoPE row
-    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0; DFlash: the block's last)
-    max_kv: int  # the cache's slots (the dummy slot excluded)
-    rope_cos: Tensor  # [max_pos, head_dim] float32 tables
-    rope_sin: Tensor
-    dtype: torch.dtype  # the activations'
-
-    @classmethod
-    def build(
-        cls,
-        positions: Tensor,
-        valid: Optional[Tensor],
-        rope_cos: Tensor,
-        rope_sin: Tensor,
-        dummy_slot: int,
-        dtype: torch.dtype,
-    ) -> "AttnInputs":
-        if valid is not None:
-            slots = torch.where(valid, positions, dummy_slot)
-            positions = torch.where(valid, positions, 0)
-        else:
-            slots = positions
-        return cls(slots, positions, positions, dummy_slot, rope_cos, rope_sin, dtype)
-
-    @functools.cached_property
-    def cos(self) -> Tensor:
-        """[b, 1, t, head_dim] in the activations' dtype (the plain path's apply_rope)."""
-        return self.rope_cos[self.rope_pos].to(self.dtype)[:, None]
-
-    @functools.cached_property
-    def sin(self) -> Tensor:
-        return self.rope_sin[self.rope_pos].to(self.dtype)[:, None]
-
-    def mask(self, kv_len: int) -> Tensor:
-        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
-        kv_len = min(kv_len, self.max_kv)
-        key_pos = torch.arange(kv_len, device=self.qpos.device)
-        return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
-
-    def rope_write(self, qkv: Tensor, cache: StaticKVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
-        """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
-        return rope_cache_write(
-            qkv,
-            self.rope_cos,
-            self.rope_sin,
-            self.rope_pos,
-            self.slots,
-            cache.k[layer],
-            cache.v[layer],
-            heads,
-            kv_heads,
-        )
 
 
 class Attention(nn.Module):
@@ -535,8 +470,6 @@ class LlamaModel(nn.Module):
         The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
         built with, in `Step.meta`.
         """
-        from engine.decoder import AUX_LIST, DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps  # imports us
-
         aux_ids, n, fused = self.aux_layer_ids, self.args.num_layers, self.fused
         max_rows = None if self.batch_invariant else THROUGHPUT_ROWS
 

@@ -23,8 +23,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engine.decoder import AttnSource, EnvLayer, StepNames, decoder_steps
-from engine.model import AttnInputs, ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
+from engine.decoder import AttnInputs, AttnSource, EnvLayer, StepNames, decoder_steps
+from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
 from engine.program import Step
 
 

@@ -45,9 +45,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from engine.decoder import DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps
+from engine.decoder import DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
 from engine.drafts.common.head import HeadBase, llama_config
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
+from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv
 
