@@ -25,7 +25,6 @@ transformers does, so fp32 logits match it to ~1e-6.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -34,9 +33,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.program import Step, chain, run_steps
+from engine.decoder import AUX_LIST, DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
+from engine.program import Step, run_steps
 from kernels.decode_attention import decode_attention
-from kernels.fused import add_rmsnorm, rope_cache_write, rotate_half
+from kernels.fused import add_rmsnorm, rotate_half
 from kernels.gemv import add_rmsnorm_gemv, gemv, interleave_gate_up
 
 
@@ -202,71 +202,6 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * x.to(dtype)
-
-
-@dataclass
-class AttnInputs:
-    """Per-call attention metadata shared by every layer: RoPE positions, cache slots, query bounds.
-
-    Two kernels build it (the slots and the positions of valid tokens); the fused RoPE kernel reads the
-    fp32 tables at `rope_pos` itself, and only the plain path gathers cos / sin rows (`cos`, `sin`,
-    on first use). The mask depends on `kv_len`, which a graph with eager attention breaks (breakable,
-    piecewise) chooses per replay; it is built by the first attention call (`mask(kv_len)`).
-    """
-
-    slots: Tensor  # [b, t] cache slot each token writes (padding -> the dummy slot)
-    rope_pos: Tensor  # [b, t] each token's position (padding -> 0): its RoPE row
-    qpos: Tensor  # [b, t] position each query attends up to (padding -> 0; DFlash: the block's last)
-    max_kv: int  # the cache's slots (the dummy slot excluded)
-    rope_cos: Tensor  # [max_pos, head_dim] float32 tables
-    rope_sin: Tensor
-    dtype: torch.dtype  # the activations'
-
-    @classmethod
-    def build(
-        cls,
-        positions: Tensor,
-        valid: Optional[Tensor],
-        rope_cos: Tensor,
-        rope_sin: Tensor,
-        dummy_slot: int,
-        dtype: torch.dtype,
-    ) -> "AttnInputs":
-        if valid is not None:
-            slots = torch.where(valid, positions, dummy_slot)
-            positions = torch.where(valid, positions, 0)
-        else:
-            slots = positions
-        return cls(slots, positions, positions, dummy_slot, rope_cos, rope_sin, dtype)
-
-    @functools.cached_property
-    def cos(self) -> Tensor:
-        """[b, 1, t, head_dim] in the activations' dtype (the plain path's apply_rope)."""
-        return self.rope_cos[self.rope_pos].to(self.dtype)[:, None]
-
-    @functools.cached_property
-    def sin(self) -> Tensor:
-        return self.rope_sin[self.rope_pos].to(self.dtype)[:, None]
-
-    def mask(self, kv_len: int) -> Tensor:
-        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
-        kv_len = min(kv_len, self.max_kv)
-        key_pos = torch.arange(kv_len, device=self.qpos.device)
-        return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
-
-    def rope_write(self, qkv: Tensor, cache: StaticKVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
-        """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
-        return rope_cache_write(
-            qkv,
-            self.rope_cos,
-            self.rope_sin,
-            self.rope_pos,
-            self.slots,
-            cache.k[layer],
-            cache.v[layer],
-            heads,
-            kv_heads,
-        )
 
 
 class Attention(nn.Module):
@@ -535,52 +470,24 @@ class LlamaModel(nn.Module):
         The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
         built with, in `Step.meta`.
         """
-        layers, aux_ids, n = self.model.layers, self.aux_layer_ids, self.args.num_layers
-        fused, kernel = self.fused, self.attention_kernel
+        aux_ids, n, fused = self.aux_layer_ids, self.args.num_layers, self.fused
         max_rows = None if self.batch_invariant else THROUGHPUT_ROWS
 
         def start(env):
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
-            env["embeds"] = env["x"] = x
-            env["delta"] = None  # residual stream = x + delta
-            env["attn"] = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, x.dtype
-            )
-            env["aux_list"] = []
-
-        def pre(i):
-            def fn(env):
-                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused, max_rows)
-                if i in aux_ids:  # the stream entering layer i
-                    env["aux_list"].append(env["x"])
-
-            return fn
-
-        def attend(i):
-            def fn(env):
-                causal = env.get("causal", False)
-                if i == 0:
-                    env["mask"] = None if kernel or causal else env["attn"].mask(env["kv_len"])
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"], causal, max_rows)
-
-            return fn
-
-        def post(i):
-            def fn(env):
-                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused, max_rows)
-
-            return fn
+            env["embeds"] = x  # [b, t, h]
+            return x
 
         def finish(env):
             norm = self.model.norm
             if fused:
-                x, hidden = add_rmsnorm(env["x"], env["delta"], norm.weight, norm.variance_epsilon)
+                x, hidden = add_rmsnorm(env[STREAM], env[DELTA], norm.weight, norm.variance_epsilon)
             else:
-                x = env["x"] + env["delta"]
+                x = env[STREAM] + env[DELTA]
                 hidden = norm(x)
             if n in aux_ids:
-                env["aux_list"].append(x)
-            env["aux"] = torch.cat(env["aux_list"], dim=-1) if env["aux_list"] else None
+                env[AUX_LIST].append(x)
+            env["aux"] = torch.cat(env[AUX_LIST], dim=-1) if env[AUX_LIST] else None
             env["hidden"] = hidden  # [b, t, hidden]
             if logits_at_index:
                 h = hidden[torch.arange(hidden.shape[0], device=hidden.device), env["logits_index"]][:, None]
@@ -596,18 +503,19 @@ class LlamaModel(nn.Module):
             if greedy:
                 env["ids"] = env["logits"].argmax(-1)
 
-        steps = [Step("embed+pre0", chain(start, pre(0)))]
-        for i in range(n):
-            steps.append(Step(f"attn{i}", attend(i), is_break=True))
-            steps.append(
-                Step(
-                    f"post{i}+" + (f"pre{i + 1}" if i + 1 < n else "head"),
-                    chain(post(i), pre(i + 1) if i + 1 < n else finish),
-                )
-            )
-        for s in steps:
-            s.meta = {"aux_layer_ids": aux_ids}
-        return steps
+        return decoder_steps(
+            [Residual(layer, cache, fused, max_rows) for layer in self.model.layers],
+            cache,
+            AttnSource(self, cache.dummy_slot),
+            StepNames("embed+pre0", "attn{i}", "post{i}+pre{j}", "post{i}+head"),
+            start=start,
+            finish=finish,
+            capture=aux_ids,
+            kernel=self.attention_kernel,
+            causal=True,
+            max_rows=max_rows,
+            meta={"aux_layer_ids": aux_ids},
+        )
 
     def use_fused_kernels(self) -> None:
         """Switch to the fused Triton path (kernels/fused.py); projections are fused in place."""

@@ -4,8 +4,9 @@ A head is one (or a few) Llama decoder layers over a static KV cache of its own,
 attention module and RoPE; it takes the target's token embeddings and, unless it has an lm_head of
 its own, the target's lm_head (shared storage, never a copy, kept out of state_dict).
 
-    program(cache)   one draft forward as steps: pre (segment) -> attention (break) -> post (segment)
-    pre(env, ...)    env hidden [b, t, F or hidden], tokens [b, t] -> g [b, t, hidden], q [b, heads, t, d]
+    program(cache)   one draft forward as steps: pre (segment) -> attention (break) -> post (segment),
+                     built by engine/decoder.py's `decoder_steps` with `pre` / `post` as the one layer
+    pre(env, ...)    env hidden [b, t, F or hidden], tokens [b, t], attn -> g [b, t, hidden], q [b, heads, t, d]
     post(env)        env g, o [b, t, heads * d] -> out_hidden [b, t, hidden], ids [b, t] (+ logits)
 
 `llama_config` is the Llama shape of a one-layer head of the target's width: every algorithm's
@@ -22,7 +23,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engine.model import AttnInputs, ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
+from engine.decoder import AttnInputs, AttnSource, EnvLayer, StepNames, decoder_steps
+from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
 from engine.program import Step
 
 
@@ -126,24 +128,19 @@ class HeadBase(nn.Module):
                  proposal, target ids), logits [b, t, draft vocab] (unfused path only: the fused one
                  takes the argmax inside the lm_head kernel and writes no logits)
         """
-        dtype = next(self.parameters()).dtype
 
-        def start(env):
-            env["attn"] = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, dtype
-            )
+        def pre(env):  # the layer's input fusion (embeds, hidden) and q/k/v: the head's own
             self.pre(env, env["input_embeds"] if embeds_input else None, cache)
 
-        def attend(env):
-            env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
-            env["o"] = self.attention.attend(env["q"], cache, env["mask"], env["attn"])
-
-        meta = self.graph_meta()
-        return [
-            Step("draft_pre", start, meta=meta),
-            Step("draft_attn", attend, is_break=True, meta=meta),
-            Step("draft_post", self.post, meta=meta),
-        ]
+        dtype = next(self.parameters()).dtype
+        return decoder_steps(
+            [EnvLayer(self.attention, pre, self.post)],
+            cache,
+            AttnSource(self, cache.dummy_slot, dtype),
+            StepNames("draft_pre", "draft_attn", "", "draft_post"),
+            kernel=self.attention_kernel,
+            meta=self.graph_meta(),
+        )
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""

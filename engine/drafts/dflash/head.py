@@ -40,15 +40,15 @@ Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both a
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from engine.decoder import DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
 from engine.drafts.common.head import HeadBase, llama_config
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
-from engine.program import Step, chain
+from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
+from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -146,43 +146,13 @@ class DFlashHead(HeadBase):
         env out: ids [b, num_drafts] (the greedy drafts) at block indices 1..num_drafts, and on the
                  unfused path the logits behind them [b, num_drafts, vocab]
         """
-        layers, n, kernel = self.layers, len(self.layers), self.attention_kernel
-
-        def start(env):
-            x = self.embed(env["tokens"])  # [b, B, hidden]
-            a = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, x.dtype
-            )
-            # Non-causal inside the block: every query sees up to the block's last slot (padding rows: 0).
-            last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, B]
-            env["attn"] = dataclasses.replace(a, qpos=last.masked_fill(a.slots == cache.dummy_slot, 0))
-            env["x"], env["delta"] = x, None
-
         fused = self.fused
 
-        def pre(i):
-            def fn(env):
-                env["x"], env["q"] = layers[i].pre(env["x"], env["delta"], cache, env["attn"], fused)
-
-            return fn
-
-        def attend(i):
-            def fn(env):
-                if i == 0:  # kv_len covers the live rows' blocks; + B also covers a static kv_len (full
-                    # graphs: the target's max_seq_len) when a block runs past it. The mask clamps to the cache.
-                    env["mask"] = None if kernel else env["attn"].mask(env["kv_len"] + self.block_size)
-                env["o"] = layers[i].self_attn.attend(env["q"], cache, env["mask"], env["attn"])
-
-            return fn
-
-        def post(i):
-            def fn(env):
-                env["x"], env["delta"] = layers[i].post(env["x"], env["o"], fused)
-
-            return fn
+        def start(env):
+            return self.embed(env["tokens"])  # [b, B, hidden]
 
         def finish(env):
-            x, delta = env["x"][:, 1 : num_drafts + 1], env["delta"][:, 1 : num_drafts + 1]  # [b, k, hidden]
+            x, delta = env[STREAM][:, 1 : num_drafts + 1], env[DELTA][:, 1 : num_drafts + 1]  # [b, k, hidden]
             if fused:  # + residual, norm, lm_head and argmax in one kernel: no logits
                 env["ids"] = add_rmsnorm_gemv(
                     x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight, argmax=True
@@ -191,12 +161,19 @@ class DFlashHead(HeadBase):
             env["logits"] = self.lm_head(self.norm(x + delta))  # [b, k, vocab]
             env["ids"] = env["logits"].argmax(-1)
 
-        meta = self.graph_meta()
-        steps = [Step("dflash_embed+pre0", chain(start, pre(0)), meta=meta)]
-        for i in range(n):
-            steps.append(Step(f"dflash_attn{i}", attend(i), is_break=True, meta=meta))
-            steps.append(Step(f"dflash_post{i}", chain(post(i), pre(i + 1) if i + 1 < n else finish), meta=meta))
-        return steps
+        # Non-causal inside the block (AttnSource.block). The mask covers kv_len + B: kv_len covers the
+        # live rows' blocks, + B also a static kv_len (full graphs: the target's max_seq_len) when a
+        # block runs past it. The mask clamps to the cache.
+        return decoder_steps(
+            [Residual(layer, cache, fused) for layer in self.layers],
+            cache,
+            AttnSource(self, cache.dummy_slot, block=True, kv_extra=self.block_size),
+            StepNames("dflash_embed+pre0", "dflash_attn{i}", "dflash_post{i}", "dflash_post{i}"),
+            start=start,
+            finish=finish,
+            kernel=self.attention_kernel,
+            meta=self.graph_meta(),
+        )
 
     # -- model card (stages/train_draft.py) ----------------------------------------------------------
     def card_summary(self, f: dict) -> str:

@@ -17,6 +17,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from engine.decoder import ATTN, ATTN_OUT, QUERY
 from engine.drafts.common.head import HeadBase, llama_config
 from engine.model import MLP, Attention, ModelArgs, RMSNorm
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
@@ -54,11 +55,11 @@ class EagleHead(HeadBase):
             x = cat_rmsnorm_gemv(
                 table, env["hidden"], None, None, 0.0, self.fc.weight, self.fc.bias, index1=rows, norm=False
             )  # [b, t, hidden]
-            env["g"], env["q"] = x, self._attend_fused(gemv(x, self.qkv_weight, self.qkv_bias), cache, env["attn"])
+            env["g"], env[QUERY] = x, self._attend_fused(gemv(x, self.qkv_weight, self.qkv_bias), cache, env[ATTN])
             return
         embeds = embeds if embeds is not None else self.embed(env["tokens"])
         x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE
-        env["g"], env["q"] = x, self.attention.project(x, cache, env["attn"])
+        env["g"], env[QUERY] = x, self.attention.project(x, cache, env[ATTN])
 
     def post(self, env: dict) -> None:
         layer = self.layers[0]
@@ -66,7 +67,7 @@ class EagleHead(HeadBase):
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
             h, act = add_rmsnorm_gemv(
                 env["g"],
-                gemv(env["o"], o.weight, o.bias),
+                gemv(env[ATTN_OUT], o.weight, o.bias),
                 layer.post_attention_layernorm.weight,
                 self.args.rms_norm_eps,
                 self.gate_up_weight,
@@ -76,7 +77,7 @@ class EagleHead(HeadBase):
             h = h + gemv(act, down.weight, down.bias)  # [b, t, hidden]
             env["out_hidden"], env["ids"] = h, gemv(h, self.lm_head.weight, argmax=True)  # no final norm in EAGLE
             return
-        h = env["g"] + layer.self_attn.o_proj(env["o"])
+        h = env["g"] + layer.self_attn.o_proj(env[ATTN_OUT])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(h)
         env["ids"] = env["logits"].argmax(-1)

@@ -25,6 +25,7 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from engine.decoder import ATTN, ATTN_OUT, QUERY
 from engine.drafts.common.head import HeadBase, llama_config
 from engine.model import MLP, Attention, ModelArgs, RMSNorm
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
@@ -86,12 +87,12 @@ class Eagle3Head(HeadBase):
                 self.qkv_bias,
                 index1=rows,
             )  # [b, t, (heads + 2 kv) * d]
-            env["g"], env["q"] = g, self._attend_fused(qkv, cache, env["attn"])
+            env["g"], env[QUERY] = g, self._attend_fused(qkv, cache, env[ATTN])
             return
         embeds = embeds if embeds is not None else self.embed(env["tokens"])  # [b, t, H]
         g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
         x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2 * hidden]
-        env["g"], env["q"] = g, m.self_attn.project(x, cache, env["attn"])
+        env["g"], env[QUERY] = g, m.self_attn.project(x, cache, env[ATTN])
 
     def post(self, env: dict) -> None:
         m, eps = self.midlayer, self.args.rms_norm_eps
@@ -99,7 +100,7 @@ class Eagle3Head(HeadBase):
             o = m.self_attn.o_proj
             h, act = add_rmsnorm_gemv(
                 env["g"],
-                gemv(env["o"], o.weight, o.bias),
+                gemv(env[ATTN_OUT], o.weight, o.bias),
                 m.post_attention_layernorm.weight,
                 eps,
                 self.gate_up_weight,
@@ -117,7 +118,7 @@ class Eagle3Head(HeadBase):
                 offsets=None if self.shares_lm_head else self.d2t,
             )  # [b, t, hidden], [b, t] target ids
             return
-        h = env["g"] + m.self_attn.o_proj(env["o"])
+        h = env["g"] + m.self_attn.o_proj(env[ATTN_OUT])
         h = h + m.mlp(m.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
         env["ids"] = self.to_target(env["logits"].argmax(-1))

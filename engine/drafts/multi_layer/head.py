@@ -43,8 +43,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
+from engine.decoder import DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps
 from engine.drafts.common.head import HeadBase, llama_config
-from engine.model import AttnInputs, DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
+from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv
 
@@ -115,11 +116,8 @@ class MultiLayerEagleHead(HeadBase):
         dtype = next(self.parameters()).dtype
 
         def start(env):
-            env["attn"] = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, dtype
-            )
             if fused:  # the embedding gather, both norms and eh_proj in one kernel
-                x = cat_rmsnorm_gemv(
+                return cat_rmsnorm_gemv(
                     self.embed.weight,
                     env["hidden"],
                     mod.enorm.weight,
@@ -128,13 +126,7 @@ class MultiLayerEagleHead(HeadBase):
                     mod.eh_proj.weight,
                     index1=env["tokens"],
                 )
-            else:
-                x = mod.fuse_input(self.embed(env["tokens"]), env["hidden"])  # [b, t, H]
-            env["x"], env["q"] = mod.pre(x, None, cache, env["attn"], fused)
-
-        def attend(env):
-            env["mask"] = None if self.attention_kernel else env["attn"].mask(env["kv_len"])
-            env["o"] = mod.self_attn.attend(env["q"], cache, env["mask"], env["attn"])
+            return mod.fuse_input(self.embed(env["tokens"]), env["hidden"])  # [b, t, H]
 
         def pick(env, x):
             """x [b, t, ...] -> the rows the logits mode asks for: [b, 1 or t, ...]."""
@@ -144,8 +136,8 @@ class MultiLayerEagleHead(HeadBase):
                 return x[torch.arange(x.shape[0], device=x.device), env["logits_index"]][:, None]
             return x
 
-        def post(env):
-            h, delta = mod.post(env["x"], env["o"], fused)
+        def finish(env):
+            h, delta = env[STREAM], env[DELTA]
             if logits != "none" and fused:  # + residual, the head's norm, lm_head and argmax in one kernel
                 env["out_hidden"], ids = add_rmsnorm_gemv(
                     h, delta, mod.shared_head.norm.weight, eps, self.lm_head.weight, argmax=True
@@ -157,12 +149,16 @@ class MultiLayerEagleHead(HeadBase):
                 env["logits"] = self.lm_head(mod.shared_head.norm(pick(env, h)))
                 env["ids"] = env["logits"].argmax(-1)
 
-        meta = self.graph_meta()
-        return [
-            Step(f"mtp{i}_pre", start, meta=meta),
-            Step(f"mtp{i}_attn", attend, is_break=True, meta=meta),
-            Step(f"mtp{i}_post", post, meta=meta),
-        ]
+        return decoder_steps(
+            [Residual(mod, cache, fused)],
+            cache,
+            AttnSource(self, cache.dummy_slot, dtype),
+            StepNames(f"mtp{i}_pre", f"mtp{i}_attn", "", f"mtp{i}_post"),
+            start=start,
+            finish=finish,
+            kernel=self.attention_kernel,
+            meta=self.graph_meta(),
+        )
 
     def card_summary(self, f: dict) -> str:
         return (
