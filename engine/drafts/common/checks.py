@@ -62,6 +62,19 @@ def reject_width(cfg, ckpt: HeadCheckpoint) -> None:
         )
 
 
+def check_target_fit(cfg_json: dict, target: ModelArgs, path) -> None:
+    """A head reading the target's hidden states and vocabulary: both must be this target's."""
+    th = cfg_json.get("target_hidden_size", cfg_json.get("hidden_size"))
+    if th != target.hidden_size:
+        raise ConfigError(
+            "draft.path",
+            str(path),
+            f"target_hidden_size {th} differs from the target's hidden size {target.hidden_size}",
+            "a head trained for this target",
+        )
+    check_vocab(cfg_json, target, path)
+
+
 def check_vocab(cfg_json: dict, target: ModelArgs, path) -> None:
     if cfg_json.get("vocab_size", target.vocab_size) != target.vocab_size:
         raise ConfigError(

@@ -10,7 +10,7 @@ from typing import Optional
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind, vocab_details
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_fc, check_init, check_vocab
+from engine.drafts.common.checks import check_fc, check_init, check_target_fit
 from engine.drafts.config import HeadKeys
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.errors import ConfigError
@@ -41,15 +41,7 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
     if cfg.init == "checkpoint":
         ckpt = HeadCheckpoint.read(cfg.path, DFlashHead.architecture)
         ck = ckpt.config
-        th = ck.get("target_hidden_size", ck.get("hidden_size"))
-        if th != target.hidden_size:
-            raise ConfigError(
-                "draft.path",
-                cfg.path,
-                f"target_hidden_size {th} differs from the target's hidden size {target.hidden_size}",
-                "a head trained for this target",
-            )
-        check_vocab(ck, target, cfg.path)
+        check_target_fit(ck, target, cfg.path)
     n_layers = target.num_layers
     ckpt_ids = dflash_value(ck, "target_layer_ids")
     if cfg.aux_layer_ids is not None:

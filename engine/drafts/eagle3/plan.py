@@ -9,7 +9,7 @@ from typing import Optional
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_fc, check_init, check_vocab, mlp_width, reject_width
+from engine.drafts.common.checks import check_fc, check_init, check_target_fit, mlp_width, reject_width
 from engine.drafts.config import HeadKeys
 from engine.drafts.eagle3.head import Eagle3Head, eagle3_config
 from engine.errors import ConfigError
@@ -37,15 +37,7 @@ def plan_eagle3(cfg, target: ModelArgs) -> DraftPlan:
         ckpt = HeadCheckpoint.read(cfg.path, Eagle3Head.architecture)
         ckpt_ids = (ckpt.config.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
         reject_width(cfg, ckpt)
-        th = ckpt.config.get("target_hidden_size", ckpt.config.get("hidden_size"))
-        if th != target.hidden_size:
-            raise ConfigError(
-                "draft.path",
-                cfg.path,
-                f"target_hidden_size {th} differs from the target's hidden size {target.hidden_size}",
-                "a head trained for this target",
-            )
-        check_vocab(ckpt.config, target, cfg.path)
+        check_target_fit(ckpt.config, target, cfg.path)
     aux = aux_layers.resolve(cfg.aux_layer_ids, cfg.aux_layer_convention, ckpt_ids, target.num_layers)
     n = len(aux.input_of)
     if ckpt is not None:
