@@ -67,6 +67,15 @@ def setup(
     return target, plan, head, gs, k
 
 
+def target_for(policy: str):
+    """The tiny target on the policy's device (debug: CPU, the CUDA policies: the GPU) -> (target, device)."""
+    device = "cuda" if policy != "debug" else "cpu"
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    return target, device
+
+
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
     cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
     draft = make_draft(
@@ -162,10 +171,7 @@ def test_hazard_1_aux_capture_after_graph_capture(outputs, monkeypatch):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_2_reading_buffers_when_graph_did_not_run(policy):
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     runner, _ = decode_runner(target, policy, (1, 2), 4, device)
     poison(runner)
     live = live_batch(4, 1, start=3, device=device)  # 4 rows > largest size 2
@@ -177,10 +183,7 @@ def test_hazard_2_reading_buffers_when_graph_did_not_run(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_3_padded_rows_do_not_leak(policy):
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     runner, cache = decode_runner(target, policy, (4,), 4, device)
     runner.buffers["tokens"].fill_(255)  # garbage in the padding rows' inputs
     runner.buffers["positions"].fill_(7)
@@ -213,10 +216,7 @@ def test_hazard_3_a_round_writes_no_padding_row(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_4_stale_static_buffers(policy):
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     runner, _ = decode_runner(target, policy, (4,), 4, device)
     a = live_batch(4, 1, seed=1, device=device)
     runner(a, 1, M.NULL)
@@ -227,10 +227,7 @@ def test_hazard_4_stale_static_buffers(policy):
 
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_5_outputs_not_overwritten_by_next_replay(policy):
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     runner, _ = decode_runner(target, policy, (2,), 2, device)
     step_n = live_batch(2, 1, seed=3, device=device)
     out_n, _ = runner(step_n, 1, M.NULL)
@@ -266,10 +263,7 @@ def test_hazard_7_draft_graphs_before_weight_sharing():
 
 @pytest.mark.parametrize("policy", ["debug"] + (["piecewise"] if CUDA else []))
 def test_hazard_8_input_embeds_survive_piecewise_replay(policy):
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     gs = GraphSet(target, None, 2, 0, policy, "none", [1, 2], [16, 32], features=True)
     gs.runners["prefill"] = gs.runners.get("prefill") or GraphRunner(
         "prefill",
@@ -319,10 +313,7 @@ def test_prefill_graphs_under_every_policy_and_into_any_row(policy, staging):
     the staging cache and the KV is copied into the slot. Either way logits, features and the KV of the
     rows written equal an eager prefill, the other rows' slots are untouched, and a prompt no bucket holds
     prefills eagerly."""
-    device = "cuda" if policy != "debug" else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
+    target, device = target_for(policy)
     gs = GraphSet(target, None, 3, 0, policy, "none", [1, 2, 3], [8, 16], features=True, prefill_rows=staging).capture()
     dec = Generator(target, 3, graphs=gs)
     dec.mode = M.FULL  # the features too, as for a draft that reads them
