@@ -7,7 +7,7 @@ import pytest
 import torch
 from conftest import compose_cfg
 from test_model import _prompts, pair
-from test_speculative import AUX
+from test_speculative import AUX, generator
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
@@ -78,18 +78,7 @@ def target_for(policy: str):
 
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
     cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
-    draft = make_draft(
-        plan,
-        head,
-        target,
-        batch,
-        k,
-        references=references,
-        prompt_lens=[len(p) for p in prompts] if prompts else None,
-        cfg=cfg,
-        graphs=gs,
-    )
-    return Generator(target, batch, draft, k, graphs=gs)
+    return generator(target, plan, head, k, batch, cfg, references, prompts, graphs=gs)
 
 
 def decode_runner(target, policy, sizes, batch, device):

@@ -33,17 +33,14 @@ def build(target, algorithm, batch, params, references=None, prompts=None, k=3, 
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
-    draft = make_draft(
-        plan,
-        head,
-        target,
-        batch,
-        k,
-        references=references,
-        prompt_lens=[len(p) for p in prompts] if prompts else None,
-        cfg=cfg,
-    )
-    return Generator(target, batch, draft, k)
+    return generator(target, plan, head, k, batch, cfg, references, prompts)
+
+
+def generator(target, plan, head, k, batch, cfg, references=None, prompts=None, graphs=None):
+    """A speculative Generator over `plan`'s draft (with `graphs`: replaying them)."""
+    lens = [len(p) for p in prompts] if prompts else None
+    draft = make_draft(plan, head, target, batch, k, references=references, prompt_lens=lens, cfg=cfg, graphs=graphs)
+    return Generator(target, batch, draft, k, graphs=graphs)
 
 
 def run_all(gen, prompts, params, batch, stop=frozenset(), rng=None):
