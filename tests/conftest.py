@@ -114,3 +114,20 @@ TINY_TRAIN = [
     "train.max_tokens=1024",
     "train.max_len=64",
 ]
+
+
+def tiny_train(recipe: str, k: int = 3, steps: int = 40) -> list[str]:
+    """TINY_TRAIN for `+experiment=<recipe>` with k drafts (TTT steps and eval k alike), a short run
+    that evaluates and saves every 20 steps, and the real loop's eval on 4 prompts."""
+    return [
+        f"+experiment={recipe}",
+        *TINY_TRAIN,
+        f"draft.num_steps={k}",
+        "train.lr=5e-3",
+        "train.eval_every=20",
+        "train.save_every=20",
+        f"train.ttt_steps={k}",
+        f"train.eval_k={k}",
+        f"train.steps={steps}",
+        "train.loop_eval_prompts=4",
+    ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, assert_trained_beats_random, compose_cfg
+from conftest import assert_trained_beats_random, compose_cfg, tiny_train
 from test_graphs import CUDA, POLICIES, poison, setup, spec_generator
 from test_model import _prompts, pair
 from test_speculative import oracle_prefix, run_all, tap
@@ -216,18 +216,7 @@ def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
         )
 
 
-TRAIN = [
-    "+experiment=train_mtp_smollm2",
-    *TINY_TRAIN,
-    "draft.num_steps=3",
-    "train.lr=5e-3",
-    "train.eval_every=20",
-    "train.save_every=20",
-    "train.ttt_steps=3",
-    "train.eval_k=3",
-    "train.steps=40",
-    "train.loop_eval_prompts=4",
-]
+TRAIN = tiny_train("train_mtp_smollm2")
 
 
 def test_train_draft_stage_trains_an_mtp_head_that_beats_a_random_one(outputs, tmp_path):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import TINY_TRAIN, assert_trained_beats_random, compose_cfg
+from conftest import assert_trained_beats_random, compose_cfg, tiny_train
 from test_model import pair
 
 from engine.drafts.eagle.train import eagle_forward
@@ -56,19 +56,7 @@ def test_first_step_equals_the_heads_inference_program():
     assert torch.allclose(logits[0], env["logits"], atol=1e-4)
 
 
-TRAIN = [
-    "+experiment=train_eagle_smollm2",
-    *TINY_TRAIN,
-    "draft.num_steps=3",
-    "train.lr=5e-3",
-    "train.eval_every=20",
-    "train.save_every=20",
-    "train.ttt_steps=3",
-    "train.eval_k=3",
-    "train.steps=40",
-    "train.loop_eval_prompts=4",
-    "train.ema_decay=0",
-]
+TRAIN = [*tiny_train("train_eagle_smollm2"), "train.ema_decay=0"]
 
 
 def test_train_draft_stage_trains_an_eagle_head_that_beats_a_random_one(outputs, tmp_path):
