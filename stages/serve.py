@@ -4,9 +4,9 @@
 
 The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
 graphs), the continuous-batching scheduler (engine/serve/scheduler.py: the same draft-and-verify round as
-eval) and the HTTP app (engine/serve/openai_server.py), and serves on `serve.host:serve.port` until Ctrl-C,
-which drains (new requests get 503 with Retry-After, in-flight ones finish; a second Ctrl-C aborts them)
-before the stage returns and the MLflow run closes normally.
+eval) and the HTTP app (engine/serve/openai_server.py, under uvicorn: engine/serve/http.py), and serves
+on `serve.host:serve.port` until Ctrl-C, which drains (new requests get 503 with Retry-After, in-flight
+ones finish; a second Ctrl-C aborts them) before the stage returns and the MLflow run closes normally.
 
 The draft proposes greedily whatever the request's temperature (lossless either way, see
 engine/serve/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
@@ -29,7 +29,9 @@ from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
 from engine.errors import ConfigError, check_values
 from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
-from engine.serve.openai_server import ApiLimits, OpenAIApp, OpenAIServer
+from engine.serve.http import OpenAIServer
+from engine.serve.openai_server import OpenAIApp
+from engine.serve.protocol import ApiLimits
 from engine.serve.scheduler import Scheduler, ServeStats
 from stages.base import Stage, StageEnv, register_stage
 

@@ -2,8 +2,9 @@
 
     scheduler.py      the engine thread: slots of the static cache that requests join and leave
                       between rounds (continuous batching), adaptive k, the serve counters
-    openai_server.py  the OpenAI-compatible HTTP app (FastAPI + uvicorn): completions and chat,
-                      streaming, limits, drain on Ctrl-C
+    openai_server.py  the OpenAI-compatible HTTP app (FastAPI): completions and chat, streaming, limits
+    protocol.py       its request bodies, the fields refused or ignored, errors in OpenAI's shape
+    http.py           uvicorn around the app: serve until Ctrl-C / SIGTERM, drain, stop
     metrics.py        /metrics in the Prometheus text format, from the scheduler's counters
     detokenize.py     incremental detokenization with stop strings (what a stream may send so far)
 

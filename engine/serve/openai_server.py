@@ -14,23 +14,7 @@ disconnected mid-stream: Starlette cancels the response; a stop string matched) 
 which frees the slot before the next round; a non-streaming handler polls for its client (there is no
 write to fail on) and does the same.
 
-Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
-
-    400  malformed JSON; max_tokens < 1 or above serve.max_tokens_limit; prompt + max_tokens beyond
-         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts; a field
-         that would change the output and is not served (tools, logprobs, response_format, ...: code
-         unsupported_parameter) or that no API here has (code unknown_parameter)
-    404  a model other than the served one (code model_not_found); unknown routes
-    422  well-formed JSON of the wrong shape (a missing field, a wrong type, temperature out of [0, 2])
-    429  serve.max_queue requests already waiting (code queue_full)
-    503  shutting down (code shutting_down, with Retry-After): every request that arrives while the server
-         drains, and in-flight ones aborted by a second Ctrl-C
-
-Stopping (`OpenAIServer`): the first Ctrl-C or SIGTERM drains: the listener stays open, new requests get
-the 503 above (/health answers 503 "draining", /metrics still answers), in-flight ones finish and the log
-counts them down; when none is left (or serve.drain_timeout_s passed) uvicorn shuts down. A second
-Ctrl-C aborts the in-flight requests (a streaming client gets an error event and `[DONE]`, a waiting one
-a 503) and stops within ABORT_GRACE_S, with no traceback.
+The request schema and the error shape: engine/serve/protocol.py; uvicorn and stopping: engine/serve/http.py.
 """
 
 from __future__ import annotations
@@ -38,142 +22,35 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import signal
 import time
 import uuid
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Awaitable, Callable, Literal, Optional, Union
+from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.graphs.graph_set import GraphSet
 from engine.serve.detokenize import TextStream
 from engine.serve.metrics import ServeMetrics
+from engine.serve.protocol import (
+    ApiError,
+    ApiLimits,
+    ChatCompletionRequest,
+    CompletionRequest,
+    SamplingRequest,
+    extra_field_error,
+    shutting_down_error,
+)
 from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
 DISCONNECT_POLL_S = 0.25  # a non-streaming request checks this often whether its client is still there
-RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a restart, or for a balancer to pick another replica
-ABORT_GRACE_S = 2.0  # after a stop-now abort: time for handlers to write their error before uvicorn closes
 OPEN_WHILE_DRAINING = ("/health", "/metrics")  # answered while draining: a balancer and a scraper still look
-
-
-@dataclass(frozen=True)
-class ApiLimits:
-    model_name: str
-    vocab_size: int  # prompt token ids must be below it
-    max_seq_len: int  # KV slots per sequence: prompt + max_tokens + draft tokens must fit
-    draft_tokens: int  # k: the verify of the last round writes k slots past the last token
-    default_max_tokens: int
-    max_tokens_limit: int
-    default_temperature: float
-
-
-# ------------------------------------------------------------------------------------------ protocol
-class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-# Request fields beyond the ones modelled below: those that change nothing here are ignored, those
-# that would change the output are refused (400 unsupported_parameter), any other is a typo or another
-# API's field (400 unknown_parameter). Penalties of 0 are the default and change nothing.
-IGNORED_FIELDS = {"user", "metadata", "store", "service_tier"}
-UNSUPPORTED_FIELDS = {
-    "tools",
-    "tool_choice",
-    "functions",
-    "function_call",
-    "parallel_tool_calls",
-    "response_format",
-    "logprobs",
-    "top_logprobs",
-    "logit_bias",
-    "best_of",
-    "echo",
-    "suffix",
-    "presence_penalty",
-    "frequency_penalty",
-    "modalities",
-    "audio",
-    "prediction",
-    "reasoning_effort",
-    "web_search_options",
-}
-
-
-class StreamOptions(_Body):
-    include_usage: bool = False
-
-
-class _Sampling(_Body):
-    model_config = ConfigDict(extra="allow")  # kept, to be refused or ignored by name (`extra_field_error`)
-    model: str
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = Field(None, ge=0.0, le=2.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    n: int = 1
-    stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (fixed-length benchmarks)
-
-
-class CompletionRequest(_Sampling):
-    prompt: Union[str, list[str], list[int]]
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant", "developer"]
-    content: Union[str, list[TextPart]]
-
-    def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-
-
-class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
-
-
-class ApiError(Exception):
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: Optional[str] = None,
-        code: Optional[str] = None,
-        type_: str = "invalid_request_error",
-    ):
-        super().__init__(message)
-        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type_
-
-    def body(self) -> dict:
-        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
-
-    def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
-        return JSONResponse(self.body(), status_code=self.status, headers=headers)
-
-
-def shutting_down_error() -> ApiError:
-    return ApiError(
-        503,
-        "the server is shutting down; retry on another replica or later",
-        code="shutting_down",
-        type_="server_error",
-    )
 
 
 class _RefuseWhileDraining:
@@ -192,19 +69,6 @@ class _RefuseWhileDraining:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
-
-
-def extra_field_error(extra: dict) -> Optional[ApiError]:
-    """The 400 for the first request field this server does not serve (see IGNORED_FIELDS), or None."""
-    for name, value in extra.items():
-        if name in IGNORED_FIELDS or (name in ("presence_penalty", "frequency_penalty") and value in (0, None)):
-            continue
-        if name in UNSUPPORTED_FIELDS:
-            return ApiError(
-                400, f"{name}: not supported by this server (plain text generation)", name, "unsupported_parameter"
-            )
-        return ApiError(400, f"{name}: unknown parameter", name, "unknown_parameter")
-    return None
 
 
 # ------------------------------------------------------------------------------------------ one request
@@ -320,7 +184,7 @@ class OpenAIApp:
 
     # -- validation -------------------------------------------------------------------------------
     def _params(
-        self, body: _Sampling, prompt: list[int], max_tokens: Optional[int], key: str, prompt_key: str
+        self, body: SamplingRequest, prompt: list[int], max_tokens: Optional[int], key: str, prompt_key: str
     ) -> _Params:
         lim = self.limits
         if body.model != lim.model_name:
@@ -392,7 +256,7 @@ class OpenAIApp:
         return list(p)
 
     # -- responses --------------------------------------------------------------------------------
-    async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: _Sampling):
+    async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: SamplingRequest):
         flight = _Flight(self.scheduler, self.tokenizer, prompt, p).submit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {
@@ -573,109 +437,3 @@ class OpenAIApp:
             prompt[2].update(minItems=1, items={"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1})
             app.openapi_schema = doc
         return app.openapi_schema
-
-
-# ------------------------------------------------------------------------------------------ the server
-class _Server(uvicorn.Server):
-    """uvicorn's server, stopping in two steps. Its own first signal would close the listener at once
-    (new clients refused) and its second cancel the ASGI tasks (tracebacks): here a signal only counts
-    (`stops`) and the event loop's tick, every 0.1 s, does the rest (`OpenAIServer._tick`)."""
-
-    sigint = False  # a Ctrl-C, not a SIGTERM, stopped it
-    stops = 0  # 1: drain, 2: stop now
-    tick: Optional[Callable[[], bool]] = None  # the draining step: True when uvicorn may shut down
-
-    def handle_exit(self, sig: int, frame) -> None:
-        self.sigint = self.sigint or sig == signal.SIGINT
-        self.stops += 1  # not re-raised after the shutdown: the stage ends normally and logs its run
-
-    async def on_tick(self, counter: int) -> bool:
-        if await super().on_tick(counter):
-            return True
-        return self.stops > 0 and self.tick is not None and self.tick()
-
-
-class OpenAIServer:
-    """uvicorn around `OpenAIApp`, with the scheduler's lifetime tied to it.
-
-    run() blocks: starts the engine thread, serves until Ctrl-C / SIGTERM (or `shutdown()` from another
-    thread), drains (new requests 503, in-flight ones finish, up to drain_timeout_s; a second Ctrl-C
-    aborts them), then stops uvicorn and the engine. In the main thread a Ctrl-C ends run() normally."""
-
-    def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
-        self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
-        config = uvicorn.Config(
-            api.app,
-            host=host,
-            port=port,
-            log_config=None,
-            log_level=log_level,
-            timeout_graceful_shutdown=ABORT_GRACE_S,  # the drain ran before: only connections closing remain
-            lifespan="off",
-            access_log=False,
-        )
-        self.server = _Server(config)
-        self.server.tick = self._tick
-        self.interrupted = False  # stopped by Ctrl-C
-        self.aborted = 0  # requests aborted by a stop-now (a second Ctrl-C, or the drain timeout)
-        self._drain_deadline: Optional[float] = None
-        self._abort_at: Optional[float] = None
-        self._left: Optional[int] = None
-
-    @property
-    def port(self) -> int:
-        return self.server.servers[0].sockets[0].getsockname()[1]
-
-    def _tick(self) -> bool:
-        """On the event loop, every 0.1 s once a stop was asked: drain, count down, abort on a second
-        stop or at the deadline. True: nothing in flight (or the abort's grace is over), shut down."""
-        now, left = time.monotonic(), self.scheduler.in_flight
-        if self._drain_deadline is None:
-            self.api.draining = True
-            self._drain_deadline = now + self.drain_timeout_s
-            print(
-                f"[serve] draining: {left} request{'s' if left != 1 else ''} in flight, new ones get 503 "
-                f"(up to serve.drain_timeout_s={self.drain_timeout_s:g}; Ctrl-C again stops now)",
-                flush=True,
-            )
-        elif left != self._left:
-            print(f"[serve] draining: {left} left", flush=True)
-        self._left = left
-        if left == 0:
-            return True
-        if self._abort_at is None and (self.server.stops > 1 or now >= self._drain_deadline):
-            self._abort_at, self.aborted = now, left
-            why = "Ctrl-C again" if self.server.stops > 1 else "serve.drain_timeout_s passed"
-            print(f"[serve] {why}: aborting {left} in-flight request{'s' if left != 1 else ''}", flush=True)
-            self.scheduler.abort()
-        return self._abort_at is not None and now - self._abort_at >= ABORT_GRACE_S
-
-    def run(self) -> None:
-        self.scheduler.start()
-        try:
-            self.server.run()  # returns after the drain and uvicorn's shutdown
-            self.interrupted = self.server.sigint
-        except KeyboardInterrupt:  # a Ctrl-C before uvicorn installed its handlers
-            self.interrupted = True
-        except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)
-            if self.server.started:
-                raise
-            c = self.server.config
-            raise RuntimeError(
-                f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
-                "serve.port=0 picks a free port)"
-            ) from None
-        finally:
-            self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
-
-    def wait_ready(self, timeout: float = 60.0) -> bool:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            if self.server.started:
-                return True
-            time.sleep(0.02)
-        return False
-
-    def shutdown(self, now: bool = False) -> None:
-        """From any thread: what Ctrl-C does (now=True: what a second one does)."""
-        self.server.stops = max(self.server.stops + 1, 2 if now else 1)

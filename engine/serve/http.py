@@ -1,0 +1,126 @@
+"""uvicorn around the OpenAI app (engine/serve/openai_server.py), with the scheduler's lifetime tied to it.
+
+Stopping (`OpenAIServer`): the first Ctrl-C or SIGTERM drains: the listener stays open, new requests
+get a 503 with Retry-After (engine/serve/protocol.py; /health answers 503 "draining", /metrics still
+answers), in-flight ones finish and the log counts them down; when none is left (or
+serve.drain_timeout_s passed) uvicorn shuts down. A second Ctrl-C aborts the in-flight requests (a
+streaming client gets an error event and `[DONE]`, a waiting one a 503) and stops within
+ABORT_GRACE_S, with no traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from typing import Callable, Optional
+
+import uvicorn
+
+from engine.serve.openai_server import OpenAIApp
+
+ABORT_GRACE_S = 2.0  # after a stop-now abort: time for handlers to write their error before uvicorn closes
+
+
+class _Server(uvicorn.Server):
+    """uvicorn's server, stopping in two steps. Its own first signal would close the listener at once
+    (new clients refused) and its second cancel the ASGI tasks (tracebacks): here a signal only counts
+    (`stops`) and the event loop's tick, every 0.1 s, does the rest (`OpenAIServer._tick`)."""
+
+    sigint = False  # a Ctrl-C, not a SIGTERM, stopped it
+    stops = 0  # 1: drain, 2: stop now
+    tick: Optional[Callable[[], bool]] = None  # the draining step: True when uvicorn may shut down
+
+    def handle_exit(self, sig: int, frame) -> None:
+        self.sigint = self.sigint or sig == signal.SIGINT
+        self.stops += 1  # not re-raised after the shutdown: the stage ends normally and logs its run
+
+    async def on_tick(self, counter: int) -> bool:
+        if await super().on_tick(counter):
+            return True
+        return self.stops > 0 and self.tick is not None and self.tick()
+
+
+class OpenAIServer:
+    """uvicorn around `OpenAIApp`, with the scheduler's lifetime tied to it.
+
+    run() blocks: starts the engine thread, serves until Ctrl-C / SIGTERM (or `shutdown()` from another
+    thread), drains (new requests 503, in-flight ones finish, up to drain_timeout_s; a second Ctrl-C
+    aborts them), then stops uvicorn and the engine. In the main thread a Ctrl-C ends run() normally."""
+
+    def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
+        self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
+        config = uvicorn.Config(
+            api.app,
+            host=host,
+            port=port,
+            log_config=None,
+            log_level=log_level,
+            timeout_graceful_shutdown=ABORT_GRACE_S,  # the drain ran before: only connections closing remain
+            lifespan="off",
+            access_log=False,
+        )
+        self.server = _Server(config)
+        self.server.tick = self._tick
+        self.interrupted = False  # stopped by Ctrl-C
+        self.aborted = 0  # requests aborted by a stop-now (a second Ctrl-C, or the drain timeout)
+        self._drain_deadline: Optional[float] = None
+        self._abort_at: Optional[float] = None
+        self._left: Optional[int] = None
+
+    @property
+    def port(self) -> int:
+        return self.server.servers[0].sockets[0].getsockname()[1]
+
+    def _tick(self) -> bool:
+        """On the event loop, every 0.1 s once a stop was asked: drain, count down, abort on a second
+        stop or at the deadline. True: nothing in flight (or the abort's grace is over), shut down."""
+        now, left = time.monotonic(), self.scheduler.in_flight
+        if self._drain_deadline is None:
+            self.api.draining = True
+            self._drain_deadline = now + self.drain_timeout_s
+            print(
+                f"[serve] draining: {left} request{'s' if left != 1 else ''} in flight, new ones get 503 "
+                f"(up to serve.drain_timeout_s={self.drain_timeout_s:g}; Ctrl-C again stops now)",
+                flush=True,
+            )
+        elif left != self._left:
+            print(f"[serve] draining: {left} left", flush=True)
+        self._left = left
+        if left == 0:
+            return True
+        if self._abort_at is None and (self.server.stops > 1 or now >= self._drain_deadline):
+            self._abort_at, self.aborted = now, left
+            why = "Ctrl-C again" if self.server.stops > 1 else "serve.drain_timeout_s passed"
+            print(f"[serve] {why}: aborting {left} in-flight request{'s' if left != 1 else ''}", flush=True)
+            self.scheduler.abort()
+        return self._abort_at is not None and now - self._abort_at >= ABORT_GRACE_S
+
+    def run(self) -> None:
+        self.scheduler.start()
+        try:
+            self.server.run()  # returns after the drain and uvicorn's shutdown
+            self.interrupted = self.server.sigint
+        except KeyboardInterrupt:  # a Ctrl-C before uvicorn installed its handlers
+            self.interrupted = True
+        except SystemExit:  # uvicorn exits when it cannot start (the address is taken, ...)
+            if self.server.started:
+                raise
+            c = self.server.config
+            raise RuntimeError(
+                f"the server could not start on {c.host}:{c.port} (uvicorn's log above says why; "
+                "serve.port=0 picks a free port)"
+            ) from None
+        finally:
+            self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
+
+    def wait_ready(self, timeout: float = 60.0) -> bool:
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < timeout:
+            if self.server.started:
+                return True
+            time.sleep(0.02)
+        return False
+
+    def shutdown(self, now: bool = False) -> None:
+        """From any thread: what Ctrl-C does (now=True: what a second one does)."""
+        self.server.stops = max(self.server.stops + 1, 2 if now else 1)
