@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional
 
 
 class ConfigError(ValueError):
@@ -25,6 +25,18 @@ class ConfigErrors(ValueError):
     def __init__(self, errors: list[ConfigError]):
         self.errors = list(errors)
         super().__init__("; ".join(str(e) for e in self.errors))
+
+
+def raised(check: Callable[..., None], *args: Any) -> list[ConfigError]:
+    """The bad values `check(*args)` reports (one ConfigError, or every one of a ConfigErrors); [] when it
+    returns: checks run one after another, and the plan lists what all of them found."""
+    try:
+        check(*args)
+    except ConfigErrors as e:
+        return list(e.errors)
+    except ConfigError as e:
+        return [e]
+    return []
 
 
 def check_values(rows: Iterable[tuple]) -> None:

@@ -21,7 +21,7 @@ import torch
 
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
-from engine.errors import ConfigError, ConfigErrors
+from engine.errors import ConfigError, raised
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from engine.train.distributed import launch
@@ -215,12 +215,7 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
         env.notes.append(draft.random_weights_warning())
     stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]
     for s in stage_list:
-        try:
-            s.check(cfg, env)
-        except ConfigErrors as e:
-            errors.extend(e.errors)
-        except ConfigError as e:
-            errors.append(e)
+        errors += raised(s.check, cfg, env)
     errors += _check_chain(stage_list, draft)
     if errors:
         raise PlanError(errors)

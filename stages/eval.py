@@ -39,7 +39,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.drafts.registry import DRAFTS, make_draft
-from engine.errors import ConfigError, ConfigErrors, check_values
+from engine.errors import ConfigError, ConfigErrors, check_values, raised
 from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel, load_tokenizer
 from engine.peers import GREEDY_PEERS, PEERS
@@ -260,13 +260,7 @@ class EvalStage(Stage):
         """Every bad value together; then, when the values hold, the prompts against the KV cache."""
         e = cfg.eval
         check_dataset(e.dataset)  # a dataset that cannot be read stops here
-        errors: list[ConfigError] = []
-        try:
-            self._check_values(cfg, env)
-        except ConfigErrors as x:
-            errors.extend(x.errors)
-        except ConfigError as x:
-            errors.append(x)
+        errors = raised(self._check_values, cfg, env)
         measurable = not {x.key for x in errors} & {"eval.limit", "eval.max_new_tokens"}  # what the check reads
         if measurable and 1 <= e.max_new_tokens < cfg.model.max_seq_len:
             tok = load_tokenizer(cfg.model, env.weights_dir, env.target_args)
