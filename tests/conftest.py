@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +20,30 @@ from pipeline.config import register_configs
 from pipeline.paths import REPO
 
 register_configs()
+
+
+def cli(
+    *args: str, outputs: Path, module: str = "pipeline", timeout: int = 300, env: dict | None = None
+) -> subprocess.CompletedProcess:
+    """`python -m <module> *args` from the repository, as a user types it, writing under `outputs`
+    (SPECPIPE_OUTPUTS; `env`: more variables); its exit code and output to assert on."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args],
+        cwd=REPO,
+        env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs), **(env or {})},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def benchmark_module(name: str):
+    """benchmarks/<name>.py imported by path (the folder is no package and stays off sys.path)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "benchmarks" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
 
 
 def pytest_collection_modifyitems(config, items):

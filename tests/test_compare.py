@@ -3,20 +3,16 @@
 from __future__ import annotations
 
 import csv
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import matplotlib.image
 import pytest
-from conftest import compose_cfg
+from conftest import cli, compose_cfg
 from mlflow.tracking import MlflowClient
 
 from engine.errors import ConfigError
 from pipeline.__main__ import run
 from pipeline.compare import compare
-from pipeline.paths import REPO
 
 TINY = ("model=tiny", "eval.limit=2", "eval.max_new_tokens=4", "device=cpu")
 EAGLE3_TINY = (
@@ -106,39 +102,22 @@ def test_compare_across_experiments_writes_csv_markdown_and_chart(outputs, tmp_p
         ConfigError, match=r"--experiment='baseline,nope': no such experiment: nope \(valid: .*baseline, ngram"
     ):
         compare("baseline,nope", uri)
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run(
-        [sys.executable, "-m", "pipeline.compare", "--experiment", "nope,ngram", "--out", str(tmp_path / "x")],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    out = str(tmp_path / "x")
+    p = cli("--experiment", "nope,ngram", "--out", out, outputs=outputs, module="pipeline.compare", timeout=120)
     assert p.returncode == 2 and "error: --experiment='nope,ngram': no such experiment: nope" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
 
 
 def test_a_sweep_ends_with_a_summary_of_its_jobs(outputs, tmp_path):
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
     sweep_dir = tmp_path / "mr"
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "-m",
-            *TINY,
-            "eval.batch_size=1,2",
-            "experiment_name=summary",
-            "tracking.system_metrics=false",
-            f"hydra.sweep.dir={sweep_dir}",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = cli(
+        "-m",
+        *TINY,
+        "eval.batch_size=1,2",
+        "experiment_name=summary",
+        "tracking.system_metrics=false",
+        f"hydra.sweep.dir={sweep_dir}",
+        outputs=outputs,
     )
     assert p.returncode == 0, p.stderr[-2000:]
     c = client(outputs)

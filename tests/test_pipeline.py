@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from conftest import cli, compose_cfg
 from mlflow.tracking import MlflowClient
 
 from engine.errors import ConfigError
@@ -102,22 +102,15 @@ def test_compare_shows_what_differs(outputs):
         compare("nope", f"sqlite:///{outputs / 'mlflow.db'}")
 
 
-def _cli(*args, outputs: Path):
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
-    )
-
-
 def test_cli_dry_run_prints_plan_and_exits_0(outputs):
-    p = _cli("+experiment=baseline", "model=tiny", "dry_run=true", outputs=outputs)
+    p = cli("+experiment=baseline", "model=tiny", "dry_run=true", outputs=outputs)
     assert p.returncode == 0, p.stderr
     assert "1. load" in p.stdout and "2. eval" in p.stdout and "experiment: baseline" in p.stdout
     assert not (outputs / "mlflow.db").exists()  # nothing ran, nothing tracked
 
 
 def test_cli_bad_input_is_one_clear_error(outputs):
-    p = _cli("model=tiny", "eval.dataset=nope", "device=cpu", outputs=outputs)
+    p = cli("model=tiny", "eval.dataset=nope", "device=cpu", outputs=outputs)
     assert p.returncode == 2
     assert "error: invalid run configuration" in p.stderr and "eval.dataset='nope'" in p.stderr
     assert "Traceback" not in p.stderr
@@ -129,7 +122,7 @@ def test_cli_bad_input_is_one_clear_error(outputs):
 )
 def test_every_draft_experiment_plans_its_shipped_head(outputs, experiment, head):
     """dry_run names the checkpoint each draft experiment loads by default: the head shipped for it."""
-    p = _cli(f"+experiment={experiment}", "dry_run=true", "device=cpu", outputs=outputs)
+    p = cli(f"+experiment={experiment}", "dry_run=true", "device=cpu", outputs=outputs)
     assert p.returncode == 0, p.stderr[-2000:]
     assert f"checkpoints/smollm2-135m-instruct-{head}," in p.stdout and "RANDOM" not in p.stdout
 
@@ -137,19 +130,19 @@ def test_every_draft_experiment_plans_its_shipped_head(outputs, experiment, head
 def test_the_plan_warns_of_random_weights(outputs):
     """A draft with random weights is called out in the plan with the recipe that trains one, and not in
     a training run."""
-    mtp = _cli("+experiment=mtp", "draft.init=random", "dry_run=true", "device=cpu", outputs=outputs)
+    mtp = cli("+experiment=mtp", "draft.init=random", "dry_run=true", "device=cpu", outputs=outputs)
     assert mtp.returncode == 0, mtp.stderr[-2000:]
     assert "RANDOM-WEIGHT head" in mtp.stdout
     assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp.stdout
     assert "+experiment=train_mtp_smollm2" in mtp.stdout
-    train = _cli("+experiment=train_mtp_smollm2", "dry_run=true", "device=cpu", outputs=outputs)
+    train = cli("+experiment=train_mtp_smollm2", "dry_run=true", "device=cpu", outputs=outputs)
     assert train.returncode == 0, train.stderr[-2000:]
     assert "RANDOM WEIGHTS" not in train.stdout
 
 
 def test_several_bad_values_are_reported_together(outputs):
     """Three bad eval values at once: one message names all three, exit 2, nothing tracked."""
-    p = _cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2", outputs=outputs)
+    p = cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2", outputs=outputs)
     assert p.returncode == 2, p.stderr[-2000:]
     for key in ("eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2"):
         assert key in p.stderr, (key, p.stderr[-2000:])
@@ -163,7 +156,7 @@ def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
     qs.write_text(
         json.dumps({"question_id": 1, "turns": ["Say 1"]}) + "\n" + json.dumps({"question_id": 2, "turns": [""]}) + "\n"
     )
-    p = _cli("model=tiny", f"eval.dataset={qs}", "device=cpu", outputs=outputs)
+    p = cli("model=tiny", f"eval.dataset={qs}", "device=cpu", outputs=outputs)
     assert p.returncode == 2, p.stderr[-2000:]
     assert "line 2 is not a question record" in p.stderr and "turns" in p.stderr
     assert "[load]" not in p.stdout and not (outputs / "mlflow.db").exists()
@@ -171,15 +164,7 @@ def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
 
 def test_cli_compare(outputs):
     run(compose_cfg(*TINY, "experiment_name=clicmp"))
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run(
-        [sys.executable, "-m", "pipeline.compare", "--experiment", "clicmp"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    p = cli("--experiment", "clicmp", outputs=outputs, module="pipeline.compare", timeout=120)
     assert p.returncode == 0, p.stderr
     assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout
 
@@ -187,25 +172,15 @@ def test_cli_compare(outputs):
 def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_path):
     """The second job's eval.max_new_tokens=-1 fails its plan: exit 2 with the key named, the first job's
     run FINISHED, and the sweep's parent run FAILED (not left RUNNING)."""
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "-m",
-            "model=tiny",
-            "eval.limit=1",
-            "eval.max_new_tokens=2,-1",
-            "device=cpu",
-            "experiment_name=badsweep",
-            f"hydra.sweep.dir={tmp_path}/mr",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = cli(
+        "-m",
+        "model=tiny",
+        "eval.limit=1",
+        "eval.max_new_tokens=2,-1",
+        "device=cpu",
+        "experiment_name=badsweep",
+        f"hydra.sweep.dir={tmp_path}/mr",
+        outputs=outputs,
     )
     assert p.returncode == 2 and "eval.max_new_tokens=-1" in p.stderr, p.stderr[-2000:]
     runs = runs_of(outputs, "badsweep")
@@ -216,26 +191,16 @@ def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_
 
 
 def test_sweep_nests_jobs_under_a_parent_run(outputs, tmp_path):
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "-m",
-            "model=tiny",
-            "eval.limit=1",
-            "eval.max_new_tokens=2",
-            "eval.batch_size=1,2",
-            "device=cpu",
-            "experiment_name=sweep",
-            f"hydra.sweep.dir={tmp_path}/mr",
-        ],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
+    p = cli(
+        "-m",
+        "model=tiny",
+        "eval.limit=1",
+        "eval.max_new_tokens=2",
+        "eval.batch_size=1,2",
+        "device=cpu",
+        "experiment_name=sweep",
+        f"hydra.sweep.dir={tmp_path}/mr",
+        outputs=outputs,
     )
     assert p.returncode == 0, p.stderr[-2000:]
     runs = runs_of(outputs, "sweep")
@@ -315,7 +280,7 @@ def test_an_outputs_folder_runs_cannot_write_is_one_clear_error(tmp_path):
         if not os.access(read_only, os.W_OK):  # (root writes anywhere: no read-only folder to try)
             cases.append((read_only / "outputs", "is not writable"))
         for path, why in cases:
-            p = _cli("model=tiny", "device=cpu", "eval.limit=1", outputs=path)
+            p = cli("model=tiny", "device=cpu", "eval.limit=1", outputs=path)
             assert p.returncode == 2, p.stderr[-2000:]
             assert f"SPECPIPE_OUTPUTS='{path}'" in p.stderr and why in p.stderr and "Traceback" not in p.stderr
     finally:
@@ -363,8 +328,8 @@ def test_hydra_composition_errors_are_config_errors_with_a_hint_that_works(outpu
         (["graph=nope"], "graph='nope': no such config (valid: bcg, breakable"),
         (["eval.limit=abc"], "eval.limit='abc': wrong type"),
     ]:
-        p = _cli("model=tiny", *args, outputs=outputs)
+        p = cli("model=tiny", *args, outputs=outputs)
         assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, (args, p.stderr[-1500:])
-    p = _cli("model=tiny", "eval.limit=2", "dry_run=true", outputs=outputs)  # the hint's command runs
+    p = cli("model=tiny", "eval.limit=2", "dry_run=true", outputs=outputs)  # the hint's command runs
     assert p.returncode == 0, p.stderr[-1500:]
     assert not (outputs / "mlflow.db").exists()

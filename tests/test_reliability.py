@@ -25,7 +25,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import compose_cfg
+from conftest import benchmark_module, cli, compose_cfg
 from test_serve import Served
 
 from engine.tokenizer import ByteTokenizer
@@ -85,14 +85,7 @@ def test_a_tokenizer_that_does_not_load_fails_the_plan_naming_model_path(tmp_pat
 
 def test_prompt_lengths_are_reported_with_the_other_plan_errors_exit_2_and_no_run(tmp_path, outputs):
     data = question_jsonl(tmp_path / "question.jsonl", ["x" * 200])
-    run = subprocess.run(
-        [sys.executable, "-m", "pipeline", *TINY, f"eval.dataset={data}", "eval.batch_size=0", "tracking=mlflow"],
-        cwd=REPO,
-        env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = cli(*TINY, f"eval.dataset={data}", "eval.batch_size=0", "tracking=mlflow", outputs=outputs, timeout=120)
     assert run.returncode == 2, run.stderr[-2000:]
     err = run.stderr + run.stdout
     assert "eval.batch_size=0" in err and "record 1 (question_id '100')" in err, err[-2000:]
@@ -111,14 +104,7 @@ def test_hydra_run_directories_follow_specpipe_outputs(tmp_path):
     """A run under SPECPIPE_OUTPUTS writes its Hydra directory there; nothing under the repository's outputs/."""
     marker = f"outputs_follow_{os.getpid()}_{tmp_path.name}"  # finds this run's directory wherever it went
     out = tmp_path / "elsewhere"
-    run = subprocess.run(
-        [sys.executable, "-m", "pipeline", "model=tiny", "device=cpu", "dry_run=true", f"experiment_name={marker}"],
-        cwd=REPO,
-        env={**os.environ, "SPECPIPE_OUTPUTS": str(out)},
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    run = cli("model=tiny", "device=cpu", "dry_run=true", f"experiment_name={marker}", outputs=out, timeout=120)
     assert run.returncode == 0, run.stderr[-2000:]
     mine = [p for p in out.glob("runs/*/*/.hydra/overrides.yaml") if marker in p.read_text()]
     assert len(mine) == 1, sorted(out.rglob("*"))
@@ -295,18 +281,8 @@ def test_requests_generated_from_the_openapi_schema_get_no_server_error(outputs)
 
 
 # ------------------------------------------------------------------------------------------ load
-def _load_test():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("load_test", REPO / "benchmarks" / "load_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_load_test_counts_requests_failures_by_kind_and_the_server_rss(outputs, tmp_path, capsys):
-    lt = _load_test()
+    lt = benchmark_module("load_test")
     s = Served(("+experiment=serve", "model=tiny", "device=cpu", "tracking=off", "serve.port=0"), outputs)
     try:
         common = ["--url", s.root, "--clients", "4", "--duration", "120", "--max-tokens", "4", "--ignore-eos"]

@@ -8,7 +8,6 @@ eval stage on the same prompts, with and without a draft, sequential and concurr
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -23,7 +22,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import compose_cfg
+from conftest import benchmark_module, compose_cfg
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.drafts.registry import load_head, make_draft
@@ -396,18 +395,10 @@ def test_models_health_and_metrics(servers):
 
 
 # ------------------------------------------------------------------------------------------ load
-def _load_test_module():
-    spec = importlib.util.spec_from_file_location("load_test", REPO / "benchmarks" / "load_test.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses look their module up
-    spec.loader.exec_module(mod)
-    return mod
-
-
 def test_bounded_load_has_no_failed_request(servers):
     import asyncio
 
-    lt, s = _load_test_module(), servers("eagle3_debug")
+    lt, s = benchmark_module("load_test"), servers("eagle3_debug")
     res = asyncio.run(
         lt.run_level(
             s.root,
@@ -430,7 +421,7 @@ def test_bounded_load_has_no_failed_request(servers):
 def test_load_test_waits_for_a_ready_server_and_names_a_dead_one(servers):
     import socket
 
-    lt, s = _load_test_module(), servers("eagle3_debug")
+    lt, s = benchmark_module("load_test"), servers("eagle3_debug")
     lt.wait_ready(s.root, 10.0)  # a running server: returns at once
     with socket.socket() as sock:  # a port nobody listens on
         sock.bind(("127.0.0.1", 0))

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import cli
 from mlflow.tracking import MlflowClient
 
 from pipeline.paths import REPO
@@ -18,15 +19,7 @@ TINY = ("model=tiny", "eval.limit=1", "eval.max_new_tokens=2", "device=cpu", "tr
 
 
 def sweep(outputs: Path, sweep_dir: Path, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs), **(env_extra or {})}
-    return subprocess.run(
-        [sys.executable, "-m", "pipeline", "-m", *args, f"hydra.sweep.dir={sweep_dir}"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    return cli("-m", *args, f"hydra.sweep.dir={sweep_dir}", outputs=outputs, env=env_extra)
 
 
 def parent_and_children(outputs: Path, experiment: str):
