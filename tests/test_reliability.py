@@ -26,7 +26,7 @@ import httpx
 import openai
 import pytest
 from conftest import benchmark_module, cli, compose_cfg
-from test_serve import Served
+from test_serve import Served, ServerProcess
 
 from engine.tokenizer import ByteTokenizer
 from pipeline.config import to_run_config
@@ -110,54 +110,6 @@ def test_hydra_run_directories_follow_specpipe_outputs(tmp_path):
     assert len(mine) == 1, sorted(out.rglob("*"))
     in_repo = [p for p in (REPO / "outputs").glob("*/*/*/.hydra/overrides.yaml") if marker in p.read_text()]
     assert in_repo == []
-
-
-# ------------------------------------------------------------------------------------------ server
-class ServerProcess:
-    """`python -m pipeline +experiment=serve` on the tiny model; stdout and stderr read as they come."""
-
-    def __init__(self, outputs: Path, *overrides: str):
-        self.p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "+experiment=serve",
-                "model=tiny",
-                "device=cpu",
-                "serve.port=0",
-                *overrides,
-            ],
-            cwd=REPO,
-            env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err)):
-            threading.Thread(target=lambda f=stream, s=sink: s.extend(f), daemon=True).start()
-        port = self.wait_for(r"ready on http://127\.0\.0\.1:(\d+)/v1", 120)
-        self.root = f"http://127.0.0.1:{port.group(1)}"
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            for line in list(self.out):
-                if m := re.search(pattern, line):
-                    return m
-            assert self.p.poll() is None or any(re.search(pattern, x) for x in self.out), self.text()
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
-
-    def text(self) -> str:
-        return "".join(self.out)[-3000:] + "\n--- stderr ---\n" + "".join(self.err)[-3000:]
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(10)
 
 
 def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly(outputs):

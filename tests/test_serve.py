@@ -452,50 +452,81 @@ def test_plan_ends_in_serve_and_checks_its_keys(outputs):
     assert "exceed the largest capture size 2: they run eagerly" in build_plan(small, outputs).describe()
 
 
-def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
-    env = {**os.environ, "SPECPIPE_OUTPUTS": str(outputs)}
-    p = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "pipeline",
-            "+experiment=serve",
-            "model=tiny",
-            "device=cpu",
-            "serve.port=0",
-            "experiment_name=serve_sigint",
-        ],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    try:
-        port = None
+class ServerProcess:
+    """`python -m pipeline +experiment=serve` on the tiny model; stdout and stderr read as they come."""
+
+    def __init__(self, outputs: Path, *overrides: str):
+        self.p = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "pipeline",
+                "+experiment=serve",
+                "model=tiny",
+                "device=cpu",
+                "serve.port=0",
+                *overrides,
+            ],
+            cwd=REPO,
+            env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self._readers = [
+            threading.Thread(target=lambda f=stream, s=sink: s.extend(f), daemon=True)
+            for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err))
+        ]
+        for reader in self._readers:
+            reader.start()
+        port = self.wait_for(r"ready on http://127\.0\.0\.1:(\d+)/v1", 120)
+        self.root = f"http://127.0.0.1:{port.group(1)}"
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match:
         t0 = time.monotonic()
-        for line in p.stdout:
-            if m := re.search(r"ready on http://127\.0\.0\.1:(\d+)/v1", line):
-                port = int(m.group(1))
-                break
-            assert time.monotonic() - t0 < 120
-        assert port, "no ready line"
+        while time.monotonic() - t0 < timeout:
+            for line in list(self.out):
+                if m := re.search(pattern, line):
+                    return m
+            assert self.p.poll() is None or any(re.search(pattern, x) for x in self.out), self.text()
+            time.sleep(0.05)
+        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
+
+    def text(self) -> str:
+        return "".join(self.out)[-3000:] + "\n--- stderr ---\n" + "".join(self.err)[-3000:]
+
+    def finish(self, timeout: float) -> int:
+        """Waits for the process to exit and for its output to be read to the end; its exit code."""
+        code = self.p.wait(timeout)
+        for reader in self._readers:
+            reader.join(timeout)
+        return code
+
+    def kill(self) -> None:
+        if self.p.poll() is None:
+            self.p.kill()
+            self.p.wait(10)
+
+
+def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
+    server = ServerProcess(outputs, "experiment_name=serve_sigint")
+    try:
         body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "stream": True}
-        with httpx.stream("POST", f"http://127.0.0.1:{port}/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", server.root + "/v1/completions", json=body, timeout=60) as r:
             lines = r.iter_lines()
             next(line for line in lines if line.startswith("data: {"))
-            p.send_signal(signal.SIGINT)  # Ctrl-C while the request generates
+            server.p.send_signal(signal.SIGINT)  # Ctrl-C while the request generates
             rest = [line for line in lines if line.startswith("data: ")]
         chunks = [json.loads(x[6:]) for x in rest if x != "data: [DONE]"]
         assert rest[-1] == "data: [DONE]" and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        out, _ = p.communicate(timeout=60)
-        assert p.returncode == 0, out[-2000:]
+        assert server.finish(60) == 0, server.text()
+        out = "".join(server.out + server.err)
         assert "[serve] stopped (Ctrl-C)" in out and "Traceback" not in out
         assert "[serve] draining: 1 request in flight" in out and "[serve] draining: 0 left" in out, out[-2000:]
     finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait(10)
+        server.kill()
     from mlflow.tracking import MlflowClient
 
     c = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
