@@ -46,6 +46,20 @@ def benchmark_module(name: str):
     return mod
 
 
+def parent_and_children(outputs: Path, experiment: str):
+    """A sweep's MLflow runs in the store under `outputs`: (its one parent, its children in job order);
+    every run of the experiment is one of them, and every child names that parent."""
+    from mlflow.tracking import MlflowClient
+
+    c = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
+    runs = c.search_runs([c.get_experiment_by_name(experiment).experiment_id])
+    (parent,) = [r for r in runs if "sweep.overrides" in r.data.tags]
+    children = sorted((r for r in runs if "mlflow.parentRunId" in r.data.tags), key=lambda r: r.data.tags["sweep.job"])
+    assert len(runs) == 1 + len(children)
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    return parent, children
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from conftest import cli, compose_cfg
+from conftest import cli, compose_cfg, parent_and_children
 from mlflow.tracking import MlflowClient
 
 from engine.errors import ConfigError
@@ -121,9 +121,7 @@ def test_a_sweep_ends_with_a_summary_of_its_jobs(outputs, tmp_path):
     )
     assert p.returncode == 0, p.stderr[-2000:]
     c = client(outputs)
-    runs = c.search_runs([c.get_experiment_by_name("summary").experiment_id])
-    (parent,) = [r for r in runs if "sweep.overrides" in r.data.tags]
-    children = sorted((r for r in runs if "mlflow.parentRunId" in r.data.tags), key=lambda r: r.data.tags["sweep.job"])
+    parent, children = parent_and_children(outputs, "summary")
     assert [r.data.tags["sweep.job"] for r in children] == ["0", "1"]
     assert "eval.batch_size=2" in children[1].data.tags["sweep.job_overrides"]
 

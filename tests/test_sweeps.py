@@ -10,8 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli
-from mlflow.tracking import MlflowClient
+from conftest import cli, parent_and_children
 
 from pipeline.paths import REPO
 
@@ -20,16 +19,6 @@ TINY = ("model=tiny", "eval.limit=1", "eval.max_new_tokens=2", "device=cpu", "tr
 
 def sweep(outputs: Path, sweep_dir: Path, *args: str, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     return cli("-m", *args, f"hydra.sweep.dir={sweep_dir}", outputs=outputs, env=env_extra)
-
-
-def parent_and_children(outputs: Path, experiment: str):
-    c = MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
-    runs = c.search_runs([c.get_experiment_by_name(experiment).experiment_id])
-    (parent,) = [r for r in runs if "sweep.overrides" in r.data.tags]
-    children = sorted((r for r in runs if "mlflow.parentRunId" in r.data.tags), key=lambda r: r.data.tags["sweep.job"])
-    assert len(runs) == 1 + len(children)
-    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
-    return parent, children
 
 
 def test_a_joblib_sweep_runs_parallel_jobs_each_on_its_own_gpu(outputs, tmp_path):
