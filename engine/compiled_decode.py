@@ -20,12 +20,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.model import LlamaModel, apply_rope, rope_tables
-
-
-def _rms(x: Tensor, w: Tensor, eps: float) -> Tensor:
-    """The target's RMSNorm (float32 statistics, the weight applied in x's dtype)."""
-    xf = x.float()
-    return w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+from kernels.rms_norm import rms_norm_reference as rms_norm  # the target's RMSNorm, plain torch
 
 
 class CompiledDecoder(nn.Module):
@@ -75,7 +70,7 @@ class CompiledDecoder(nn.Module):
         q_w, kv_w = self.heads * self.head_dim, self.kv_heads * self.head_dim
         h = F.embedding(tok, self.embed)  # [b, t, H]
         for i, m in enumerate(self.layers):
-            qkv = F.linear(_rms(h, m.ln1, self.eps), m.wqkv, m.bqkv)  # [b, t, q + 2kv]
+            qkv = F.linear(rms_norm(h, m.ln1, self.eps), m.wqkv, m.bqkv)  # [b, t, q + 2kv]
             q, k, v = qkv.split([q_w, kv_w, kv_w], dim=-1)
             q = apply_rope(q.view(b, t, self.heads, self.head_dim).transpose(1, 2), cos, sin)  # [b, heads, t, d]
             k = apply_rope(k.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2), cos, sin)
@@ -83,9 +78,9 @@ class CompiledDecoder(nn.Module):
             self.v[i].index_copy_(2, slots, v.view(b, t, self.kv_heads, self.head_dim).transpose(1, 2))
             o = F.scaled_dot_product_attention(q, self.k[i], self.v[i], attn_mask=mask, enable_gqa=True)
             h = h + F.linear(o.transpose(1, 2).reshape(b, t, q_w), m.wo)
-            gate, up = F.linear(_rms(h, m.ln2, self.eps), m.w13).chunk(2, dim=-1)  # [b, t, I] each
+            gate, up = F.linear(rms_norm(h, m.ln2, self.eps), m.w13).chunk(2, dim=-1)  # [b, t, I] each
             h = h + F.linear(F.silu(gate) * up, m.w2)
-        return F.linear(_rms(h[:, -1], self.norm, self.eps), self.lm_head).argmax(-1)  # [b]
+        return F.linear(rms_norm(h[:, -1], self.norm, self.eps), self.lm_head).argmax(-1)  # [b]
 
     def _step(self, tok: Tensor, slot: Tensor) -> Tensor:
         """tok [b, 1] at slot [1] (= W + t for every row) -> next tokens [b]."""
