@@ -27,6 +27,7 @@ rank 0 alone prints, logs, evaluates and exports.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import hashlib
 import json
 import os
@@ -58,7 +59,7 @@ TRAIN_KERNELS = ("auto", *SOFT_CE_KERNELS)
 
 def flex_trains(algorithm: str, device: torch.device) -> bool:
     """FlexAttention can run this draft's training forward here (its fused backward is CUDA only)."""
-    return train_spec(algorithm).flex_attention and device.type == "cuda"
+    return train_spec(algorithm).flex_attention is not None and device.type == "cuda"
 
 
 def train_attention(cfg, device: torch.device) -> str:
@@ -352,6 +353,9 @@ class TrainDraftStage(Stage):
             del graphs
         finally:
             loaded.model.set_batch_invariant(True)
+        if torch.cuda.is_available():  # the generation's KV cache and graph pools (about 100 GiB at 1024 rows)
+            gc.collect()  # go back to the driver: training needs a fifth of it, and other runs may share the GPU
+            torch.cuda.empty_cache()
         if ranks == 1:
             synth_s = time.perf_counter() - t0
             save_samples(path, samples, meta, synth_s, phase_s)

@@ -18,7 +18,7 @@ from test_speculative import AUX, oracle_prefix, tap
 
 from engine.drafts.base import SpecState
 from engine.drafts.dflash import DFlashDraft
-from engine.drafts.dflash.train import dflash_forward
+from engine.drafts.dflash.train import block_attention_flex, dflash_forward
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
@@ -285,6 +285,7 @@ def test_plan_rejects_dflash_without_explicit_layer_ids(target, outputs):
         (dict(block_size=1, num_steps=1), "draft.block_size"),
         (dict(mask_token_id=320), "draft.mask_token_id"),  # the tiny vocabulary has 320 ids
         (dict(num_layers=0), "draft.num_layers"),
+        (dict(intermediate_size=0), "draft.intermediate_size"),
         (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
     ],
 )
@@ -334,16 +335,22 @@ def test_checkpoint_round_trip(target, tmp_path):
 
 
 # ------------------------------------------------------------------------------------------ training
+def _random_batch(head, b: int, t: int, device="cpu", seed: int = 0) -> Batch:
+    """Random features and tokens at positions 0..T-1, every position trained (no labels)."""
+    g = torch.Generator().manual_seed(seed)
+    feats = torch.randn(b, t, head.feature_width, generator=g).to(device)  # [b, t, F]
+    tokens = torch.randint(0, 320, (b, t), generator=g).to(device)  # [b, t]
+    positions = torch.arange(t, device=device).expand(b, t)
+    return Batch(tokens, positions, feats, None, None, torch.ones(b, t, dtype=torch.bool, device=device))
+
+
 def test_training_forward_equals_the_inference_block(target):
     """dflash_forward's step s at position p is the block anchored at j = p - s, computed through the
     draft's own programs: context written for 0..j, block [x_{j+1}, m, ...] at j+1..j+B."""
     plan, head = make_head(target, seed=5)
-    g = torch.Generator().manual_seed(0)
     b, t = 2, 12
-    feats = torch.randn(b, t, head.feature_width, generator=g)
-    tokens = torch.randint(0, 320, (b, t), generator=g)
-    positions = torch.arange(t).expand(b, t)
-    batch = Batch(tokens, positions, feats, None, None, torch.ones(b, t, dtype=torch.bool))
+    batch = _random_batch(head, b, t)
+    feats, tokens, positions = batch.feats, batch.tokens, batch.positions
     with torch.no_grad():
         logits = dflash_forward(head, batch, BLOCK - 1)
     for row in range(b):
@@ -363,6 +370,65 @@ def test_training_forward_equals_the_inference_block(target):
             for s in range(BLOCK - 1):
                 if j + s < t:
                     torch.testing.assert_close(logits[s][row, j + s], block[s], atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_flex_block_attention_equals_the_materialized_one(target):
+    """train.attention=flex: the block mask (context p <= anchor, then the anchor's own block) is the same
+    attention as the materialized scores, at every anchor and block position. CPU runs FlexAttention's
+    reference forward; the GPU test below covers the backward."""
+    _, head = make_head(target, seed=3)
+    batch = _random_batch(head, 2, 37)  # T not a multiple of any tile
+    with torch.no_grad():
+        ref = dflash_forward(head, batch, BLOCK - 1)
+        flex = dflash_forward(head, batch, BLOCK - 1, attention=block_attention_flex)
+    for a, b in zip(ref, flex):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu(target):
+    """Loss and gradients of a training step agree between the two attentions (FlexAttention's fused
+    backward on CUDA), with the trainer's bf16 autocast."""
+    from engine.train.objective import ttt_loss
+
+    _, head = make_head(target, device="cuda", seed=3, intermediate_size=64)
+    head.requires_grad_(True)
+    batch = _random_batch(head, 3, 150, "cuda")
+    logits_dtype = torch.bfloat16
+    batch.label_logits = torch.randn(3, 150, 320, device="cuda", dtype=logits_dtype)
+    batch.top = batch.label_logits.argmax(-1)
+    runs = []
+    for kw in ({}, {"attention": block_attention_flex}):
+        head.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = dflash_forward(head, batch, BLOCK - 1, **kw)
+        loss, _ = ttt_loss(logits, batch)
+        loss.backward()
+        runs.append((loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
+    (l0, g0), (l1, g1) = runs
+    torch.testing.assert_close(l1, l0, atol=2e-3, rtol=2e-3)
+    assert g0.keys() == g1.keys() and g0
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=2e-3, rtol=0.05, msg=n)
+
+
+def test_mlp_width_is_a_random_heads_key(target, tmp_path):
+    """draft.intermediate_size shapes a random head's MLPs (config.json and tensors); a checkpoint
+    loads at its own width, and naming a width for it is one clear error."""
+    plan, head = make_head(target, intermediate_size=48)
+    assert plan.head_config["intermediate_size"] == 48
+    assert head.layers[0].mlp.down_proj.weight.shape[1] == 48
+    _, default = make_head(target)
+    assert default.layers[0].mlp.down_proj.weight.shape[1] == target.args.intermediate_size
+    head.save(tmp_path)
+    ckpt = dict(init="checkpoint", path=str(tmp_path), aux_layer_ids=None, block_size=None, num_layers=None)
+    loaded = load_head(plan_draft(dflash_cfg(**ckpt), target.args), target, 0, torch.device("cpu"), torch.float32)
+    assert loaded.layers[1].mlp.gate_proj.weight.shape == (48, target.args.hidden_size)
+    with pytest.raises(ConfigError) as e:
+        plan_draft(dflash_cfg(**ckpt, intermediate_size=48), target.args)
+    assert e.value.key == "draft.intermediate_size"
 
 
 TRAIN = [

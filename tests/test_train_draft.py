@@ -15,6 +15,7 @@ from safetensors import safe_open
 from test_model import pair
 
 from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
+from engine.drafts.dflash.train import block_attention_flex
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.train import ttt_forward
 from engine.model import StaticKVCache, run_steps
@@ -258,7 +259,7 @@ def test_train_forward_options_follow_attention_and_kernels():
     s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
     fast = dataclasses.replace(s, attention="flex", kernels="triton")
     assert train_forward_options(TRAIN_SPECS["eagle3"], fast) == {"attention": ttt_attention_flex, "ops": TRITON_OPS}
-    assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {}  # neither exists for DFlash's forward
+    assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {"attention": block_attention_flex}  # no ops there
     assert train_forward_options(TRAIN_SPECS["eagle3"], s) == {}  # CPU: eager attention, torch kernels
 
 

@@ -205,7 +205,7 @@ class TrainSpec:
 
     features: FeatureKind
     forward: Callable
-    flex_attention: bool = False  # forward(..., attention=ttt_attention_flex) exists (train.attention)
+    flex_attention: Optional[Callable] = None  # train.attention=flex: forward(..., attention=this)
     forward_ops: bool = False  # forward(..., ops=TRITON_OPS) exists (train.kernels=triton)
     loss: Callable = ttt_loss
     check: Optional[Callable] = None

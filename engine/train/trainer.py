@@ -40,7 +40,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.ttt import TRITON_OPS, ttt_attention_flex
+from engine.drafts.common.ttt import TRITON_OPS
 from engine.model import StaticKVCache
 from engine.train import distributed
 from engine.train.average import WeightAverage
@@ -79,7 +79,7 @@ def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
     materialized attention: no backward there)."""
     options = {}
     if s.attention == "flex" and spec.flex_attention:
-        options["attention"] = ttt_attention_flex
+        options["attention"] = spec.flex_attention
     if s.kernels == "triton" and spec.forward_ops:
         options["ops"] = TRITON_OPS
     return options

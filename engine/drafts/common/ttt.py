@@ -61,7 +61,7 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], group: in
 
 
 @functools.lru_cache(maxsize=None)
-def _flex_kernel(device_type: str):
+def flex_kernel(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
 
     # CUDA: the fused Triton kernel (forward and backward). Elsewhere the reference implementation,
@@ -88,7 +88,7 @@ def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
     `ttt_attention` also sees zero-filled ones; every other row is the same attention."""
     s, t = len(keys) - 1, q.shape[2]
     mask = _ttt_block_mask(t, s, q.device)
-    return _flex_kernel(q.device.type)(
+    return flex_kernel(q.device.type)(
         q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask, enable_gqa=group > 1
     )
 

@@ -11,7 +11,7 @@ from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.drafts.dflash.loop import DFlashDraft, make_dflash
 from engine.drafts.dflash.plan import DFlashConfig, describe_dflash, plan_dflash
-from engine.drafts.dflash.train import check_dflash_training, dflash_forward
+from engine.drafts.dflash.train import block_attention_flex, check_dflash_training, dflash_forward
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
@@ -20,7 +20,7 @@ ALGORITHM = Algorithm(
     plan=plan_dflash,
     make=make_dflash,
     head=DFlashHead,
-    train=TrainSpec(FeatureKind.aux, dflash_forward, check=check_dflash_training),
+    train=TrainSpec(FeatureKind.aux, dflash_forward, flex_attention=block_attention_flex, check=check_dflash_training),
     recipe="+experiment=train_dflash_smollm2",
     describe=describe_dflash,
 )

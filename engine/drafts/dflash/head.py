@@ -40,7 +40,7 @@ Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both a
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
@@ -60,11 +60,18 @@ def dflash_value(cfg: dict, key: str, default: Any = None) -> Any:
 
 
 def dflash_config(
-    target: ModelArgs, aux_output_of: list[int], block_size: int, mask_token_id: int, num_layers: int
+    target: ModelArgs,
+    aux_output_of: list[int],
+    block_size: int,
+    mask_token_id: int,
+    num_layers: int,
+    intermediate_size: Optional[int] = None,
 ) -> dict:
-    """config.json of a DFlash head of the target's width (random init, training)."""
+    """config.json of a DFlash head of the target's width (random init, training); intermediate_size: the
+    layers' MLP width (None: the target's)."""
     return {
         **llama_config(target, ARCHITECTURE),  # the Llama shape keys of a head of the target's width
+        "intermediate_size": intermediate_size or target.intermediate_size,
         "num_hidden_layers": num_layers,
         "tie_word_embeddings": False,
         "target_hidden_size": target.hidden_size,

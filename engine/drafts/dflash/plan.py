@@ -10,7 +10,7 @@ from typing import Optional
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind, vocab_details
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_fc, check_init, check_target_fit
+from engine.drafts.common.checks import check_fc, check_init, check_target_fit, mlp_width, reject_width
 from engine.drafts.config import HeadKeys
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.errors import ConfigError
@@ -26,6 +26,7 @@ class DFlashConfig(HeadKeys):
     block_size: Optional[int]  # tokens a block (null: checkpoint's)
     mask_token_id: Optional[int]  # the mask token (null: checkpoint's)
     num_layers: Optional[int]  # random init: decoder layers
+    intermediate_size: Optional[int]  # random init: the layers' MLP width (null: the target's)
 
 
 def spread_ids(num_layers: int, n: int = 5) -> list[int]:
@@ -97,6 +98,7 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
                 "draft.num_layers", cfg.num_layers, f"the checkpoint has {layers} layers", f"null or {layers}"
             )
         check_fc(ckpt, n_aux * target.hidden_size, f"{n_aux} aux layers x target hidden {target.hidden_size}")
+        reject_width(cfg, ckpt)
         settings = {"target_layer_ids": list(aux.output_of), "block_size": block, "mask_token_id": mask}
         head_cfg = {
             **ck,
@@ -108,7 +110,7 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
         layers = cfg.num_layers if cfg.num_layers is not None else 1
         if layers < 1:
             raise ConfigError("draft.num_layers", layers, "the drafter needs a decoder layer", ">= 1")
-        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers)
+        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target))
     return DraftPlan("dflash", FeatureKind.aux, aux, head_cfg, ckpt)
 
 
@@ -116,5 +118,6 @@ def describe_dflash(plan: DraftPlan) -> list[str]:
     cfg = plan.head_config
     return [
         f"block {cfg['block_size']} (mask token {cfg['mask_token_id']}), {cfg['num_hidden_layers']} layers",
+        f"MLP {cfg['intermediate_size']}",
         *vocab_details(plan),
     ]

@@ -26,12 +26,14 @@ vocabulary: the drafter predicts through the target's lm_head.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.drafts.common.ttt import flex_kernel
 from engine.errors import ConfigError
 from engine.model import apply_rope
 from engine.train.objective import Batch, _shift
@@ -62,8 +64,32 @@ def block_attention(
     return out + torch.einsum("bhjik,bhjkd->bhjid", probs[..., t:], vb).reshape(b, h, n, d)
 
 
-def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
-    """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1."""
+def block_attention_flex(
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int
+) -> Tensor:
+    """`block_attention` as one FlexAttention call over [context; blocks] keys, [B, KV, T + T*blk, D]:
+    no [T, blk, T] score tensor in memory, and the block-diagonal part is skipped tile by tile."""
+    t = k_ctx.shape[2]
+    mask = _block_mask(t, blk, q.device)
+    return flex_kernel(q.device.type)(
+        q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), block_mask=mask, enable_gqa=group > 1
+    )
+
+
+@functools.lru_cache(maxsize=1024)
+def _block_mask(t: int, blk: int, device: torch.device):
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    def visible(b, h, q_idx, kv_idx):  # query of anchor j: context keys p <= j, then its own block
+        anchor = q_idx // blk
+        return torch.where(kv_idx < t, kv_idx <= anchor, (kv_idx - t) // blk == anchor)
+
+    return create_block_mask(visible, None, None, t * blk, t + t * blk, device=device)
+
+
+def dflash_forward(head, batch: Batch, steps: int, attention=block_attention) -> list[Tensor]:
+    """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1.
+    `attention`: block_attention (materialized scores) or block_attention_flex (train.attention=flex)."""
     blk = head.block_size
     if not 1 <= steps < blk:
         raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
@@ -86,7 +112,7 @@ def dflash_forward(head, batch: Batch, steps: int) -> list[Tensor]:
         q = apply_rope(split(att.q_proj(hn), t * blk, heads), bcos, bsin)
         k_blk = apply_rope(split(att.k_proj(hn), t * blk, kv), bcos, bsin)
         v_blk = split(att.v_proj(hn), t * blk, kv)
-        o = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv)
+        o = attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv)
         x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
         x = x + layer.mlp(layer.post_attention_layernorm(x))
     h = x.view(b, t, blk, -1)

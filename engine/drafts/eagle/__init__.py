@@ -9,6 +9,7 @@ The draft loop is the EAGLE family's (engine/drafts/common/feature.py).
 
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.common.feature import make_feature
+from engine.drafts.common.ttt import ttt_attention_flex
 from engine.drafts.eagle.head import EagleHead, eagle_config
 from engine.drafts.eagle.plan import EagleConfig, plan_eagle
 from engine.drafts.eagle.train import eagle_forward
@@ -20,7 +21,7 @@ ALGORITHM = Algorithm(
     plan=plan_eagle,
     make=make_feature,
     head=EagleHead,
-    train=TrainSpec(FeatureKind.final, eagle_forward, flex_attention=True, forward_ops=True),
+    train=TrainSpec(FeatureKind.final, eagle_forward, flex_attention=ttt_attention_flex, forward_ops=True),
     recipe="+experiment=train_eagle_smollm2",
 )
 

@@ -10,6 +10,7 @@ The draft loop is the EAGLE family's (engine/drafts/common/feature.py).
 
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.common.feature import make_feature
+from engine.drafts.common.ttt import ttt_attention_flex
 from engine.drafts.eagle3.head import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.plan import Eagle3Config, describe_eagle3, plan_eagle3
 from engine.drafts.eagle3.train import ttt_forward
@@ -22,7 +23,9 @@ ALGORITHM = Algorithm(
     plan=plan_eagle3,
     make=make_feature,
     head=Eagle3Head,
-    train=TrainSpec(FeatureKind.aux, ttt_forward, flex_attention=True, forward_ops=True, prepare=fit_draft_vocab),
+    train=TrainSpec(
+        FeatureKind.aux, ttt_forward, flex_attention=ttt_attention_flex, forward_ops=True, prepare=fit_draft_vocab
+    ),
     recipe="+experiment=train_eagle3_smollm2",
     describe=describe_eagle3,
 )
