@@ -179,10 +179,21 @@ def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-        os.replace(tmp, out)
+        publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def publish(tmp: Path, out: Path) -> None:
+    """Rename a finished conversion into place. Runs started together on a fresh machine each convert:
+    the first rename wins, and a later one (onto a complete directory, which os.replace refuses) keeps
+    it and leaves its own copy to be removed."""
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / "config.json").is_file():
+            raise
 
 
 # ------------------------------------------------------------------------------------------- sources

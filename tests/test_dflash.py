@@ -388,16 +388,15 @@ def test_flex_block_attention_equals_the_materialized_one(target):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu(target):
+def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu():
     """Loss and gradients of a training step agree between the two attentions (FlexAttention's fused
     backward on CUDA), with the trainer's bf16 autocast."""
     from engine.train.objective import ttt_loss
 
-    _, head = make_head(target, device="cuda", seed=3, intermediate_size=64)
+    _, head = make_head(pair()[1].to("cuda"), device="cuda", seed=3, intermediate_size=64)
     head.requires_grad_(True)
-    batch = _random_batch(head, 3, 150, "cuda")
-    logits_dtype = torch.bfloat16
-    batch.label_logits = torch.randn(3, 150, 320, device="cuda", dtype=logits_dtype)
+    batch = _random_batch(head, 3, 100, "cuda")  # positions + block within the tiny target's 128
+    batch.label_logits = torch.randn(3, 100, 320, device="cuda", dtype=torch.bfloat16)
     batch.top = batch.label_logits.argmax(-1)
     runs = []
     for kw in ({}, {"attention": block_attention_flex}):

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import compose_cfg, spread_init, tiny_hf_config
 
-from engine.loading import describe_model, load_model
+from engine.loading import describe_model, load_model, publish
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 
@@ -62,3 +62,21 @@ def test_smollm2_main_job_end_to_end(outputs):
     assert len(cached) == 1
     args = describe_model(to_run_config(compose_cfg()).model, outputs / "weights")
     assert (args.num_layers, args.hidden_size, args.num_kv_heads, args.rope_theta) == (30, 576, 3, 100000.0)
+
+
+def test_a_conversion_that_lost_the_race_keeps_the_winner(tmp_path):
+    """Two runs converting the GGUF at once: the first rename publishes its directory; the second finds
+    a complete one in place and keeps it. A failed rename onto an incomplete directory still raises."""
+    out = tmp_path / "model"
+    first, second = tmp_path / ".first", tmp_path / ".second"
+    for d, text in ((first, "first"), (second, "second")):
+        d.mkdir()
+        (d / "config.json").write_text(text)
+        (d / "model.safetensors").write_text(text)
+    publish(first, out)
+    assert not first.exists() and (out / "config.json").read_text() == "first"
+    publish(second, out)  # os.replace refuses a non-empty target: the winner stays
+    assert (out / "config.json").read_text() == "first" and (out / "model.safetensors").read_text() == "first"
+    (out / "config.json").unlink()  # not a complete conversion: the error is real
+    with pytest.raises(OSError):
+        publish(second, out)

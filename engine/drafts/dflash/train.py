@@ -17,6 +17,10 @@ blk keys, and is exact for every anchor, not an approximation of inference.
     ctx scores    [B, H, T, blk, T]  masked to key p <= anchor j
     block scores  [B, H, T, blk, blk]
 
+`block_attention` materializes those scores (CPU, and the reference); `block_attention_flex`
+(train.attention=flex, the default on CUDA) is the same attention as one FlexAttention call over the
+keys [context; blocks], [B, KV, T + T*blk, D], whose block mask skips the tiles no query reads.
+
 Outputs follow the trainer's layout (engine/train/objective.py): logits[s][:, p] is the prediction for
 label index p (the target's distribution of x_{p+2}) made by the block anchored at j = p - s, at
 block index s + 1; so the EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's
