@@ -78,7 +78,7 @@ def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
     RoPE (train.kernels=triton) where the draft's forward has them. Evaluation keeps the plain forward (the
     materialized attention: no backward there)."""
     options = {}
-    if s.attention == "flex" and spec.flex_attention:
+    if s.attention == "flex" and spec.flex_attention is not None:
         options["attention"] = spec.flex_attention
     if s.kernels == "triton" and spec.forward_ops:
         options["ops"] = TRITON_OPS
