@@ -6,7 +6,8 @@
     rope_cache_write(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads) -> q
         qkv [b, t, (heads + 2 * kv_heads) * d], one fused projection; cos/sin [max_pos, d] (fp32 tables,
         read at positions [b, t] inside the kernel: no gathered copies); RoPE on q and k (half-rotation
-        layout), k and v written at cache[b, :, slots[b, t]]; returns q [b, heads, t, d]
+        layout), k and v written at cache[b, :, slots[b, t]]; returns q [b, heads, t, d]. heads = 0: k and
+        v only (DFlash's context); qkv may be a slice of a wider projection's last dim
 
 (SwiGLU is the gate / up projection's epilogue: kernels/gemv.py.) Each replaces 6-14 small PyTorch
 kernels per call; math in fp32, results rounded to the input dtype
@@ -166,7 +167,8 @@ def rope_cache_write(
         return rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
-    qkv = qkv.contiguous()
+    if qkv.stride(-1) != 1:  # a slice of a wider projection (unit inner stride) is read in place
+        qkv = qkv.contiguous()
     assert cos.is_contiguous() and sin.is_contiguous() and cos.shape[-1] == d
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert positions.stride(-1) == 1 and slots.stride(-1) == 1

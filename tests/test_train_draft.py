@@ -259,7 +259,8 @@ def test_train_forward_options_follow_attention_and_kernels():
     s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
     fast = dataclasses.replace(s, attention="flex", kernels="triton")
     assert train_forward_options(TRAIN_SPECS["eagle3"], fast) == {"attention": ttt_attention_flex, "ops": TRITON_OPS}
-    assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {"attention": block_attention_flex}  # no ops there
+    assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {"attention": block_attention_flex, "ops": TRITON_OPS}
+    assert train_forward_options(TRAIN_SPECS["multi_layer_eagle"], fast) == {}  # neither exists there
     assert train_forward_options(TRAIN_SPECS["eagle3"], s) == {}  # CPU: eager attention, torch kernels
 
 

@@ -143,14 +143,18 @@ def target_batch(
     toward the greedy token); the batch keeps z itself, in the target's dtype."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    answer = torch.zeros(b, width, dtype=torch.bool)
+    # Built in pinned memory and copied without a sync, so the host queues this batch's target forward
+    # while the device still runs the previous step (a pageable copy would wait for it).
+    pinned = torch.device(device).type == "cuda"
+    ids = torch.zeros(b, width, dtype=torch.long, pin_memory=pinned)
+    answer = torch.zeros(b, width, dtype=torch.bool, pin_memory=pinned)
+    length = torch.tensor(lens, pin_memory=pinned)
     for i, s in enumerate(samples):
         ids[i, : lens[i]] = torch.tensor(s.ids[: lens[i]])
         answer[i, len(s.prompt_ids) : lens[i]] = True
-    ids, answer = ids.to(device), answer.to(device)
+    ids, answer, length = (x.to(device, non_blocking=True) for x in (ids, answer, length))
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
-    valid = positions < torch.tensor(lens, device=device)[:, None]
+    valid = positions < length[:, None]
     first = torch.zeros(b, dtype=torch.long, device=device)  # full-vocabulary logits at one position only
     out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal, logits_index=first)
     feats = out.aux_hidden_states if features == FeatureKind.aux else out.hidden_states

@@ -20,7 +20,13 @@ ALGORITHM = Algorithm(
     plan=plan_dflash,
     make=make_dflash,
     head=DFlashHead,
-    train=TrainSpec(FeatureKind.aux, dflash_forward, flex_attention=block_attention_flex, check=check_dflash_training),
+    train=TrainSpec(
+        FeatureKind.aux,
+        dflash_forward,
+        flex_attention=block_attention_flex,
+        forward_ops=True,
+        check=check_dflash_training,
+    ),
     recipe="+experiment=train_dflash_smollm2",
     describe=describe_dflash,
 )

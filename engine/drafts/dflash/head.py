@@ -49,7 +49,7 @@ from engine.decoder import DELTA, STREAM, AttnInputs, AttnSource, Residual, Step
 from engine.drafts.common.head import HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.program import Step
-from kernels.gemv import add_rmsnorm_gemv
+from kernels.gemv import add_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "DFlashDraftModel"
 
@@ -107,6 +107,10 @@ class DFlashHead(HeadBase):
     def use_fused_kernels(self) -> None:
         for layer in self.layers:
             layer.fuse_projections()
+        # every layer's context k and v rows stacked: one projection writes the whole context
+        kv = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
+        self.context_kv_weight = torch.cat([m.weight for m in kv]).contiguous()  # [layers * 2 * kv * d, hidden]
+        self.context_kv_bias = torch.cat([m.bias for m in kv]).contiguous() if kv[0].bias is not None else None
         self.fused = True
 
     # -- storage ------------------------------------------------------------------------------------
@@ -137,12 +141,30 @@ class DFlashHead(HeadBase):
         """
 
         def write(env):
-            c = self.context(env["feats"])  # [b, t, hidden]
+            feats = env["feats"].to(self.fc.weight.dtype)  # [b, t, F]
             a = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, c.dtype
+                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, feats.dtype
             )
-            for layer in self.layers:
-                layer.self_attn.write_kv(c, cache, a)
+            if not self.fused:
+                c = self.context(feats)  # [b, t, hidden]
+                for layer in self.layers:
+                    layer.self_attn.write_kv(c, cache, a)
+                return
+            # fused: fc, then hidden_norm in the prologue of every layer's k/v projection at once, then
+            # RoPE + cache write per layer: 2 + layers kernels instead of about 15 per layer
+            norm = self.hidden_norm
+            kv = add_rmsnorm_gemv(
+                gemv(feats, self.fc.weight),
+                None,
+                norm.weight,
+                norm.variance_epsilon,
+                self.context_kv_weight,
+                self.context_kv_bias,
+            )[1]  # [b, t, layers * 2 * kv * d]
+            for i, layer in enumerate(self.layers):
+                att = layer.self_attn
+                width = 2 * att.n_kv * att.head_dim
+                a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv)
 
         return [Step("dflash_context", write, meta=self.graph_meta())]
 

@@ -26,6 +26,9 @@ class DFlashDraft(DeviceDraft):
                 f"draft.num_steps={k}: a DFlash block of {head.block_size} tokens proposes 1..{head.block_size - 1}"
             )
         super().__init__(head, batch_size, k)
+        device = head.fc.weight.device
+        self.offsets = torch.arange(head.block_size, device=device)  # [B] block index: constant, read by graphs
+        self.is_bonus = self.offsets == 0  # [B] the block's first slot holds the bonus token, the rest masks
 
     # -- the Draft interface ------------------------------------------------------------------------
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None) -> None:
@@ -38,16 +41,13 @@ class DFlashDraft(DeviceDraft):
     def propose_steps(self, cache, k: int) -> list[Step]:
         B = self.head.block_size
 
-        def bind(env):
+        def bind(env):  # two kernels: the block's tokens and positions
             last, lengths = env["last"], env["lengths"]  # [b], [b]
-            b = last.shape[0]
-            offsets = torch.arange(B, device=last.device)
-            tokens = torch.cat([last[:, None], last.new_full((b, B - 1), self.head.mask_token_id)], 1)  # [b, B]
             env.update(
                 {
-                    "b.tokens": tokens,
-                    "b.positions": lengths[:, None] + offsets,
-                    "b.valid": env["live"][:, None].expand(b, B),
+                    "b.tokens": torch.where(self.is_bonus, last[:, None], self.head.mask_token_id),  # [b, B]
+                    "b.positions": lengths[:, None] + self.offsets,  # [b, B]
+                    "b.valid": env["live"][:, None].expand(last.shape[0], B),
                 }
             )
 

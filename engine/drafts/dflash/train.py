@@ -37,9 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.drafts.common.ttt import flex_kernel
+from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel
 from engine.errors import ConfigError
-from engine.model import apply_rope
 from engine.train.objective import Batch, _shift
 
 
@@ -91,9 +90,12 @@ def _block_mask(t: int, blk: int, device: torch.device):
     return create_block_mask(visible, None, None, t * blk, t + t * blk, device=device)
 
 
-def dflash_forward(head, batch: Batch, steps: int, attention=block_attention) -> list[Tensor]:
+def dflash_forward(
+    head, batch: Batch, steps: int, attention=block_attention, ops: ForwardOps = TORCH_OPS
+) -> list[Tensor]:
     """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1.
-    `attention`: block_attention (materialized scores) or block_attention_flex (train.attention=flex)."""
+    `attention`: block_attention (materialized scores) or block_attention_flex (train.attention=flex);
+    `ops`: the RMSNorms and RoPE as modules and torch formulas, or as Triton kernels (train.kernels=triton)."""
     blk = head.block_size
     if not 1 <= steps < blk:
         raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
@@ -101,28 +103,28 @@ def dflash_forward(head, batch: Batch, steps: int, attention=block_attention) ->
     tokens = torch.full((b, t, blk), head.mask_token_id, dtype=torch.long, device=batch.tokens.device)
     tokens[:, :, 0] = batch.tokens  # [B, T, blk]: [x_{j+1}, m, ..., m] per anchor j
     x = head.embed(tokens).detach().view(b, t * blk, -1)  # [B, T*blk, hidden]; the target's, frozen
-    c = head.context(batch.feats)  # [B, T, hidden]
+    c = ops.norm(head.hidden_norm, head.fc(batch.feats.to(head.fc.weight.dtype)))  # [B, T, hidden]: context
     x = x.to(c.dtype)
     block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
-    rope = lambda pos: (head.rope_cos[pos][:, None].to(c.dtype), head.rope_sin[pos][:, None].to(c.dtype))  # noqa: E731
-    (ccos, csin), (bcos, bsin) = rope(batch.positions), rope(block_pos)  # [B, 1, T or T*blk, D]
+    rows = lambda pos: (head.rope_cos[pos].float(), head.rope_sin[pos].float())  # noqa: E731  [B, n, D] fp32
+    (ccos, csin), (bcos, bsin) = rows(batch.positions), rows(block_pos)
     for layer in head.layers:
         att = layer.self_attn
         heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-        split = lambda y, n, nh, d=d: y.view(b, n, nh, d).transpose(1, 2)  # noqa: E731  [B, nh, n, D]
-        k_ctx = apply_rope(split(att.k_proj(c), t, kv), ccos, csin)
-        v_ctx = split(att.v_proj(c), t, kv)
-        hn = layer.input_layernorm(x)
-        q = apply_rope(split(att.q_proj(hn), t * blk, heads), bcos, bsin)
-        k_blk = apply_rope(split(att.k_proj(hn), t * blk, kv), bcos, bsin)
-        v_blk = split(att.v_proj(hn), t * blk, kv)
+        k_ctx = ops.rope(att.k_proj(c), ccos, csin, kv)  # [B, KV, T, D]
+        v_ctx = att.v_proj(c).view(b, t, kv, d).transpose(1, 2)
+        hn = ops.norm(layer.input_layernorm, x)  # [B, T*blk, hidden]
+        q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [B, H, T*blk, D]
+        k_blk = ops.rope(att.k_proj(hn), bcos, bsin, kv)
+        v_blk = att.v_proj(hn).view(b, t * blk, kv, d).transpose(1, 2)
         o = attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv)
         x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
-        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        x = x + layer.mlp(ops.norm(layer.post_attention_layernorm, x))
     h = x.view(b, t, blk, -1)
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
-    # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout.
-    return [_shift(F.linear(head.norm(h[:, :, s + 1]), w), s, 1) for s in range(steps)]
+    # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout, on the
+    # hidden states (the zero rows stay zero through the norm and the lm_head), not on the logits.
+    return [F.linear(ops.norm(head.norm, _shift(h[:, :, s + 1], s, 1)), w) for s in range(steps)]
 
 
 def check_dflash_training(cfg, plan) -> None:
