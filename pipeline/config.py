@@ -238,8 +238,9 @@ class TrainConfig:
     ema_decay: float = 0.0
     attention: str = "auto"  # training forward: eager | flex (FlexAttention, CUDA only) | auto (flex where it can)
     # The training step's fused kernels: triton (one Triton kernel each way for the loss's soft
-    # cross-entropy, from the label logits: kernels/soft_ce.py, and for the EAGLE3 head's RMSNorms and RoPE:
-    # kernels/rms_norm.py, kernels/rope.py; CUDA, or CPU under TRITON_INTERPRET=1) | torch (plain ops, with
+    # cross-entropy, from the label logits: kernels/soft_ce.py, and for the EAGLE3, EAGLE and DFLASH
+    # heads' RMSNorms and RoPE: kernels/rms_norm.py, kernels/rope.py; CUDA, or CPU under
+    # TRITON_INTERPRET=1) | torch (plain ops, with
     # fp32 [positions, draft vocab] intermediates) | auto (triton on CUDA where triton is installed, else torch).
     kernels: str = "auto"
     # After training: this many held-out prompts through the real draft-and-verify loop (k =
