@@ -140,6 +140,28 @@ def assert_trained_beats_random(
     assert good["accept_length"] > bad["accept_length"] + 0.2, (good["accept_length"], bad["accept_length"])
 
 
+def assert_triton_ops_match_torch_ops(forward, head, batch, steps: int, trained: set[str]) -> None:
+    """A training forward with the Triton norms and RoPE (train.kernels=triton) gives the torch ops'
+    logits and, through the loss's backward, their gradients (fp32); the `trained` parameters get one."""
+    from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS
+    from engine.train.objective import ttt_loss
+
+    head.requires_grad_(True)
+    out = {}
+    for ops in (TORCH_OPS, TRITON_OPS):
+        logits = forward(head, batch, steps, ops=ops)
+        head.zero_grad()
+        ttt_loss(logits, batch)[0].backward()
+        grads = {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}
+        out[ops] = ([lg.detach() for lg in logits], grads)
+    (l0, g0), (l1, g1) = out[TORCH_OPS], out[TRITON_OPS]
+    for a, b in zip(l0, l1):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-4)
+    assert g0.keys() == g1.keys() and trained <= g0.keys()
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], atol=1e-5, rtol=1e-3, msg=n)
+
+
 # A draft training run on the tiny target in seconds (16 self-distilled samples, short sequences); each
 # test adds its recipe (+experiment=train_<draft>_smollm2) and its steps, TTT steps and cadence.
 TINY_TRAIN = [
