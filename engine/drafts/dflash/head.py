@@ -12,7 +12,9 @@ Model (z-lab's `DFlashDraftModel`, with Llama decoder layers of the target's wid
     logits = target lm_head(norm(h))[:, 1:k+1]   [b, k, vocab]: d_i = argmax at block index i
 
 The context enters every layer as extra keys and values only: it has no queries, no MLP, no residual
-stream, so writing it is a few matmuls and one cache scatter per layer, with no attention at all.
+stream, so writing it is a few matmuls and one cache scatter per layer, with no attention at all. On the
+fused path it is 2 + layers kernels: fc, then hidden_norm in the prologue of one projection onto every
+layer's k and v rows stacked ([layers * 2 * kv * d, hidden]), then RoPE + cache write per layer.
 
 Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + B + 1, head_dim]):
 
