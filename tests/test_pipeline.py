@@ -234,7 +234,9 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
             "pipeline",
             "model=tiny",
             "device=cpu",
-            "eval.max_new_tokens=64",  # 164 prompts of up to 64 tokens: seconds of eval to land in
+            # 164 prompts of up to 256 tokens: about 40 s of eval to land in (the signal goes at the first
+            # finished prompt; 64 tokens gave 12 s, which a reader starved on a loaded 2-core host missed)
+            "eval.max_new_tokens=256",
             "experiment_name=ctrlc",
         ],
         cwd=REPO,
