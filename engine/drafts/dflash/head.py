@@ -131,9 +131,10 @@ class DFlashHead(HeadBase):
             self.norm.weight.copy_(target.model.norm.weight)
 
     # -- programs -----------------------------------------------------------------------------------
-    def context(self, feats: Tensor) -> Tensor:
-        """aux [b, t, n_aux * target_hidden] -> c [b, t, hidden]: what every layer's context k/v read."""
-        return self.hidden_norm(self.fc(feats.to(self.fc.weight.dtype)))
+    def context(self, feats: Tensor, norm=lambda mod, x: mod(x)) -> Tensor:
+        """aux [b, t, n_aux * target_hidden] -> c [b, t, hidden]: what every layer's context k/v read.
+        `norm` (module, x): how hidden_norm runs (training passes its ForwardOps' norm)."""
+        return norm(self.hidden_norm, self.fc(feats.to(self.fc.weight.dtype)))
 
     def context_program(self, cache: StaticKVCache) -> list[Step]:
         """Write the context k/v of every layer: one segment, no attention.

@@ -103,7 +103,7 @@ def dflash_forward(
     tokens = torch.full((b, t, blk), head.mask_token_id, dtype=torch.long, device=batch.tokens.device)
     tokens[:, :, 0] = batch.tokens  # [B, T, blk]: [x_{j+1}, m, ..., m] per anchor j
     x = head.embed(tokens).detach().view(b, t * blk, -1)  # [B, T*blk, hidden]; the target's, frozen
-    c = ops.norm(head.hidden_norm, head.fc(batch.feats.to(head.fc.weight.dtype)))  # [B, T, hidden]: context
+    c = head.context(batch.feats, ops.norm)  # [B, T, hidden]
     x = x.to(c.dtype)
     block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
     rows = lambda pos: (head.rope_cos[pos].float(), head.rope_sin[pos].float())  # noqa: E731  [B, n, D] fp32
