@@ -249,7 +249,7 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
             "model=tiny",
             "device=cpu",
             # 164 prompts of up to 256 tokens: about 40 s of eval to land in (the signal goes at the first
-            # finished prompt; 64 tokens gave 12 s, which a reader starved on a loaded 2-core host missed)
+            # finished prompt; at 64 tokens, 12 s, the signal twice landed after the pass in a full suite)
             "eval.max_new_tokens=256",
             "experiment_name=ctrlc",
         ],
