@@ -114,6 +114,9 @@ class DraftConfig:
     block_size: Optional[int] = None
     mask_token_id: Optional[int] = None
     num_layers: Optional[int] = None
+    # dflash random init: the drafter's key/value heads (null: the target's; a divisor of its query heads).
+    # The context reaches a block only through each layer's keys and values: more heads widen that path.
+    num_kv_heads: Optional[int] = None
     # ngram (prompt lookup): longest suffix match first.
     ngram_max: int = 3
     ngram_min: int = 1

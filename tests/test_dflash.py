@@ -96,13 +96,13 @@ def run_batches(gen, prompts, params, batch):
 # ------------------------------------------------------------------------------------------ lossless
 
 
-def _lossless(policy, batch, kernel=False):
+def _lossless(policy, batch, kernel=False, kv_heads=None):
     device = "cuda" if policy in ("full", "breakable") else "cpu"
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
     target.attention_kernel = kernel  # the head follows in bind(): Triton decode attention, else SDPA
-    plan, head = make_head(target, device)
+    plan, head = make_head(target, device, num_kv_heads=kv_heads)
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
@@ -124,19 +124,21 @@ def _lossless(policy, batch, kernel=False):
     return rec.logits, target, plan, head, prompts, params, base
 
 
+@pytest.mark.parametrize("kv_heads", [None, 4])  # the target's 2 key/value heads, or one per query head
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["none", "debug"])
-def test_greedy_is_lossless(policy, batch):
-    _lossless(policy, batch)
+def test_greedy_is_lossless(policy, batch, kv_heads):
+    _lossless(policy, batch, kv_heads=kv_heads)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("kv_heads", [None, 4])
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["full", "breakable"])
-def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention):
+def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention, kv_heads):
     """The graphs' proposals equal eager ones along the same trajectory (same partial-oracle draws)."""
-    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton")
+    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton", kv_heads)
     gen = generator(target, plan, head, batch, params)
     rec = Recorder(gen.draft, base, [len(p) for p in prompts])
     run_batches(gen, prompts, params, batch)
@@ -295,6 +297,7 @@ def test_plan_rejects_dflash_without_explicit_layer_ids(target, outputs):
         (dict(mask_token_id=320), "draft.mask_token_id"),  # the tiny vocabulary has 320 ids
         (dict(num_layers=0), "draft.num_layers"),
         (dict(intermediate_size=0), "draft.intermediate_size"),
+        (dict(num_kv_heads=3), "draft.num_kv_heads"),  # the tiny target's 4 query heads do not group by 3
         (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
     ],
 )
@@ -458,12 +461,42 @@ def test_mlp_width_is_a_random_heads_key(target, tmp_path):
     assert e.value.key == "draft.intermediate_size"
 
 
+def test_kv_heads_is_a_random_heads_key(target, tmp_path):
+    """draft.num_kv_heads widens a random head's keys and values (config.json and tensors); the
+    training forward still equals the inference block, and a checkpoint loads with its own heads."""
+    plan, head = make_head(target, num_kv_heads=4, seed=5)
+    d = target.args.head_dim
+    assert plan.head_config["num_key_value_heads"] == 4 != target.args.num_kv_heads
+    assert head.layers[0].self_attn.k_proj.weight.shape == (4 * d, target.args.hidden_size)
+    batch = _random_batch(head, 1, 6)
+    with torch.no_grad():
+        logits = dflash_forward(head, batch, BLOCK - 1)
+    cache = head.new_cache(1)
+    run_steps(head.context_program(cache), {"feats": batch.feats, "positions": batch.positions, "valid": None})
+    env = {
+        "tokens": torch.tensor([[int(batch.tokens[0, -1])] + [head.mask_token_id] * (BLOCK - 1)]),
+        "positions": 6 + torch.arange(BLOCK)[None],
+        "valid": torch.ones(1, BLOCK, dtype=torch.bool),
+        "kv_len": 6 + BLOCK,
+    }
+    block = run_steps(head.block_program(cache, BLOCK - 1), env)["logits"][0]  # anchored at the last position
+    torch.testing.assert_close(logits[0][0, -1], block[0], atol=2e-5, rtol=1e-4)
+    head.save(tmp_path)
+    ckpt = dict(init="checkpoint", path=str(tmp_path), aux_layer_ids=None, block_size=None, num_layers=None)
+    loaded = load_head(plan_draft(dflash_cfg(**ckpt), target.args), target, 0, torch.device("cpu"), torch.float32)
+    assert loaded.layers[1].self_attn.v_proj.weight.shape == (4 * d, target.args.hidden_size)
+    with pytest.raises(ConfigError) as e:
+        plan_draft(dflash_cfg(**ckpt, num_kv_heads=4), target.args)
+    assert e.value.key == "draft.num_kv_heads"
+
+
 TRAIN = [
     "+experiment=train_dflash_smollm2",
     *TINY_TRAIN,
     *TINY,
     "draft.block_size=4",
     "draft.num_steps=3",
+    "draft.num_kv_heads=4",  # one per query head, as the recipe's 9 are for SmolLM2's 9
     "train.lr=1e-2",
     "train.eval_every=30",
     "train.save_every=30",
@@ -534,7 +567,8 @@ def test_triton_attention_reads_the_whole_block():
     assert (changed[:, 0] - kernel[:, 0]).abs().max() > 1e-3
 
 
-def test_fused_context_write_equals_the_plain_one():
+@pytest.mark.parametrize("kv_heads", [None, 4])
+def test_fused_context_write_equals_the_plain_one(kv_heads):
     """The fused context write (fc, then hidden_norm in the prologue of every layer's stacked k/v
     projection, then RoPE + cache write per layer: CUDA's path, on CPU under the interpreter) writes the
     cache the plain modules write: every layer's k and v at the valid positions' slots, the padding to
@@ -542,7 +576,7 @@ def test_fused_context_write_equals_the_plain_one():
     device = "cuda" if CUDA else "cpu"
     target = pair()[1].to(device)
     target.init_buffers(torch.device(device))
-    _, head = make_head(target, device, seed=9)
+    _, head = make_head(target, device, seed=9, num_kv_heads=kv_heads)
     fused = head.copy(torch.device(device))
     fused.use_fused_kernels()
     b, t = 2, 5

@@ -86,12 +86,13 @@ def test_the_card_command_reproduces_the_training_config(name):
     assert cfg.draft.algorithm == facts["algorithm"] == HEADS[name][1]
     shipped = json.loads((head / "config.json").read_text())
     assert shipped["architectures"] == [HEADS[name][2]]
-    for key in ("num_layers", "block_size", "intermediate_size"):  # the recipe's shape is the shipped head's
+    for key in ("num_layers", "block_size", "intermediate_size", "num_kv_heads"):  # the recipe's shape is the head's
         want = getattr(cfg.draft, key, None)
         have = {
             "num_layers": shipped.get("num_hidden_layers"),
             "block_size": shipped.get("block_size"),
             "intermediate_size": shipped.get("intermediate_size"),
+            "num_kv_heads": shipped.get("num_key_value_heads"),
         }[key]
         assert want is None or want == have, (key, want, have)
 
@@ -138,7 +139,12 @@ def test_a_shipped_head_is_its_default_and_drafts_smollm2_losslessly(name, outpu
         assert m["match_baseline"] == 1.0, policy
         accepted[policy] = m["accept_length"]
     shape = {
-        "dflash": ["draft.block_size=8", "draft.num_layers=3", "draft.aux_layer_ids=[1,8,14,20,27]"],
+        "dflash": [
+            "draft.block_size=8",
+            "draft.num_layers=3",
+            "draft.num_kv_heads=9",
+            "draft.aux_layer_ids=[1,8,14,20,27]",
+        ],
         "mtp": ["draft.intermediate_size=768"],
     }.get(name, [])
     random_ = run(compose_cfg(*common, "eval.baseline=false", "draft.init=random", *shape))

@@ -68,12 +68,14 @@ def dflash_config(
     mask_token_id: int,
     num_layers: int,
     intermediate_size: Optional[int] = None,
+    num_kv_heads: Optional[int] = None,
 ) -> dict:
-    """config.json of a DFlash head of the target's width (random init, training); intermediate_size: the
-    layers' MLP width (None: the target's)."""
+    """config.json of a DFlash head of the target's width (random init, training); intermediate_size and
+    num_kv_heads: the layers' MLP width and key/value heads (None: the target's)."""
     return {
         **llama_config(target, ARCHITECTURE),  # the Llama shape keys of a head of the target's width
         "intermediate_size": intermediate_size or target.intermediate_size,
+        "num_key_value_heads": num_kv_heads or target.num_kv_heads,
         "num_hidden_layers": num_layers,
         "tie_word_embeddings": False,
         "target_hidden_size": target.hidden_size,

@@ -27,6 +27,7 @@ class DFlashConfig(HeadKeys):
     mask_token_id: Optional[int]  # the mask token (null: checkpoint's)
     num_layers: Optional[int]  # random init: decoder layers
     intermediate_size: Optional[int]  # random init: the layers' MLP width (null: the target's)
+    num_kv_heads: Optional[int]  # random init: the layers' key/value heads (null: the target's)
 
 
 def spread_ids(num_layers: int, n: int = 5) -> list[int]:
@@ -99,6 +100,13 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
             )
         check_fc(ckpt, n_aux * target.hidden_size, f"{n_aux} aux layers x target hidden {target.hidden_size}")
         reject_width(cfg, ckpt)
+        if cfg.num_kv_heads is not None:
+            raise ConfigError(
+                "draft.num_kv_heads",
+                cfg.num_kv_heads,
+                f"a checkpoint's key/value heads are its config.json's ({ck.get('num_key_value_heads')})",
+                "null (or draft.init=random)",
+            )
         settings = {"target_layer_ids": list(aux.output_of), "block_size": block, "mask_token_id": mask}
         head_cfg = {
             **ck,
@@ -110,7 +118,16 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
         layers = cfg.num_layers if cfg.num_layers is not None else 1
         if layers < 1:
             raise ConfigError("draft.num_layers", layers, "the drafter needs a decoder layer", ">= 1")
-        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target))
+        kv = cfg.num_kv_heads if cfg.num_kv_heads is not None else target.num_kv_heads
+        if kv < 1 or target.num_heads % kv:
+            divisors = [d for d in range(1, target.num_heads + 1) if target.num_heads % d == 0]
+            raise ConfigError(
+                "draft.num_kv_heads",
+                kv,
+                f"query heads ({target.num_heads}, the target's) are grouped over the key/value heads",
+                f"a divisor of {target.num_heads}: {divisors}, or null (the target's {target.num_kv_heads})",
+            )
+        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target), kv)
     return DraftPlan("dflash", FeatureKind.aux, aux, head_cfg, ckpt)
 
 
@@ -118,6 +135,6 @@ def describe_dflash(plan: DraftPlan) -> list[str]:
     cfg = plan.head_config
     return [
         f"block {cfg['block_size']} (mask token {cfg['mask_token_id']}), {cfg['num_hidden_layers']} layers",
-        f"MLP {cfg['intermediate_size']}",
+        f"MLP {cfg['intermediate_size']}, {cfg['num_key_value_heads']} kv heads",
         *vocab_details(plan),
     ]
