@@ -243,8 +243,8 @@ class TrainConfig:
     # The training step's fused kernels: triton (one Triton kernel each way for the loss's soft
     # cross-entropy, from the label logits: kernels/soft_ce.py, and for the EAGLE3, EAGLE and DFLASH
     # heads' RMSNorms and RoPE: kernels/rms_norm.py, kernels/rope.py; CUDA, or CPU under
-    # TRITON_INTERPRET=1) | torch (plain ops, with
-    # fp32 [positions, draft vocab] intermediates) | auto (triton on CUDA where triton is installed, else torch).
+    # TRITON_INTERPRET=1) | torch (plain ops, with fp32 [positions, draft vocab] intermediates) | auto
+    # (triton on CUDA where triton is installed, else torch).
     kernels: str = "auto"
     # After training: this many held-out prompts through the real draft-and-verify loop (k =
     # draft.num_steps, greedy, up to loop_eval_tokens new tokens); 0 skips it. loop_eval_tokens is also

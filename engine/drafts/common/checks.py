@@ -1,4 +1,5 @@
-"""Plan-time checks shared by the weighted drafts: init mode, checkpoint fc width, vocabulary, MLP width.
+"""Plan-time checks shared by the weighted drafts: init mode, checkpoint fc width, vocabulary, the shape
+keys of a random head (MLP width, key/value heads), which a checkpoint takes from its config.json.
 
 Each raises one ConfigError naming the `draft.*` key, the bad value and what is valid.
 """
@@ -52,14 +53,36 @@ def mlp_width(cfg, target: ModelArgs) -> Optional[int]:
     return width
 
 
-def reject_width(cfg, ckpt: HeadCheckpoint) -> None:
-    if cfg.intermediate_size is not None:
+def kv_heads(cfg, target: ModelArgs) -> int:
+    """draft.num_kv_heads of a random head: its layers' key/value heads (null: the target's), a divisor
+    of the query heads (the target's) so that they group evenly."""
+    kv = cfg.num_kv_heads if cfg.num_kv_heads is not None else target.num_kv_heads
+    if kv < 1 or target.num_heads % kv:
+        divisors = [d for d in range(1, target.num_heads + 1) if target.num_heads % d == 0]
         raise ConfigError(
-            "draft.intermediate_size",
-            cfg.intermediate_size,
-            f"a checkpoint's MLP width is its config.json's ({ckpt.config.get('intermediate_size')})",
+            "draft.num_kv_heads",
+            kv,
+            f"query heads ({target.num_heads}, the target's) are grouped over the key/value heads",
+            f"a divisor of {target.num_heads}: {divisors}, or null (the target's {target.num_kv_heads})",
+        )
+    return kv
+
+
+def reject_random_only(cfg, ckpt: HeadCheckpoint, key: str, json_key: str, what: str) -> None:
+    """A random head's shape key (`draft.<key>`) set beside a checkpoint, whose config.json's `json_key`
+    fixes `what`: one error naming it."""
+    value = getattr(cfg, key)
+    if value is not None:
+        raise ConfigError(
+            f"draft.{key}",
+            value,
+            f"a checkpoint's {what} is its config.json's ({ckpt.config.get(json_key)})",
             "null (or draft.init=random)",
         )
+
+
+def reject_width(cfg, ckpt: HeadCheckpoint) -> None:
+    reject_random_only(cfg, ckpt, "intermediate_size", "intermediate_size", "MLP width")
 
 
 def check_target_fit(cfg_json: dict, target: ModelArgs, path) -> None:

@@ -10,7 +10,15 @@ from typing import Optional
 from engine import aux_layers
 from engine.drafts.base import DraftPlan, FeatureKind, vocab_details
 from engine.drafts.checkpoint import HeadCheckpoint
-from engine.drafts.common.checks import check_fc, check_init, check_target_fit, mlp_width, reject_width
+from engine.drafts.common.checks import (
+    check_fc,
+    check_init,
+    check_target_fit,
+    kv_heads,
+    mlp_width,
+    reject_random_only,
+    reject_width,
+)
 from engine.drafts.config import HeadKeys
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.errors import ConfigError
@@ -100,13 +108,7 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
             )
         check_fc(ckpt, n_aux * target.hidden_size, f"{n_aux} aux layers x target hidden {target.hidden_size}")
         reject_width(cfg, ckpt)
-        if cfg.num_kv_heads is not None:
-            raise ConfigError(
-                "draft.num_kv_heads",
-                cfg.num_kv_heads,
-                f"a checkpoint's key/value heads are its config.json's ({ck.get('num_key_value_heads')})",
-                "null (or draft.init=random)",
-            )
+        reject_random_only(cfg, ckpt, "num_kv_heads", "num_key_value_heads", "key/value head count")
         settings = {"target_layer_ids": list(aux.output_of), "block_size": block, "mask_token_id": mask}
         head_cfg = {
             **ck,
@@ -118,16 +120,9 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
         layers = cfg.num_layers if cfg.num_layers is not None else 1
         if layers < 1:
             raise ConfigError("draft.num_layers", layers, "the drafter needs a decoder layer", ">= 1")
-        kv = cfg.num_kv_heads if cfg.num_kv_heads is not None else target.num_kv_heads
-        if kv < 1 or target.num_heads % kv:
-            divisors = [d for d in range(1, target.num_heads + 1) if target.num_heads % d == 0]
-            raise ConfigError(
-                "draft.num_kv_heads",
-                kv,
-                f"query heads ({target.num_heads}, the target's) are grouped over the key/value heads",
-                f"a divisor of {target.num_heads}: {divisors}, or null (the target's {target.num_kv_heads})",
-            )
-        head_cfg = dflash_config(target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target), kv)
+        head_cfg = dflash_config(
+            target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target), kv_heads(cfg, target)
+        )
     return DraftPlan("dflash", FeatureKind.aux, aux, head_cfg, ckpt)
 
 
