@@ -535,7 +535,9 @@ def lever_overrides(f: dict) -> str:
     """The levers whose value in the run is not the recipe's, as the overrides that set them."""
     recipe = recipe_train(card_experiment(f))
     return "".join(
-        f" train.{k}={f['train'][k]:g}" for k in LEVERS if k in f["train"] and f["train"][k] != recipe.get(k)
+        f" train.{k}={'null' if f['train'][k] is None else format(f['train'][k], 'g')}"
+        for k in LEVERS
+        if k in f["train"] and f["train"][k] != recipe.get(k)
     )
 
 

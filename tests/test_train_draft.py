@@ -655,3 +655,5 @@ def test_model_card_command_is_the_recipe_and_what_differs_from_it():
         "(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
         "train.lr=0.001 train.max_time_s=480`)"
     ) in model_card(facts)
+    facts["train"].update(max_time_s=None)  # a run stopped by steps only: the override that says so
+    assert "train.lr=0.001 train.max_time_s=null`)" in model_card(facts)
