@@ -114,6 +114,7 @@ class AttnInputs:
     rope_cos: Tensor  # [max_pos, head_dim] float32 tables
     rope_sin: Tensor
     dtype: torch.dtype  # the activations'
+    qlo: Optional[Tensor] = None  # [b, t] first slot each query attends (a sliding window); None: slot 0
 
     @classmethod
     def build(
@@ -142,10 +143,14 @@ class AttnInputs:
         return self.rope_sin[self.rope_pos].to(self.dtype)[:, None]
 
     def mask(self, kv_len: int) -> Tensor:
-        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot)."""
+        """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot), from
+        qlo on when windowed."""
         kv_len = min(kv_len, self.max_kv)
         key_pos = torch.arange(kv_len, device=self.qpos.device)
-        return (key_pos[None, None, :] <= self.qpos[:, :, None])[:, None]
+        seen = key_pos[None, None, :] <= self.qpos[:, :, None]  # [b, t, kv_len]
+        if self.qlo is not None:
+            seen = seen & (key_pos[None, None, :] >= self.qlo[:, :, None])
+        return seen[:, None]
 
     def rope_write(self, qkv: Tensor, cache: KVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
         """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""
@@ -213,6 +218,8 @@ class AttnSource:
     `start`; given: built before it). block: non-causal inside the block (DFlash): every query of a
     row sees up to the row's last slot (padding rows: 0), RoPE still at its own position.
     kv_extra: slots the mask covers past env kv_len (DFlash: the block, see DFlashHead.block_program).
+    window: a query at position p sees slots p - window + 1.. only (0: no window), as a Hugging Face
+    `sliding_attention` layer does.
     """
 
     rope: torch.nn.Module
@@ -220,10 +227,13 @@ class AttnSource:
     dtype: Optional[torch.dtype] = None
     block: bool = False
     kv_extra: int = 0
+    window: int = 0
 
     def build(self, env: dict, dtype: torch.dtype) -> AttnInputs:
         r = self.rope
         a = AttnInputs.build(env["positions"], env["valid"], r.rope_cos, r.rope_sin, self.dummy_slot, dtype)
+        if self.window:
+            a = dataclasses.replace(a, qlo=(a.rope_pos - (self.window - 1)).clamp(min=0))  # [b, t]; padding: 0
         if not self.block:
             return a
         last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, t]

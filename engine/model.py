@@ -264,7 +264,7 @@ class Attention(nn.Module):
             )
         elif mask is None:
             one_split = max_rows is not None and b * t > max_rows
-            out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None)
+            out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None, qlo=a.qlo)
         else:
             kv_len = mask.shape[-1]
             out = F.scaled_dot_product_attention(

@@ -5,6 +5,8 @@
                                                  transposed view of [batch, t, heads, head_dim])
     k, v    [batch, kv_heads, slots, head_dim]   one layer of engine.model.StaticKVCache
     qpos    [batch, t] int64                     query (b, i) attends slots 0..qpos[b, i]
+    qlo     [batch, t] int64, optional           ... and only from slot qlo[b, i] on (a sliding window:
+                                                 DFlash's context window; None: from slot 0)
     -> out  [batch, heads, t, head_dim]          q's dtype, q's memory layout
 
 Flash-decoding: two kernels, split-KV then combine.
@@ -15,7 +17,8 @@ Flash-decoding: two kernels, split-KV then combine.
    a runtime argument, so prompt lengths do not recompile. A program walks the cache in blocks of
    BLOCK_N slots, split s taking blocks s, s + num_splits, s + 2 * num_splits, ... up to the largest
    live length among its rows, loads each K / V block once for all its rows (q @ k^T and p @ v as
-   tl.dot, fp32 accumulation) and masks per row (slot <= qpos[b, i]). It keeps an online softmax per
+   tl.dot, fp32 accumulation) and masks per row (slot <= qpos[b, i], and slot >= qlo[b, i] when windowed:
+   the blocks below a window are still read, as a DFlash context is a few blocks). It keeps an online softmax per
    row and writes its partial result: the normalised output and its log-sum-exp (log2 domain), into
    fp32 workspaces
        o_part [batch, heads, t, num_splits, head_dim],  lse_part [batch, heads, t, num_splits]
@@ -72,10 +75,13 @@ MAX_ROWS = 64  # query rows per split program for long t; longer t is tiled over
 _LOG2E = 1.4426950408889634
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor) -> Tensor:
+def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, qlo: Tensor | None = None) -> Tensor:
     kv_len = int(qpos.max()) + 1
     key_pos = torch.arange(kv_len, device=q.device)
-    mask = (key_pos[None, None, :] <= qpos[:, :, None])[:, None]  # [b, 1, t, kv_len]
+    mask = key_pos[None, None, :] <= qpos[:, :, None]  # [b, t, kv_len]
+    if qlo is not None:
+        mask = mask & (key_pos[None, None, :] >= qlo[:, :, None])
+    mask = mask[:, None]  # [b, 1, t, kv_len]
     return F.scaled_dot_product_attention(
         q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
     )
@@ -90,6 +96,7 @@ if triton is not None:
         K,
         V,
         QPOS,
+        QLO,
         O_PART,
         LSE_PART,
         OUT,
@@ -105,6 +112,8 @@ if triton is not None:
         s_vs,
         s_pb,
         s_pt,
+        s_lb,
+        s_lt,
         s_wb,
         s_wh,
         s_wt,  # lse_part's strides; o_part is lse_part's layout with a trailing HEAD_DIM
@@ -117,6 +126,7 @@ if triton is not None:
         ROWS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DIRECT: tl.constexpr,
+        WINDOWED: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
@@ -131,6 +141,8 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         n = tl.load(QPOS + b * s_pb + i * s_pt, mask=valid, other=-1) + 1  # [ROWS] live slots, 0 for padding
         n_max = tl.max(n, 0)
+        if WINDOWED:  # [ROWS] first live slot of each row (its sliding window's start)
+            lo = tl.load(QLO + b * s_lb + i * s_lt, mask=valid, other=0)
 
         q_ptr = Q + b * s_qb + h[:, None] * s_qh + i[:, None] * s_qt + d[None, :]
         q = tl.load(q_ptr, mask=valid[:, None], other=0.0).to(K.dtype.element_ty).to(DOT_DTYPE)  # [ROWS, D]
@@ -146,6 +158,8 @@ if triton is not None:
             kt = tl.load(k_base + offs[None, :] * s_ks + d[:, None], mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]
             s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
             live = offs[None, :] < n[:, None]  # [ROWS, BLOCK_N]
+            if WINDOWED:
+                live = live & (offs[None, :] >= lo[:, None])
             s = tl.where(live, s, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(s, 1))  # [ROWS]
             m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing live yet: no NaN
@@ -205,12 +219,18 @@ def num_splits_for(slots: int, block_n: int) -> int:
 
 
 def decode_attention(
-    q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, block_n: int = 64, num_splits: int | None = None
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    qpos: Tensor,
+    block_n: int = 64,
+    num_splits: int | None = None,
+    qlo: Tensor | None = None,
 ) -> Tensor:
     """Split-KV Triton kernels (see module docstring); the reference where triton is missing.
-    `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks)."""
+    `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks); `qlo`: each query's first slot."""
     if triton is None:
-        return decode_attention_reference(q, k, v, qpos)
+        return decode_attention_reference(q, k, v, qpos, qlo)
     b, heads, t, d = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -238,6 +258,7 @@ def decode_attention(
         k,
         v,
         qpos,
+        qpos if qlo is None else qlo,
         o_part,
         lse_part,
         out,
@@ -253,6 +274,7 @@ def decode_attention(
         v.stride(2),
         qpos.stride(0),
         qpos.stride(1),
+        *(qpos.stride() if qlo is None else qlo.stride()),
         *s_w,
         out.stride(0),
         out.stride(1),
@@ -263,6 +285,7 @@ def decode_attention(
         ROWS=rows,
         NUM_SPLITS=num_splits,
         DIRECT=direct,
+        WINDOWED=qlo is not None,
         HEAD_DIM=d,
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,

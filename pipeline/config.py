@@ -117,6 +117,11 @@ class DraftConfig:
     # dflash random init: the drafter's key/value heads (null: the target's; a divisor of its query heads).
     # The context reaches a block only through each layer's keys and values: more heads widen that path.
     num_kv_heads: Optional[int] = None
+    # dflash: the context window of each block query, in positions (a Hugging Face `sliding_attention`
+    # layer: a query at position p reads context positions > p - sliding_window). null: the checkpoint's
+    # (none with draft.init=random); 0: no window. A drafter trained on short samples loses its way over
+    # contexts longer than it saw; the window keeps it within them.
+    sliding_window: Optional[int] = None
     # ngram (prompt lookup): longest suffix match first.
     ngram_max: int = 3
     ngram_min: int = 1

@@ -26,6 +26,7 @@ from test_speculative import AUX, oracle_prefix, tap
 from engine.drafts.base import SpecState
 from engine.drafts.common.ttt import TRITON_OPS
 from engine.drafts.dflash import DFlashDraft
+from engine.drafts.dflash.plan import describe_dflash
 from engine.drafts.dflash.train import block_attention_flex, dflash_forward
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
@@ -96,13 +97,13 @@ def run_batches(gen, prompts, params, batch):
 # ------------------------------------------------------------------------------------------ lossless
 
 
-def _lossless(policy, batch, kernel=False, kv_heads=None):
+def _lossless(policy, batch, kernel=False, kv_heads=None, window=None):
     device = "cuda" if policy in ("full", "breakable") else "cpu"
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
     target.attention_kernel = kernel  # the head follows in bind(): Triton decode attention, else SDPA
-    plan, head = make_head(target, device, num_kv_heads=kv_heads)
+    plan, head = make_head(target, device, num_kv_heads=kv_heads, sliding_window=window)
     prompts = _prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
@@ -124,21 +125,21 @@ def _lossless(policy, batch, kernel=False, kv_heads=None):
     return rec.logits, target, plan, head, prompts, params, base
 
 
-@pytest.mark.parametrize("kv_heads", [None, 4])  # the target's 2 key/value heads, or one per query head
+@pytest.mark.parametrize("kv_heads, window", [(None, None), (4, None), (None, 6)])  # 6: a context window
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["none", "debug"])
-def test_greedy_is_lossless(policy, batch, kv_heads):
-    _lossless(policy, batch, kv_heads=kv_heads)
+def test_greedy_is_lossless(policy, batch, kv_heads, window):
+    _lossless(policy, batch, kv_heads=kv_heads, window=window)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kv_heads", [None, 4])
+@pytest.mark.parametrize("kv_heads, window", [(None, None), (4, None), (None, 6)])
 @pytest.mark.parametrize("attention", ["sdpa", "triton"])
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("policy", ["full", "breakable"])
-def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention, kv_heads):
+def test_greedy_is_lossless_under_cuda_graphs(policy, batch, attention, kv_heads, window):
     """The graphs' proposals equal eager ones along the same trajectory (same partial-oracle draws)."""
-    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton", kv_heads)
+    got, target, plan, head, prompts, params, base = _lossless(policy, batch, attention == "triton", kv_heads, window)
     gen = generator(target, plan, head, batch, params)
     rec = Recorder(gen.draft, base, [len(p) for p in prompts])
     run_batches(gen, prompts, params, batch)
@@ -299,6 +300,8 @@ def test_plan_rejects_dflash_without_explicit_layer_ids(target, outputs):
         (dict(intermediate_size=0), "draft.intermediate_size"),
         (dict(num_kv_heads=3), "draft.num_kv_heads"),  # the tiny target's 4 query heads do not group by 3
         (dict(aux_layer_ids=[1, 9]), "draft.aux_layer_ids"),
+        (dict(sliding_window=4), "draft.sliding_window"),  # must reach past the block of 4
+        (dict(sliding_window=-1), "draft.sliding_window"),
     ],
 )
 def test_plan_names_the_bad_key(target, override, key):
@@ -346,6 +349,28 @@ def test_checkpoint_round_trip(target, tmp_path):
         plan_draft(dflash_cfg(init="checkpoint", path=str(tmp_path), mask_token_id=5), target.args)
 
 
+def test_context_window_is_a_checkpoint_setting(target, tmp_path):
+    """draft.sliding_window: written as Hugging Face's non-causal `sliding_attention` layers (z-lab's
+    reference reads them), read back from a checkpoint, overridden by the config (0: the whole context);
+    a checkpoint whose layers mix attention types is one clear error."""
+    plan, head = make_head(target, sliding_window=6)
+    assert "context window 6" in " ".join(describe_dflash(plan))
+    head.save(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention"] * 2 and cfg["sliding_window"] == 6
+    assert cfg["is_causal"] is False
+    ckpt = dict(init="checkpoint", path=str(tmp_path), aux_layer_ids=None, block_size=None, num_layers=None)
+    for window, want in ((None, 6), (0, 0), (9, 9)):
+        p = plan_draft(dflash_cfg(**ckpt, sliding_window=window), target.args)
+        assert load_head(p, target, 0, torch.device("cpu"), torch.float32).sliding_window == want
+        assert ("layer_types" in p.head_config) == bool(want)
+    cfg["layer_types"] = ["sliding_attention", "full_attention"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ConfigError, match="layer_types") as e:
+        plan_draft(dflash_cfg(**ckpt), target.args)
+    assert e.value.key == "draft.path"
+
+
 # ------------------------------------------------------------------------------------------ training
 def _random_batch(head, b: int, t: int, device="cpu", seed: int = 0) -> Batch:
     """Random features and tokens at positions 0..T-1, every position trained (no labels)."""
@@ -356,11 +381,15 @@ def _random_batch(head, b: int, t: int, device="cpu", seed: int = 0) -> Batch:
     return Batch(tokens, positions, feats, None, None, torch.ones(b, t, dtype=torch.bool, device=device))
 
 
-@pytest.mark.parametrize("kv_heads", [None, 4])  # the target's 2 key/value heads, or one per query head
-def test_training_forward_equals_the_inference_block(target, kv_heads):
+@pytest.mark.parametrize(
+    "kv_heads, window", [(None, None), (4, None), (None, 6)]
+)  # the target's 2 key/value heads, one per query head, a context window of 6 positions
+def test_training_forward_equals_the_inference_block(target, kv_heads, window):
     """dflash_forward's step s at position p is the block anchored at j = p - s, computed through the
-    draft's own programs: context written for 0..j, block [x_{j+1}, m, ...] at j+1..j+B."""
-    plan, head = make_head(target, seed=5, num_kv_heads=kv_heads)
+    draft's own programs: context written for 0..j, block [x_{j+1}, m, ...] at j+1..j+B (with a window,
+    each block query reads the context within it there as in training)."""
+    plan, head = make_head(target, seed=5, num_kv_heads=kv_heads, sliding_window=window)
+    assert head.sliding_window == (window or 0)
     b, t = 2, 12
     batch = _random_batch(head, b, t)
     feats, tokens, positions = batch.feats, batch.tokens, batch.positions
@@ -383,14 +412,21 @@ def test_training_forward_equals_the_inference_block(target, kv_heads):
             for s in range(BLOCK - 1):
                 if j + s < t:
                     torch.testing.assert_close(logits[s][row, j + s], block[s], atol=2e-5, rtol=1e-4)
+    if window:  # the window bites: the last anchor's drafts differ from those that read the whole context
+        head.sliding_window = 0
+        with torch.no_grad():
+            whole = dflash_forward(head, batch, BLOCK - 1)
+        assert (whole[0][:, t - 1] - logits[0][:, t - 1]).abs().max() > 1e-3
+        torch.testing.assert_close(whole[0][:, 0], logits[0][:, 0])  # the first anchor reads position 0 only
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_flex_block_attention_equals_the_materialized_one(target):
-    """train.attention=flex: the block mask (context p <= anchor, then the anchor's own block) is the same
-    attention as the materialized scores, at every anchor and block position. CPU runs FlexAttention's
-    reference forward; the GPU test below covers the backward."""
-    _, head = make_head(target, seed=3)
+@pytest.mark.parametrize("window", [None, 6])
+def test_flex_block_attention_equals_the_materialized_one(target, window):
+    """train.attention=flex: the block mask (context p <= anchor, within the window, then the anchor's own
+    block) is the same attention as the materialized scores, at every anchor and block position. CPU runs
+    FlexAttention's reference forward; the GPU test below covers the backward."""
+    _, head = make_head(target, seed=3, sliding_window=window)
     batch = _random_batch(head, 2, 37)  # T not a multiple of any tile
     with torch.no_grad():
         ref = dflash_forward(head, batch, BLOCK - 1)
@@ -401,12 +437,13 @@ def test_flex_block_attention_equals_the_materialized_one(target):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
-def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu():
+@pytest.mark.parametrize("window", [None, 24])
+def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu(window):
     """Loss and gradients of a training step agree between the two attentions (FlexAttention's fused
     backward on CUDA), with the trainer's bf16 autocast, and with the Triton norms and RoPE beside
     FlexAttention (the trainer's default on CUDA)."""
 
-    _, head = make_head(pair()[1].to("cuda"), device="cuda", seed=3, intermediate_size=64)
+    _, head = make_head(pair()[1].to("cuda"), device="cuda", seed=3, intermediate_size=64, sliding_window=window)
     head.requires_grad_(True)
     batch = _random_batch(head, 3, 100, "cuda")  # positions + block within the tiny target's 128
     batch.label_logits = torch.randn(3, 100, 320, device="cuda", dtype=torch.bfloat16)
@@ -526,15 +563,17 @@ def test_train_steps_beyond_the_block_are_one_clear_error(outputs):
         build_plan(to_run_config(compose_cfg(*TRAIN, "train.ttt_steps=4", "device=cpu")), outputs)
 
 
-def test_triton_attention_reads_the_whole_block():
+@pytest.mark.parametrize("window", [None, 6])
+def test_triton_attention_reads_the_whole_block(window):
     """The Triton decode-attention kernel (the CUDA default; on CPU under the interpreter) gives every
-    block query the block's last slot as its bound (qpos): it equals the SDPA mask, and the first
-    draft depends on the block's last token (a causal block would not)."""
+    block query the block's last slot as its bound (qpos), and with a context window each query its own
+    first slot (qlo): it equals the SDPA mask, and the first draft depends on the block's last token (a
+    causal block would not)."""
     device = "cuda" if CUDA else "cpu"
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
-    plan, head = make_head(target, device)
+    plan, head = make_head(target, device, sliding_window=window)
     prompts = _prompts(3, seed=41)
     draft = DFlashDraft(head, 3, K)
     feats, ids, valid, first = _prefill(target, prompts)

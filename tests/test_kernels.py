@@ -37,6 +37,32 @@ def test_decode_attention_matches_reference(device, b, heads, kv_heads, t, d):
     assert torch.allclose(da.decode_attention(q, k2, v2, qpos, block_n=32)[0], got[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_windowed_decode_attention_reads_only_its_window(device, num_splits):
+    """qlo (DFlash's sliding context window): each query attends slots qlo..qpos, whatever the split
+    count; a window that starts mid-block, one at slot 0 and a DFlash block (shared qpos, a window per
+    query) all match the reference, and the slots below a window are never weighed."""
+    g = torch.Generator().manual_seed(1)
+    b, heads, kv_heads, t, d, slots = 3, 9, 3, 8, 64, 300
+    q = torch.randn(b, heads, t, d, generator=g).to(device)
+    k = torch.randn(b, kv_heads, slots + 1, d, generator=g).to(device)
+    v = torch.randn(b, kv_heads, slots + 1, d, generator=g).to(device)
+    ar = torch.arange(t)
+    qpos = torch.stack([250 + ar, 20 + ar, torch.full((t,), 180)]).to(device)  # row 2: a block, non-causal
+    own = torch.stack([250 + ar, 20 + ar, 173 + ar]).to(device)  # each query's own position
+    qlo = (own - 100 + 1).clamp(min=0)  # a window of 100 positions; row 1 reaches slot 0
+    got = da.decode_attention(q, k, v, qpos, block_n=32, num_splits=num_splits, qlo=qlo)
+    ref = da.decode_attention_reference(q, k, v, qpos, qlo)
+    assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
+    assert not torch.allclose(got, da.decode_attention(q, k, v, qpos, block_n=32, num_splits=num_splits), atol=1e-3)
+    k2, v2 = k.clone(), v.clone()
+    k2[0, :, : int(qlo[0].min())] = 1e4  # below row 0's window
+    v2[0, :, : int(qlo[0].min())] = 1e4
+    again = da.decode_attention(q, k2, v2, qpos, block_n=32, num_splits=num_splits, qlo=qlo)
+    assert torch.equal(again, got)
+
+
 def _split_kv_case(device, dtype, heads, kv_heads, t, d, slots=130, seed=0):
     """Rows of different live lengths: 1 (the first query), one off a block boundary, one of many blocks
     (more than the splits), and a verify row whose last queries are padding (qpos 0, as the engine
@@ -114,7 +140,7 @@ def test_decode_attention_num_splits_from_cache_size_only():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_decode_attention_row_is_independent_of_batch_and_t(device, dtype):
-    """A (batch row, query)'s output is bitwise the same computed as a decode (t = 1, batch 1, with NaN
+    """A (batch row, query)'s output is bitwise the same (on the GPU) computed as a decode (t = 1, batch 1, with NaN
     past its prefix), as one of a verify's 6 queries (same qpos), and beside 3 other batch rows of other
     lengths: the split count comes from the cache, and decode and verify share one row tile shape.
     GROUP 3 as SmolLM2's (a verify's 18 rows per kv head span two row tiles of 16); 128 slots in blocks
@@ -133,7 +159,11 @@ def test_decode_attention_row_is_independent_of_batch_and_t(device, dtype):
         k1[:, :, int(qpos[1, i]) + 1 :] = float("nan")
         v1[:, :, int(qpos[1, i]) + 1 :] = float("nan")
         step = da.decode_attention(q[1:2, :, i : i + 1].contiguous(), k1, v1, qpos[1:2, i : i + 1], block_n=32)
-        assert torch.equal(step, batch[1:2, :, i : i + 1]), i
+        if device == "cuda":
+            assert torch.equal(step, batch[1:2, :, i : i + 1]), i
+        else:  # the interpreter's numpy ops round a row by where it sits in its tile (numpy 2.4, OpenBLAS
+            # 0.3.31, an AMD EPYC host: 1.5e-7 apart); the bits are the GPU kernel's claim
+            torch.testing.assert_close(step, batch[1:2, :, i : i + 1], atol=1e-6, rtol=0, msg=str(i))
     ref = da.decode_attention_reference(q.float(), k.float(), v.float(), qpos)
     assert (batch.float() - ref).abs().max() < (2e-5 if dtype == torch.float32 else 2e-2)
 

@@ -86,13 +86,15 @@ def test_the_card_command_reproduces_the_training_config(name):
     assert cfg.draft.algorithm == facts["algorithm"] == HEADS[name][1]
     shipped = json.loads((head / "config.json").read_text())
     assert shipped["architectures"] == [HEADS[name][2]]
-    for key in ("num_layers", "block_size", "intermediate_size", "num_kv_heads"):  # the recipe's shape is the head's
+    shape = ("num_layers", "block_size", "intermediate_size", "num_kv_heads", "sliding_window")
+    for key in shape:  # the recipe's shape is the head's
         want = getattr(cfg.draft, key, None)
         have = {
             "num_layers": shipped.get("num_hidden_layers"),
             "block_size": shipped.get("block_size"),
             "intermediate_size": shipped.get("intermediate_size"),
             "num_kv_heads": shipped.get("num_key_value_heads"),
+            "sliding_window": shipped.get("sliding_window"),
         }[key]
         assert want is None or want == have, (key, want, have)
 

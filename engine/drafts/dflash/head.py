@@ -27,6 +27,9 @@ Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + 
 
     Block queries attend over slots 0..L+B-1: every query of a row gets qpos = L + B - 1 (the slot
     bound that `AttnInputs.mask` and the Triton kernel read) while RoPE uses its own position.
+    With a context window W (config.json's sliding_window over `sliding_attention` layers), a query
+    at position p reads slots > p - W only (AttnInputs.qlo): a drafter trained on samples of a few
+    hundred tokens meets no longer key distances at inference than it was trained on.
 
 In the round (engine/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
 context write over the k + 1 verified positions [b, k + 1] (phase extend, no attention).
@@ -35,7 +38,8 @@ Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both a
 
     config:  architectures ["DFlashDraftModel"], Llama shape keys, num_hidden_layers, block_size,
              mask_token_id, target_hidden_size, dflash_config.{target_layer_ids (output_of),
-             block_size, mask_token_id}
+             block_size, mask_token_id}; with a window: layer_types (all sliding_attention),
+             sliding_window, is_causal false
     tensors: fc.weight, hidden_norm.weight, layers.N.{input_layernorm,post_attention_layernorm}.weight,
              layers.N.self_attn.{q,k,v,o}_proj.weight, layers.N.mlp.{gate,up,down}_proj.weight, norm.weight
 """
@@ -54,6 +58,21 @@ from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "DFlashDraftModel"
+SLIDING = "sliding_attention"  # Hugging Face's layer type of a windowed layer (z-lab's reference reads it)
+WINDOW_KEYS = ("layer_types", "sliding_window", "is_causal")
+
+
+def window_keys(num_layers: int, window: int) -> dict:
+    """config.json keys of a context window of `window` positions: every layer a non-causal
+    `sliding_attention` layer (is_causal false: the block stays non-causal). None for window 0."""
+    if not window:
+        return {}
+    return {"layer_types": [SLIDING] * num_layers, "sliding_window": window, "is_causal": False}
+
+
+def context_window(cfg: dict) -> int:
+    """The context window a config.json declares (0: none)."""
+    return int(cfg["sliding_window"]) if SLIDING in (cfg.get("layer_types") or ()) else 0
 
 
 def dflash_value(cfg: dict, key: str, default: Any = None) -> Any:
@@ -69,9 +88,11 @@ def dflash_config(
     num_layers: int,
     intermediate_size: Optional[int] = None,
     num_kv_heads: Optional[int] = None,
+    window: int = 0,
 ) -> dict:
     """config.json of a DFlash head of the target's width (random init, training); intermediate_size and
-    num_kv_heads: the layers' MLP width and key/value heads (None: the target's)."""
+    num_kv_heads: the layers' MLP width and key/value heads (None: the target's); window: the context
+    window (0: none)."""
     return {
         **llama_config(target, ARCHITECTURE),  # the Llama shape keys of a head of the target's width
         "intermediate_size": intermediate_size or target.intermediate_size,
@@ -87,6 +108,7 @@ def dflash_config(
             "block_size": block_size,
             "mask_token_id": mask_token_id,
         },
+        **window_keys(num_layers, window),
     }
 
 
@@ -101,6 +123,7 @@ class DFlashHead(HeadBase):
         self.block_size = int(dflash_value(cfg, "block_size"))
         self.mask_token_id = int(dflash_value(cfg, "mask_token_id"))
         self.n_aux = len(dflash_value(cfg, "target_layer_ids"))
+        self.sliding_window = context_window(cfg)  # 0: every context position
         target_hidden = cfg.get("target_hidden_size", a.hidden_size)
         self.fc = nn.Linear(self.n_aux * target_hidden, a.hidden_size, bias=False)
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -201,7 +224,7 @@ class DFlashHead(HeadBase):
         return decoder_steps(
             [Residual(layer, cache, fused) for layer in self.layers],
             cache,
-            AttnSource(self, cache.dummy_slot, block=True, kv_extra=self.block_size),
+            AttnSource(self, cache.dummy_slot, block=True, kv_extra=self.block_size, window=self.sliding_window),
             StepNames("dflash_embed+pre0", "dflash_attn{i}", "dflash_post{i}", "dflash_post{i}"),
             start=start,
             finish=finish,
@@ -213,11 +236,17 @@ class DFlashHead(HeadBase):
     def card_summary(self, f: dict) -> str:
         return (
             f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
-            f"Llama layers `layers.*`, `norm`):\none forward proposes a block of {self.block_size - 1} tokens "
+            f"Llama layers `layers.*` with {self.args.num_kv_heads} key/value heads, `norm`):\n"
+            f"one forward proposes a block of {self.block_size - 1} tokens "
             f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
             f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
-            "injected as extra keys and values into every layer.\nThe token embedding and the lm_head are the "
-            "target's and are not stored here."
+            "injected as extra keys and values into every layer"
+            + (
+                f" (each block query reads the last {self.sliding_window} positions: `sliding_attention` layers)"
+                if self.sliding_window
+                else ""
+            )
+            + ".\nThe token embedding and the lm_head are the target's and are not stored here."
         )
 
     def card_objective(self, f: dict) -> str:

@@ -1,6 +1,6 @@
 """DFlash's plan: explicit target layer ids (config > checkpoint, never a default), block size and mask
-token from the config or the checkpoint, num_steps within the block, fc width against the aux layers;
-and its words in the plan line."""
+token from the config or the checkpoint, num_steps within the block, fc width against the aux layers,
+the context window (config > checkpoint); and its words in the plan line."""
 
 from __future__ import annotations
 
@@ -20,7 +20,15 @@ from engine.drafts.common.checks import (
     reject_width,
 )
 from engine.drafts.config import HeadKeys
-from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
+from engine.drafts.dflash.head import (
+    SLIDING,
+    WINDOW_KEYS,
+    DFlashHead,
+    context_window,
+    dflash_config,
+    dflash_value,
+    window_keys,
+)
 from engine.errors import ConfigError
 from engine.model import ModelArgs
 
@@ -36,11 +44,38 @@ class DFlashConfig(HeadKeys):
     num_layers: Optional[int]  # random init: decoder layers
     intermediate_size: Optional[int]  # random init: the layers' MLP width (null: the target's)
     num_kv_heads: Optional[int]  # random init: the layers' key/value heads (null: the target's)
+    sliding_window: Optional[int]  # context positions a block query reads (null: checkpoint's; 0: all)
 
 
 def spread_ids(num_layers: int, n: int = 5) -> list[int]:
     """n target layers spread over the depth (input_of), for an error message's example."""
     return sorted({round(1 + i * (num_layers - 2) / (n - 1)) for i in range(n)}) if num_layers > 2 else [1]
+
+
+def plan_window(cfg, ck: dict, block: int) -> int:
+    """The context window (0: none): draft.sliding_window, else the checkpoint's. A checkpoint's layers
+    are all full attention or all non-causal sliding attention; the window covers the block and the
+    anchor's last context position (a query at the block's end is block_size positions past it)."""
+    types = ck.get("layer_types")
+    if types and (set(types) - {"full_attention"}) and (set(types) != {SLIDING} or ck.get("is_causal", True)):
+        raise ConfigError(
+            "draft.path",
+            cfg.path,
+            f"its layer_types {types} (is_causal {ck.get('is_causal')}): this drafter runs every layer alike, "
+            "non-causal inside the block",
+            "a checkpoint whose layers are all full_attention, or all sliding_attention with is_causal false",
+        )
+    window = cfg.sliding_window if cfg.sliding_window is not None else context_window(ck)
+    if window and window <= block:
+        raise ConfigError(
+            "draft.sliding_window",
+            window,
+            f"a query at the end of a block of {block} tokens would not read the anchor's context position",
+            f"> {block} (the block size), or 0 / null for no window",
+        )
+    if window < 0:
+        raise ConfigError("draft.sliding_window", window, "a window counts positions", f"0 (none) or > {block}")
+    return window
 
 
 def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
@@ -100,6 +135,7 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
         raise ConfigError(
             "draft.mask_token_id", mask, "not an id of the target vocabulary", f"0..{target.vocab_size - 1}"
         )
+    window = plan_window(cfg, ck, block)
     if ckpt is not None:
         layers = ck.get("num_hidden_layers")
         if cfg.num_layers is not None and cfg.num_layers != layers:
@@ -111,17 +147,18 @@ def plan_dflash(cfg, target: ModelArgs) -> DraftPlan:
         reject_random_only(cfg, ckpt, "num_kv_heads", "num_key_value_heads", "key/value head count")
         settings = {"target_layer_ids": list(aux.output_of), "block_size": block, "mask_token_id": mask}
         head_cfg = {
-            **ck,
+            **{k: v for k, v in ck.items() if k not in WINDOW_KEYS},
             "block_size": block,
             "mask_token_id": mask,
             "dflash_config": {**(ck.get("dflash_config") or {}), **settings},
+            **window_keys(layers, window),
         }
     else:
         layers = cfg.num_layers if cfg.num_layers is not None else 1
         if layers < 1:
             raise ConfigError("draft.num_layers", layers, "the drafter needs a decoder layer", ">= 1")
         head_cfg = dflash_config(
-            target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target), kv_heads(cfg, target)
+            target, list(aux.output_of), block, mask, layers, mlp_width(cfg, target), kv_heads(cfg, target), window
         )
     return DraftPlan("dflash", FeatureKind.aux, aux, head_cfg, ckpt)
 
@@ -131,5 +168,6 @@ def describe_dflash(plan: DraftPlan) -> list[str]:
     return [
         f"block {cfg['block_size']} (mask token {cfg['mask_token_id']}), {cfg['num_hidden_layers']} layers",
         f"MLP {cfg['intermediate_size']}, {cfg['num_key_value_heads']} kv heads",
+        f"context window {context_window(cfg)}" if context_window(cfg) else "whole context",
         *vocab_details(plan),
     ]

@@ -14,7 +14,8 @@ blk keys, and is exact for every anchor, not an approximation of inference.
     batch.tokens  [B, T]       x_{p+1}: the bonus token of the block anchored at p
     batch.feats   [B, T, F]    target aux hidden states f_p: the context
     q             [B, H, T*blk, D]   block queries, anchor-major
-    ctx scores    [B, H, T, blk, T]  masked to key p <= anchor j
+    ctx scores    [B, H, T, blk, T]  masked to key p <= anchor j (and, with the head's context window W,
+                                     to p > j + 1 + i - W for block index i at position j + 1 + i)
     block scores  [B, H, T, blk, blk]
 
 `block_attention` materializes those scores (CPU, and the reference); `block_attention_flex`
@@ -42,10 +43,22 @@ from engine.errors import ConfigError
 from engine.train.objective import Batch, _shift
 
 
+def context_visible(t: int, blk: int, window: int, device=None) -> Tensor:
+    """[T anchor j, blk index i, T key p] bool: block index i of anchor j (at position j + 1 + i) reads
+    context position p <= j, and p > j + 1 + i - window with a window (0: none)."""
+    j = torch.arange(t, device=device)[:, None, None]
+    p = torch.arange(t, device=device)[None, None, :]
+    seen = p <= j
+    if window:
+        seen = seen & (j + 1 + torch.arange(blk, device=device)[None, :, None] - p < window)
+    return seen
+
+
 def block_attention(
-    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int, window: int = 0
 ) -> Tensor:
-    """Attention of every anchor's block over its context prefix and its own block.
+    """Attention of every anchor's block over its context prefix (within `window` positions of each query;
+    0: all of it) and its own block.
 
     q [B, H, T*blk, D]; k_ctx/v_ctx [B, KV, T, D] (context at positions 0..T-1); k_blk/v_blk
     [B, KV, T*blk, D] (anchor-major, as q). -> [B, H, T*blk, D]
@@ -58,9 +71,7 @@ def block_attention(
     vb = v_blk.repeat_interleave(group, 1).view(b, h, t, blk, d)
     q5 = q.view(b, h, t, blk, d)
     ctx = (q @ kc.transpose(-1, -2)).float().view(b, h, t, blk, t) * scale  # [B, H, T, blk, T]
-    pos = torch.arange(t, device=q.device)
-    prefix = pos[None, :] <= pos[:, None]  # [anchor j, key p]: p <= j
-    ctx = ctx.masked_fill(~prefix[:, None, :], float("-inf"))
+    ctx = ctx.masked_fill(~context_visible(t, blk, window, q.device), float("-inf"))
     own = torch.einsum("bhjid,bhjkd->bhjik", q5, kb).float() * scale  # [B, H, T, blk, blk]
     probs = torch.cat([ctx, own], -1).softmax(-1).to(q.dtype)  # every row sees its own block: never all -inf
     out = probs[..., :t].reshape(b, h, n, t) @ vc  # [B, H, T*blk, D]
@@ -68,24 +79,28 @@ def block_attention(
 
 
 def block_attention_flex(
-    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int
+    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int, window: int = 0
 ) -> Tensor:
     """`block_attention` as one FlexAttention call over [context; blocks] keys, [B, KV, T + T*blk, D]:
-    no [T, blk, T] score tensor in memory, and the block-diagonal part is skipped tile by tile."""
+    no [T, blk, T] score tensor in memory, and the tiles no query reads (past the anchor, before the
+    window, the other blocks) are skipped."""
     t = k_ctx.shape[2]
-    mask = _block_mask(t, blk, q.device)
+    mask = _block_mask(t, blk, q.device, window)
     return flex_kernel(q.device.type)(
         q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), block_mask=mask, enable_gqa=group > 1
     )
 
 
 @functools.lru_cache(maxsize=1024)
-def _block_mask(t: int, blk: int, device: torch.device):
+def _block_mask(t: int, blk: int, device: torch.device, window: int = 0):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    def visible(b, h, q_idx, kv_idx):  # query of anchor j: context keys p <= j, then its own block
+    def visible(b, h, q_idx, kv_idx):  # query of anchor j: context keys p <= j (in its window), its own block
         anchor = q_idx // blk
-        return torch.where(kv_idx < t, kv_idx <= anchor, (kv_idx - t) // blk == anchor)
+        ctx = kv_idx <= anchor
+        if window:  # block index i sits at position anchor + 1 + i
+            ctx = ctx & (anchor + 1 + q_idx % blk - kv_idx < window)
+        return torch.where(kv_idx < t, ctx, (kv_idx - t) // blk == anchor)
 
     return create_block_mask(visible, None, None, t * blk, t + t * blk, device=device)
 
@@ -117,7 +132,7 @@ def dflash_forward(
         q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [B, H, T*blk, D]
         k_blk = ops.rope(att.k_proj(hn), bcos, bsin, kv)
         v_blk = att.v_proj(hn).view(b, t * blk, kv, d).transpose(1, 2)
-        o = attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv)
+        o = attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv, head.sliding_window)
         x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
         x = x + layer.mlp(ops.norm(layer.post_attention_layernorm, x))
     h = x.view(b, t, blk, -1)
