@@ -44,14 +44,14 @@ def test_windowed_decode_attention_reads_only_its_window(device, num_splits):
     count; a window that starts mid-block, one at slot 0 and a DFlash block (shared qpos, a window per
     query) all match the reference, and the slots below a window are never weighed."""
     g = torch.Generator().manual_seed(1)
-    b, heads, kv_heads, t, d, slots = 3, 9, 3, 8, 64, 300
+    b, heads, kv_heads, t, d, slots = 3, 9, 3, 8, 32, 160
     q = torch.randn(b, heads, t, d, generator=g).to(device)
     k = torch.randn(b, kv_heads, slots + 1, d, generator=g).to(device)
     v = torch.randn(b, kv_heads, slots + 1, d, generator=g).to(device)
     ar = torch.arange(t)
-    qpos = torch.stack([250 + ar, 20 + ar, torch.full((t,), 180)]).to(device)  # row 2: a block, non-causal
-    own = torch.stack([250 + ar, 20 + ar, 173 + ar]).to(device)  # each query's own position
-    qlo = (own - 100 + 1).clamp(min=0)  # a window of 100 positions; row 1 reaches slot 0
+    qpos = torch.stack([130 + ar, 10 + ar, torch.full((t,), 100)]).to(device)  # row 2: a block, non-causal
+    own = torch.stack([130 + ar, 10 + ar, 93 + ar]).to(device)  # each query's own position
+    qlo = (own - 50 + 1).clamp(min=0)  # a window of 50 positions; row 1 reaches slot 0
     got = da.decode_attention(q, k, v, qpos, block_n=32, num_splits=num_splits, qlo=qlo)
     ref = da.decode_attention_reference(q, k, v, qpos, qlo)
     assert torch.allclose(got, ref, atol=2e-5, rtol=1e-4)
