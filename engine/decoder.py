@@ -54,6 +54,7 @@ import torch
 from torch import Tensor
 
 from engine.program import Step
+from kernels.decode_attention import slot_mask
 from kernels.fused import rope_cache_write
 
 STREAM, DELTA, QUERY, ATTN_OUT = "x", "delta", "q", "o"  # the residual stream, a layer's queries and attention output
@@ -145,12 +146,7 @@ class AttnInputs:
     def mask(self, kv_len: int) -> Tensor:
         """[b, 1, t, kv_len] bool: a query at position p sees slots 0..p (never the dummy slot), from
         qlo on when windowed."""
-        kv_len = min(kv_len, self.max_kv)
-        key_pos = torch.arange(kv_len, device=self.qpos.device)
-        seen = key_pos[None, None, :] <= self.qpos[:, :, None]  # [b, t, kv_len]
-        if self.qlo is not None:
-            seen = seen & (key_pos[None, None, :] >= self.qlo[:, :, None])
-        return seen[:, None]
+        return slot_mask(self.qpos, self.qlo, min(kv_len, self.max_kv))
 
     def rope_write(self, qkv: Tensor, cache: KVCache, layer: int, heads: int, kv_heads: int) -> Tensor:
         """The fused path: qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v at the slots."""

@@ -75,13 +75,18 @@ MAX_ROWS = 64  # query rows per split program for long t; longer t is tiled over
 _LOG2E = 1.4426950408889634
 
 
+def slot_mask(qpos: Tensor, qlo: Tensor | None, kv_len: int) -> Tensor:
+    """[b, 1, t, kv_len] bool: query (b, i) reads slots qlo[b, i]..qpos[b, i] (from 0 without qlo)."""
+    key_pos = torch.arange(kv_len, device=qpos.device)
+    seen = key_pos[None, None, :] <= qpos[:, :, None]  # [b, t, kv_len]
+    if qlo is not None:
+        seen = seen & (key_pos[None, None, :] >= qlo[:, :, None])
+    return seen[:, None]
+
+
 def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, qlo: Tensor | None = None) -> Tensor:
     kv_len = int(qpos.max()) + 1
-    key_pos = torch.arange(kv_len, device=q.device)
-    mask = key_pos[None, None, :] <= qpos[:, :, None]  # [b, t, kv_len]
-    if qlo is not None:
-        mask = mask & (key_pos[None, None, :] >= qlo[:, :, None])
-    mask = mask[:, None]  # [b, 1, t, kv_len]
+    mask = slot_mask(qpos, qlo, kv_len)  # [b, 1, t, kv_len]
     return F.scaled_dot_product_attention(
         q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
     )

@@ -64,7 +64,7 @@ WINDOW_KEYS = ("layer_types", "sliding_window", "is_causal")
 
 def window_keys(num_layers: int, window: int) -> dict:
     """config.json keys of a context window of `window` positions: every layer a non-causal
-    `sliding_attention` layer (is_causal false: the block stays non-causal). None for window 0."""
+    `sliding_attention` layer (is_causal false: the block stays non-causal). No keys for window 0."""
     if not window:
         return {}
     return {"layer_types": [SLIDING] * num_layers, "sliding_window": window, "is_causal": False}

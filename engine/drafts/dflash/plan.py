@@ -66,15 +66,14 @@ def plan_window(cfg, ck: dict, block: int) -> int:
             "a checkpoint whose layers are all full_attention, or all sliding_attention with is_causal false",
         )
     window = cfg.sliding_window if cfg.sliding_window is not None else context_window(ck)
-    if window and window <= block:
+    if window and window <= block:  # a negative window too
         raise ConfigError(
             "draft.sliding_window",
             window,
-            f"a query at the end of a block of {block} tokens would not read the anchor's context position",
+            f"a window counts the positions a query reads: at the end of a block of {block} tokens it must "
+            "reach back to the anchor's context position",
             f"> {block} (the block size), or 0 / null for no window",
         )
-    if window < 0:
-        raise ConfigError("draft.sliding_window", window, "a window counts positions", f"0 (none) or > {block}")
     return window
 
 
@@ -168,6 +167,6 @@ def describe_dflash(plan: DraftPlan) -> list[str]:
     return [
         f"block {cfg['block_size']} (mask token {cfg['mask_token_id']}), {cfg['num_hidden_layers']} layers",
         f"MLP {cfg['intermediate_size']}, {cfg['num_key_value_heads']} kv heads",
-        f"context window {context_window(cfg)}" if context_window(cfg) else "whole context",
+        f"context window {w}" if (w := context_window(cfg)) else "whole context",
         *vocab_details(plan),
     ]

@@ -43,14 +43,12 @@ from engine.errors import ConfigError
 from engine.train.objective import Batch, _shift
 
 
-def context_visible(t: int, blk: int, window: int, device=None) -> Tensor:
-    """[T anchor j, blk index i, T key p] bool: block index i of anchor j (at position j + 1 + i) reads
-    context position p <= j, and p > j + 1 + i - window with a window (0: none)."""
-    j = torch.arange(t, device=device)[:, None, None]
-    p = torch.arange(t, device=device)[None, None, :]
-    seen = p <= j
+def context_visible(anchor: Tensor, index: Tensor, key: Tensor, window: int) -> Tensor:
+    """Block index `index` of `anchor` (at position anchor + 1 + index) reads context position `key`:
+    key <= anchor, and key > anchor + 1 + index - window with a window (0: none). Broadcasts."""
+    seen = key <= anchor
     if window:
-        seen = seen & (j + 1 + torch.arange(blk, device=device)[None, :, None] - p < window)
+        seen = seen & (anchor + 1 + index - key < window)
     return seen
 
 
@@ -71,7 +69,9 @@ def block_attention(
     vb = v_blk.repeat_interleave(group, 1).view(b, h, t, blk, d)
     q5 = q.view(b, h, t, blk, d)
     ctx = (q @ kc.transpose(-1, -2)).float().view(b, h, t, blk, t) * scale  # [B, H, T, blk, T]
-    ctx = ctx.masked_fill(~context_visible(t, blk, window, q.device), float("-inf"))
+    pos = torch.arange(t, device=q.device)
+    seen = context_visible(pos[:, None, None], torch.arange(blk, device=q.device)[None, :, None], pos, window)
+    ctx = ctx.masked_fill(~seen, float("-inf"))  # [T anchor, blk, T key] over [B, H, T, blk, T]
     own = torch.einsum("bhjid,bhjkd->bhjik", q5, kb).float() * scale  # [B, H, T, blk, blk]
     probs = torch.cat([ctx, own], -1).softmax(-1).to(q.dtype)  # every row sees its own block: never all -inf
     out = probs[..., :t].reshape(b, h, n, t) @ vc  # [B, H, T*blk, D]
@@ -97,9 +97,7 @@ def _block_mask(t: int, blk: int, device: torch.device, window: int = 0):
 
     def visible(b, h, q_idx, kv_idx):  # query of anchor j: context keys p <= j (in its window), its own block
         anchor = q_idx // blk
-        ctx = kv_idx <= anchor
-        if window:  # block index i sits at position anchor + 1 + i
-            ctx = ctx & (anchor + 1 + q_idx % blk - kv_idx < window)
+        ctx = context_visible(anchor, q_idx % blk, kv_idx, window)
         return torch.where(kv_idx < t, ctx, (kv_idx - t) // blk == anchor)
 
     return create_block_mask(visible, None, None, t * blk, t + t * blk, device=device)
