@@ -194,7 +194,7 @@ def test_model_with_the_kernel_equals_sdpa(device):
     target = target.to(device)
     target.init_buffers(torch.device(device))
     prompts = _prompts(3, seed=31)
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     ref = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     target.attention_kernel = True
     try:
@@ -274,7 +274,7 @@ def test_fused_model_equals_unfused(device):
     pos = torch.arange(9, device=device).expand(2, 9)
     ref = target(ids, pos, target.new_cache(2), kv_len=9)
     prompts = _prompts(3, seed=32)
-    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     ref_tokens = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     target.attention_kernel = True
     target.use_fused_kernels()

@@ -189,7 +189,7 @@ def _fused_pair(algorithm, device):
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
-    params = SamplingParams(max_new_tokens=9, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
     gen = build(target, algorithm, 2, params)
     head = gen.draft.head
     fused_target = pair()[1].to(device)
@@ -246,7 +246,7 @@ def test_the_fused_round_replays_through_the_debug_runner():
 
     draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
     gs = GraphSet(target, draft, 2, 3, "debug", "debug", [2], [16], features=True).capture()
-    params = SamplingParams(max_new_tokens=7, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     prompts = _prompts(2, seed=15)
     got = [r.tokens for r in Generator(target, 2, draft, 3, graphs=gs).generate(prompts, params)]
     assert got == [r.tokens for r in Generator(target, 2).generate(prompts, params)]
