@@ -51,3 +51,12 @@ def check_values(rows: Iterable[tuple]) -> None:
         raise bad[0]
     if bad:
         raise ConfigErrors(bad)
+
+
+class PlanError(Exception):
+    """One or more ConfigErrors found while planning; the message lists them all."""
+
+    def __init__(self, errors: list[ConfigError]):
+        self.errors = errors
+        lines = [f"  - {e}" for e in errors]
+        super().__init__("invalid run configuration:\n" + "\n".join(lines))

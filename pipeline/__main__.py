@@ -15,14 +15,10 @@ from typing import Optional
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from engine.errors import ConfigError
-from engine.train.distributed import launch
+from engine.errors import ConfigError, PlanError
 from pipeline.compose_check import compose_problem
 from pipeline.config import register_configs, to_run_config
-from pipeline.execute import execute
-from pipeline.paths import outputs_dir
-from pipeline.plan import PlanError, build_plan, outputs_error
-from pipeline.tracking import fail_sweep_parent
+from pipeline.paths import outputs_dir, outputs_error
 
 log = logging.getLogger("pipeline")
 register_configs()
@@ -30,6 +26,11 @@ register_configs()
 
 def run(cfg: DictConfig) -> dict:
     """Everything `main` does, callable from tests with a composed config."""
+    # torch, the stages and the server stack load here: a bad override is reported before any of them
+    from engine.train.distributed import launch
+    from pipeline.execute import execute
+    from pipeline.plan import build_plan
+
     run_cfg = to_run_config(cfg)
     plan = build_plan(run_cfg)
     if launch().rank == 0:  # under torchrun: one plan printed, not one per process
@@ -49,6 +50,8 @@ def main(cfg: DictConfig) -> Optional[float]:
     try:
         return objective(run(cfg))
     except (PlanError, ConfigError) as e:
+        from pipeline.tracking import fail_sweep_parent
+
         print(f"error: {e}", file=sys.stderr, flush=True)
         fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
         sys.exit(2)

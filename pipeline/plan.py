@@ -21,23 +21,14 @@ import torch
 
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
-from engine.errors import ConfigError, raised
+from engine.errors import ConfigError, PlanError, raised
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from engine.train.distributed import launch
 from pipeline.config import Device, DType, RunConfig
-from pipeline.paths import outputs_dir, outputs_problem
+from pipeline.paths import outputs_dir, outputs_error
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
-
-
-class PlanError(Exception):
-    """One or more ConfigErrors found while planning; the message lists them all."""
-
-    def __init__(self, errors: list[ConfigError]):
-        self.errors = errors
-        lines = [f"  - {e}" for e in errors]
-        super().__init__("invalid run configuration:\n" + "\n".join(lines))
 
 
 def resolve_device(device: Device) -> torch.device:
@@ -172,19 +163,6 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
             )
         available.update(s.provides)
     return errors
-
-
-def outputs_error(outputs: Path) -> ConfigError | None:
-    """The error for an outputs folder runs cannot write to (weights cache, MLflow store, Hydra's run
-    directories, training outputs), or None."""
-    if (problem := outputs_problem(outputs)) is None:
-        return None
-    return ConfigError(
-        "SPECPIPE_OUTPUTS",
-        str(outputs),
-        f"the outputs folder {problem}",
-        "a writable directory (set SPECPIPE_OUTPUTS to one)",
-    )
 
 
 def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:

@@ -281,14 +281,15 @@ def test_ctrl_c_during_an_eval_keeps_what_finished_and_kills_the_run(outputs):
 
 
 def test_an_outputs_folder_runs_cannot_write_is_one_clear_error(tmp_path):
-    """SPECPIPE_OUTPUTS naming a file, or a read-only folder: exit 2 at plan time naming the variable."""
+    """SPECPIPE_OUTPUTS naming a file, a folder below a file, or a read-only folder: exit 2 at plan time
+    naming the variable."""
     a_file = tmp_path / "file"
     a_file.write_text("x")
     read_only = tmp_path / "ro"
     read_only.mkdir()
     read_only.chmod(0o500)
     try:
-        cases = [(a_file, "is a file")]
+        cases = [(a_file, "is a file"), (a_file / "outputs", "is below a file")]
         if not os.access(read_only, os.W_OK):  # (root writes anywhere: no read-only folder to try)
             cases.append((read_only / "outputs", "is not writable"))
         for path, why in cases:
