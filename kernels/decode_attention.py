@@ -258,12 +258,13 @@ def decode_attention(
         lse_part = torch.empty(b, heads, t, num_splits, dtype=torch.float32, device=q.device)
     # both contiguous: o_part's element (b, h, i, s, :) sits at lse_part's index * d
     s_w = lse_part.stride()[:3] if not direct else (0, 0, 0)
+    lo = qpos if qlo is None else qlo  # a placeholder without a window: WINDOWED=False never reads it
     _split_kernel[(b, kv_heads * row_blocks, num_splits)](
         q,
         k,
         v,
         qpos,
-        qpos if qlo is None else qlo,
+        lo,
         o_part,
         lse_part,
         out,
@@ -279,7 +280,7 @@ def decode_attention(
         v.stride(2),
         qpos.stride(0),
         qpos.stride(1),
-        *(qpos.stride() if qlo is None else qlo.stride()),
+        *lo.stride(),
         *s_w,
         out.stride(0),
         out.stride(1),
