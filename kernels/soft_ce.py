@@ -1,11 +1,16 @@
 """Cross-entropy against a soft target given by its logits, fused: the draft-training loss.
 
-    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch", probs=None) -> (ce, argmax)
+    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch", probs=None, index=None)
+        -> (ce, argmax)
         logits          [N, V]  the head's logits (any float dtype; bf16 under autocast), differentiable
         target_logits   [N, V]  the target's logits over the same vocabulary; labels p = softmax(t / T)
+                        ([R, V] with `index`)
         rows            [N] bool, optional: the rows to compute (the others: ce 0, argmax -1, gradient 0)
         probs           [N, V] fp32, optional: p itself, for the torch path when a caller reuses one target
                         over several calls (ttt_loss's steps); the Triton path never materializes it
+                        ([R, V] with `index`)
+        index           [N] int64, optional: logits row i is scored against target row index[i] (a head
+                        that computes its logits at some positions only); read in place, never gathered
         ce              [N] fp32   -sum_v p_v log softmax(logits)_v  =  lse(logits) - sum_v p_v logits_v
         argmax          [N] int64  the logits' argmax (first index of the maximum), for accuracy figures
 
@@ -42,7 +47,11 @@ def soft_cross_entropy_reference(
     temperature: float,
     rows: Optional[Tensor] = None,
     probs: Optional[Tensor] = None,
+    index: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
+    if index is not None:
+        target_logits = target_logits[index]
+        probs = probs[index] if probs is not None else None
     p = (target_logits.float() / temperature).softmax(-1) if probs is None else probs  # [N, V]
     ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1)  # [N]
     arg = logits.argmax(-1)
@@ -55,13 +64,26 @@ if triton is not None:
 
     @triton.jit
     def _soft_ce_fwd_kernel(
-        Z, T, ROWS, CE, LSE_Z, LSE_T, ARG, n_cols, inv_temp, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr
+        Z,
+        T,
+        ROWS,
+        IDX,
+        CE,
+        LSE_Z,
+        LSE_T,
+        ARG,
+        n_cols,
+        inv_temp,
+        HAS_ROWS: tl.constexpr,
+        HAS_IDX: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
         n = n_cols
         if HAS_ROWS:
             n = tl.where(tl.load(ROWS + row) != 0, n_cols, 0)  # a dead row runs no iteration
-        z_row, t_row = Z + row * n_cols, T + row * n_cols
+        t_at = tl.load(IDX + row).to(tl.int64) if HAS_IDX else row  # the target row scored against
+        z_row, t_row = Z + row * n_cols, T + t_at * n_cols
         m_z, s_z = float("-inf"), 0.0  # running max and sum of exp(z - m_z)
         m_t, s_t, a = float("-inf"), 0.0, 0.0  # the same for t / T, and sum of exp(t / T - m_t) * z
         best, best_i = float("-inf"), 0
@@ -93,9 +115,22 @@ if triton is not None:
 
     @triton.jit
     def _soft_ce_bwd_kernel(
-        Z, T, ROWS, LSE_Z, LSE_T, G, DZ, n_cols, inv_temp, HAS_ROWS: tl.constexpr, BLOCK: tl.constexpr
+        Z,
+        T,
+        ROWS,
+        IDX,
+        LSE_Z,
+        LSE_T,
+        G,
+        DZ,
+        n_cols,
+        inv_temp,
+        HAS_ROWS: tl.constexpr,
+        HAS_IDX: tl.constexpr,
+        BLOCK: tl.constexpr,
     ):
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
+        t_at = tl.load(IDX + row).to(tl.int64) if HAS_IDX else row
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
         n = n_cols
@@ -104,23 +139,27 @@ if triton is not None:
         m_in = cols < n
         g = tl.load(G + row)
         z = tl.load(Z + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32)
-        t = tl.load(T + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32) * inv_temp
+        t = tl.load(T + t_at * n_cols + cols, mask=m_in, other=0.0).to(tl.float32) * inv_temp
         dz = tl.where(m_in, g * (tl.exp(z - tl.load(LSE_Z + row)) - tl.exp(t - tl.load(LSE_T + row))), 0.0)
         tl.store(DZ + row * n_cols + cols, dz.to(DZ.dtype.element_ty), mask=m)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits: Tensor, target_logits: Tensor, rows: Optional[Tensor], temperature: float):
+    def forward(
+        ctx, logits: Tensor, target_logits: Tensor, rows: Optional[Tensor], index: Optional[Tensor], temperature: float
+    ):
         n, v = logits.shape
         ce = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
         arg = torch.empty(n, dtype=torch.int64, device=logits.device)
-        flags = rows if rows is not None else ce  # a placeholder pointer when every row is live
+        flags = rows if rows is not None else ce  # placeholder pointers when every row is live, or its own
+        at = index if index is not None else ce
         _soft_ce_fwd_kernel[(n,)](
             logits,
             target_logits,
             flags,
+            at,
             ce,
             lse_z,
             lse_t,
@@ -128,22 +167,24 @@ class _SoftCrossEntropy(torch.autograd.Function):
             v,
             1.0 / temperature,
             HAS_ROWS=rows is not None,
+            HAS_IDX=index is not None,
             BLOCK=_BLOCK,
         )
-        ctx.save_for_backward(logits, target_logits, flags, lse_z, lse_t)
-        ctx.has_rows, ctx.inv_temp = rows is not None, 1.0 / temperature
+        ctx.save_for_backward(logits, target_logits, flags, at, lse_z, lse_t)
+        ctx.has_rows, ctx.has_idx, ctx.inv_temp = rows is not None, index is not None, 1.0 / temperature
         ctx.mark_non_differentiable(arg)
         return ce, arg
 
     @staticmethod
     def backward(ctx, g_ce: Tensor, _g_arg):
-        logits, target_logits, flags, lse_z, lse_t = ctx.saved_tensors
+        logits, target_logits, flags, at, lse_z, lse_t = ctx.saved_tensors
         n, v = logits.shape
         dz = torch.empty_like(logits)
         _soft_ce_bwd_kernel[(n, triton.cdiv(v, _BLOCK))](
             logits,
             target_logits,
             flags,
+            at,
             lse_z,
             lse_t,
             g_ce.float().contiguous(),
@@ -151,9 +192,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
             v,
             ctx.inv_temp,
             HAS_ROWS=ctx.has_rows,
+            HAS_IDX=ctx.has_idx,
             BLOCK=_BLOCK,
         )
-        return dz, None, None, None
+        return dz, None, None, None, None
 
 
 def soft_cross_entropy(
@@ -163,19 +205,24 @@ def soft_cross_entropy(
     rows: Optional[Tensor] = None,
     kernel: str = "torch",
     probs: Optional[Tensor] = None,
+    index: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(ce [N] fp32, argmax [N]); `kernel`: torch (the reference) or triton (the fused kernels)."""
-    if logits.shape != target_logits.shape or logits.dim() != 2:
+    rows_of_target = logits.shape[0] if index is None else target_logits.shape[0]
+    if logits.dim() != 2 or target_logits.shape != (rows_of_target, logits.shape[1]):
         raise ValueError(
             f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
-            f"{tuple(target_logits.shape)} must both be [N, V]"
+            f"{tuple(target_logits.shape)} must be [N, V] and [N, V] ([R, V] with an index)"
         )
+    if index is not None and index.shape != logits.shape[:1]:
+        raise ValueError(f"soft_cross_entropy: index {tuple(index.shape)} for {logits.shape[0]} logits rows")
     if kernel == "torch":
-        return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs)
+        return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs, index)
     if kernel != "triton" or triton is None:
         raise ValueError(
             f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
             + (" (triton is not installed)" if kernel == "triton" else "")
         )
     rows = rows.to(torch.uint8).contiguous() if rows is not None else None
-    return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, temperature)
+    index = index.contiguous() if index is not None else None
+    return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, index, temperature)

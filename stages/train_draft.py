@@ -59,7 +59,7 @@ TRAIN_KERNELS = ("auto", *SOFT_CE_KERNELS)
 
 def flex_trains(algorithm: str, device: torch.device) -> bool:
     """FlexAttention can run this draft's training forward here (its fused backward is CUDA only)."""
-    return train_spec(algorithm).flex_attention is not None and device.type == "cuda"
+    return train_spec(algorithm).flex and device.type == "cuda"
 
 
 def train_attention(cfg, device: torch.device) -> str:

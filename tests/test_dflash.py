@@ -5,6 +5,7 @@ head beats a random one."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -22,19 +23,20 @@ from safetensors import safe_open
 from test_graphs import poison
 from test_model import _prompts, pair
 from test_speculative import AUX, oracle_prefix, tap
+from torch.nn.attention.flex_attention import create_block_mask
 
 from engine.drafts.base import SpecState
 from engine.drafts.common.ttt import TRITON_OPS
 from engine.drafts.dflash import DFlashDraft
 from engine.drafts.dflash.plan import describe_dflash
-from engine.drafts.dflash.train import block_attention_flex, dflash_forward
+from engine.drafts.dflash.train import AnchorPack, dflash_forward, dflash_forward_packed
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.program import run_steps
 from engine.sampling import SamplingParams
-from engine.train.objective import Batch, ttt_loss
+from engine.train.objective import Batch, step_valid, ttt_loss
 from pipeline.__main__ import run
 from pipeline.config import DraftConfig, to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -420,39 +422,87 @@ def test_training_forward_equals_the_inference_block(target, kv_heads, window):
         torch.testing.assert_close(whole[0][:, 0], logits[0][:, 0])  # the first anchor reads position 0 only
 
 
+def _spanned_batch(head, spans, t: int, device="cpu") -> Batch:
+    """`_random_batch` whose rows train [first, end) only (spans [B, 2]), with random label logits."""
+    batch = _random_batch(head, len(spans), t, device)
+    p = torch.arange(t)
+    batch.mask = ((p >= spans[:, :1]) & (p < spans[:, 1:])).to(device)
+    batch.spans = spans
+    g = torch.Generator().manual_seed(1)
+    batch.label_logits = torch.randn(len(spans), t, 320, generator=g).to(device)
+    batch.top = batch.label_logits.argmax(-1)
+    return batch
+
+
+# rows training a middle span, every position, nothing (a prompt cut at max_len), and the last few
+SPANS = torch.tensor([[5, 30], [0, 37], [20, 20], [33, 36]])
+
+
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize("window", [None, 6])
-def test_flex_block_attention_equals_the_materialized_one(target, window):
-    """train.attention=flex: the block mask (context p <= anchor, within the window, then the anchor's own
-    block) is the same attention as the materialized scores, at every anchor and block position. CPU runs
-    FlexAttention's reference forward; the GPU test below covers the backward."""
+def test_packed_training_forward_equals_the_dense_one_at_every_trained_position(target, window):
+    """train.attention=flex runs `dflash_forward_packed`: the trained anchors' blocks only, packed into one
+    FlexAttention sequence. Each step's Rows are exactly that step's valid positions, each once, with the
+    dense forward's logits there, and the loss and accuracy figures are the dense forward's. CPU runs
+    FlexAttention's reference forward; the GPU test below covers its kernel and the backward."""
     _, head = make_head(target, seed=3, sliding_window=window)
-    batch = _random_batch(head, 2, 37)  # T not a multiple of any tile
+    batch = _spanned_batch(head, SPANS, 37)  # T not a multiple of any tile
     with torch.no_grad():
-        ref = dflash_forward(head, batch, BLOCK - 1)
-        flex = dflash_forward(head, batch, BLOCK - 1, attention=block_attention_flex)
-    for a, b in zip(ref, flex):
-        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        dense = dflash_forward(head, batch, BLOCK - 1)
+        packed = dflash_forward_packed(head, batch, BLOCK - 1)
+    assert len(packed) == BLOCK - 1
+    for s, (d, r) in enumerate(zip(dense, packed)):
+        assert torch.equal(r.position.sort().values, step_valid(batch.mask, s).flatten().nonzero().flatten())
+        torch.testing.assert_close(r.logits, d.flatten(0, 1)[r.position], atol=1e-5, rtol=1e-5)
+    (l0, st0), (l1, st1) = ttt_loss(dense, batch, 0.75), ttt_loss(packed, batch, 0.75)
+    torch.testing.assert_close(l1, l0)
+    assert st0.keys() == st1.keys() and all(torch.allclose(st1[k], st0[k]) for k in st0)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+@pytest.mark.parametrize(
+    "blk, window, t", [(8, 0, 300), (8, 256, 300), (4, 6, 200), (6, 0, 97)]
+)  # the recipe's block and window; a block that does not divide a 128-query tile
+def test_anchor_pack_plans_every_key_tile_its_queries_read(blk, window, t):
+    """The pack's block mask is planned from the spans, never evaluated over [Q, KV]: its key tiles must
+    cover every tile where the mask admits a key (FlexAttention's kernel skips the others), checked against
+    the mask evaluated everywhere; and the planned tiles stay near that minimum."""
+    g = torch.Generator().manual_seed(blk + t)
+    first = torch.randint(0, t // 2, (7,), generator=g)
+    end = torch.minimum(first + torch.randint(0, t, (7,), generator=g), torch.tensor(t))
+    end[2] = first[2]  # a row that trains nothing
+    pack = AnchorPack.plan(torch.stack([first, end], 1), t, blk - 1, blk, window, "cpu")
+    q, kv = pack.mask.seq_lengths
+    needed = create_block_mask(pack.mask.mask_mod, None, None, q, kv, device="cpu").to_dense()[0, 0].bool()
+    planned = pack.mask.to_dense()[0, 0].bool()
+    assert needed.shape == planned.shape and needed.sum() > needed.shape[0]
+    assert not (needed & ~planned).any()
+    assert planned.sum() <= 1.1 * needed.sum()
+
+
+def test_anchor_pack_of_a_batch_that_trains_nothing_is_one_idle_anchor():
+    pack = AnchorPack.plan(torch.tensor([[4, 4], [9, 9]]), 12, 3, 4, 0, "cpu")
+    assert pack.row.tolist() == [-1] and all(a.numel() == 0 and p.numel() == 0 for a, p in pack.picks)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs CUDA")
 @pytest.mark.parametrize("window", [None, 24])
-def test_flex_block_attention_training_step_matches_the_materialized_one_on_gpu(window):
-    """Loss and gradients of a training step agree between the two attentions (FlexAttention's fused
-    backward on CUDA), with the trainer's bf16 autocast, and with the Triton norms and RoPE beside
-    FlexAttention (the trainer's default on CUDA)."""
+def test_packed_training_step_matches_the_materialized_one_on_gpu(window):
+    """Loss and gradients of a training step agree between the dense forward over the materialized scores
+    and the packed one (FlexAttention's fused kernels, forward and backward), with the trainer's bf16
+    autocast, on the torch and on the Triton norms and RoPE (the trainer's default on CUDA)."""
 
     _, head = make_head(pair()[1].to("cuda"), device="cuda", seed=3, intermediate_size=64, sliding_window=window)
     head.requires_grad_(True)
-    batch = _random_batch(head, 3, 100, "cuda")  # positions + block within the tiny target's 128
-    batch.label_logits = torch.randn(3, 100, 320, device="cuda", dtype=torch.bfloat16)
-    batch.top = batch.label_logits.argmax(-1)
+    spans = torch.tensor([[10, 90], [0, 100], [50, 50], [95, 99]])  # positions + block within the target's 128
+    batch = _spanned_batch(head, spans, 100, "cuda")
+    batch.label_logits = batch.label_logits.to(torch.bfloat16)
     runs = []
-    for kw in ({}, {"attention": block_attention_flex}, {"attention": block_attention_flex, "ops": TRITON_OPS}):
+    for forward in (dflash_forward, dflash_forward_packed, functools.partial(dflash_forward_packed, ops=TRITON_OPS)):
         head.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = dflash_forward(head, batch, BLOCK - 1, **kw)
+            logits = forward(head, batch, BLOCK - 1)
         loss, _ = ttt_loss(logits, batch)
         loss.backward()
         runs.append((loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))

@@ -178,6 +178,18 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
         torch.testing.assert_close(out.feats[m], ref.feats[m])
         torch.testing.assert_close(out.labels[m], ref.labels[m])
         assert torch.equal(out.top[m], ref.top[m]) and torch.equal(out.tokens, ref.tokens)
+    # spans: the mask's trained positions [first, end) per row, on the host; also for rows cut at max_len
+    # inside the answer or the prompt (no trained position)
+    cut = samples + [Sample("", ids(9), ids(4))]
+    for max_len in (64, 12, 8):
+        batch = target_batch(
+            target, StaticKVCache(target.args, 4, 64, torch.device("cpu"), torch.float32), cut, vocab, max_len, "cpu"
+        )
+        p = torch.arange(batch.mask.shape[1])
+        assert batch.spans.device.type == "cpu" and batch.spans.shape == (4, 2)
+        spanned = (p >= batch.spans[:, :1]) & (p < batch.spans[:, 1:])
+        assert torch.equal(spanned, batch.mask), max_len
+    assert not batch.mask[3].any() and batch.mask[1].any()  # max_len 8: the fourth prompt is cut
 
 
 def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):

@@ -15,7 +15,7 @@ from safetensors import safe_open
 from test_model import pair
 
 from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
-from engine.drafts.dflash.train import block_attention_flex
+from engine.drafts.dflash.train import dflash_forward_packed
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.train import ttt_forward
 from engine.model import StaticKVCache, run_steps
@@ -234,16 +234,24 @@ def test_ttt_forward_on_the_triton_ops_under_bf16_autocast_on_gpu():
         torch.testing.assert_close(g1[n], g0[n], atol=1e-3, rtol=0.05, msg=n)
 
 
-def test_train_forward_options_follow_attention_and_kernels():
+def test_training_forward_follows_attention_and_kernels():
     from engine.drafts.registry import TRAIN_SPECS
-    from engine.train.trainer import train_forward_options
+    from engine.train.trainer import training_forward
 
     s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
     fast = dataclasses.replace(s, attention="flex", kernels="triton")
-    assert train_forward_options(TRAIN_SPECS["eagle3"], fast) == {"attention": ttt_attention_flex, "ops": TRITON_OPS}
-    assert train_forward_options(TRAIN_SPECS["dflash"], fast) == {"attention": block_attention_flex, "ops": TRITON_OPS}
-    assert train_forward_options(TRAIN_SPECS["multi_layer_eagle"], fast) == {}  # neither exists there
-    assert train_forward_options(TRAIN_SPECS["eagle3"], s) == {}  # CPU: eager attention, torch kernels
+    forward = lambda name, cfg: (lambda f: (f.func, f.keywords))(training_forward(TRAIN_SPECS[name], cfg))  # noqa: E731
+    eagle3, dflash, mtp = (TRAIN_SPECS[n] for n in ("eagle3", "dflash", "multi_layer_eagle"))
+    assert forward("eagle3", fast) == (eagle3.forward, {"attention": ttt_attention_flex, "ops": TRITON_OPS})
+    assert forward("dflash", fast) == (dflash_forward_packed, {"ops": TRITON_OPS})  # the trained anchors only
+    assert forward("dflash", s) == (dflash.forward, {})
+    assert forward("multi_layer_eagle", fast) == (mtp.forward, {})  # neither exists there
+    assert forward("eagle3", s) == (eagle3.forward, {})  # CPU: eager attention, torch kernels
+    from stages.train_draft import flex_trains
+
+    cuda = torch.device("cuda")  # only its type is read
+    assert flex_trains("dflash", cuda) and flex_trains("eagle3", cuda) and not flex_trains("multi_layer_eagle", cuda)
+    assert not flex_trains("dflash", torch.device("cpu"))
 
 
 def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch):

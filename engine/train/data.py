@@ -11,7 +11,8 @@ forward costs less than reading stored features back), in `target_batch`:
         tokens x_{p+1}, feats f_p (aux), label_logits z_{p+1} over the draft vocab (the labels are
         softmax(z / T), T the training's label_temperature, 1 for held-out figures; the loss reads the
         logits: kernels/soft_ce.py), top: draft id of x_{p+2} (-1 outside the draft vocabulary),
-        mask: x_{p+2} is an answer token (the part the draft is asked to predict)
+        mask: x_{p+2} is an answer token (the part the draft is asked to predict), and spans: where it
+        is True, [first, end) per row, on the host (it is the answer's span, shifted by two)
 
 `top` is what the held-out figures score the draft against. The answers are the target's greedy
 continuations, so x_{p+2} is the target's greedy token where it wrote the sample: what the eval's
@@ -152,6 +153,8 @@ def target_batch(
     for i, s in enumerate(samples):
         ids[i, : lens[i]] = torch.tensor(s.ids[: lens[i]])
         answer[i, len(s.prompt_ids) : lens[i]] = True
+    first = [max(len(s.prompt_ids) - 2, 0) for s in samples]  # mask[i, p] = answer[i, p + 2]
+    spans = torch.tensor([[f, max(n - 2, f)] for f, n in zip(first, lens)], dtype=torch.long)  # [B, 2] host
     ids, answer, length = (x.to(device, non_blocking=True) for x in (ids, answer, length))
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < length[:, None]
@@ -171,4 +174,5 @@ def target_batch(
         top=top,
         mask=torch.cat([answer[:, 2:], answer.new_zeros(b, 1)], 1),
         label_temperature=label_temperature,
+        spans=spans,
     )

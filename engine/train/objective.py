@@ -13,7 +13,11 @@ aligned by p, so tokens and labels are the same for every step:
     batch.top      [B, T]          draft id of x_{p+2}, the sample's next token: on the target's own greedy
                                    answers, its greedy token (-1: outside the draft vocab)
     batch.mask     [B, T] bool     positions trained on (the answer part of a sample)
-    step logits    [B, T, Vd]      one tensor per step: logits[s][:, p] from the chain anchored at p - s
+    batch.spans    [B, 2] int64    on the host: each row's trained positions [first, end), where mask is
+                                   True (a forward that skips untrained positions plans on it, no sync)
+    step logits    [B, T, Vd]      one tensor per step: logits[s][:, p] from the chain anchored at p - s;
+                   or `Rows`       the same logits at the step's trained positions only: [M, Vd] and
+                                   their flat positions b * T + p (a forward that computes no others)
 
 Loss: cross-entropy against the target distribution (forward KL up to a constant), step s weighted
 by `decay ** s`, as EAGLE-3 does; `kernels/soft_ce.py` computes it per position from the label logits
@@ -47,6 +51,7 @@ class Batch:
     top: Tensor  # [B, T] int64
     mask: Tensor  # [B, T] bool
     label_temperature: float = 1.0  # labels = softmax(label_logits / T)
+    spans: Optional[Tensor] = None  # [B, 2] int64 on the host: [first, end) of the trained positions
 
     @property
     def num_tokens(self) -> int:
@@ -55,6 +60,14 @@ class Batch:
     @property
     def labels(self) -> Tensor:  # [B, T, Vd] float32: the distribution the head learns
         return (self.label_logits.float() / self.label_temperature).softmax(-1)
+
+
+@dataclass
+class Rows:
+    """One step's logits at its trained positions only (those of `step_valid`, each once, in any order)."""
+
+    logits: Tensor  # [M, Vd]
+    position: Tensor  # [M] int64: flat index b * T + p into the batch's [B, T]
 
 
 def _shift(x: Tensor, n: int, dim: int) -> Tensor:
@@ -79,25 +92,34 @@ def step_valid(mask: Tensor, s: int) -> Tensor:
 
 
 def ttt_loss(
-    logits: list[Tensor], batch: Batch, decay: float = 0.8, kernel: str = "torch"
+    logits: list[Tensor | Rows], batch: Batch, decay: float = 0.8, kernel: str = "torch"
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Cross-entropy against the target distribution, step s weighted decay ** s; also per-step loss and
     greedy accuracy (0-d tensors: reading them is a device sync, left to the caller). Only the valid
-    positions are computed; `kernel` is soft_cross_entropy's (torch or triton)."""
-    total, norm, stats = logits[0].new_zeros((), dtype=torch.float32), 0.0, {}
+    positions are computed; `kernel` is soft_cross_entropy's (torch or triton). A step's logits are
+    [B, T, Vd] or `Rows` (its valid positions only, scored against their target rows in place)."""
+    first = logits[0].logits if isinstance(logits[0], Rows) else logits[0]
+    total, norm, stats = first.new_zeros((), dtype=torch.float32), 0.0, {}
     target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
     probs = batch.labels.flatten(0, 1) if kernel == "torch" else None  # the torch path's labels, once a batch
+    top_at = batch.top.flatten()  # [B*T]
     for s, lg in enumerate(logits):
-        valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
-        n = valid.sum().clamp(min=1)
-        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel, probs)
-        loss_s = (ce.view_as(valid) * valid).sum() / n
+        if isinstance(lg, Rows):  # [M, Vd] at the step's M valid positions
+            n = max(lg.position.numel(), 1)
+            ce, top = soft_cross_entropy(lg.logits, target, batch.label_temperature, None, kernel, probs, lg.position)
+            loss_s = ce.sum() / n
+            right = (top == top_at[lg.position]).sum()
+        else:
+            valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
+            n = valid.sum().clamp(min=1)
+            lg = lg.flatten(0, 1)
+            ce, top = soft_cross_entropy(lg, target, batch.label_temperature, valid.flatten(), kernel, probs)
+            loss_s = (ce.view_as(valid) * valid).sum() / n
+            right = ((top.view_as(valid) == batch.top) & valid).sum()  # [B, T] by position
         total = total + decay**s * loss_s
         norm += decay**s
-        with torch.no_grad():
-            right = (top.view_as(valid) == batch.top) & valid  # [B, T] by position
-            stats[f"loss_{s}"] = loss_s.detach()
-            stats[f"acc_{s}"] = right.sum() / n
+        stats[f"loss_{s}"] = loss_s.detach()
+        stats[f"acc_{s}"] = right / n
     return total / norm, stats
 
 
@@ -195,6 +217,8 @@ class TrainSpec:
     forward     (head, batch, steps) -> per-step logits [B, T, V], aligned so that logits[s][:, p]
                 predicts label index p (the target's distribution of x_{p+2}) for the chain anchored
                 at j = p - s: step s of a proposal made when the target holds positions 0..j
+    packed_forward  the training step's forward under train.attention=flex where it differs: the same
+                logits at each step's trained positions only (`Rows`), without computing the others
     loss        (logits, batch, decay, kernel=...) -> (loss, stats); acceptance is read from the logits' greedy chains
                 (chain_lengths), the same for every draft
     check       (cfg, draft_plan) -> None, raising a ConfigError: the stage's plan-time check of what
@@ -207,6 +231,13 @@ class TrainSpec:
     forward: Callable
     flex_attention: Optional[Callable] = None  # train.attention=flex: forward(..., attention=this)
     forward_ops: bool = False  # forward(..., ops=TRITON_OPS) exists (train.kernels=triton)
+    packed_forward: Optional[Callable] = None  # train.attention=flex: (head, batch, steps[, ops]) -> [Rows]
+
+    @property
+    def flex(self) -> bool:
+        """It trains with FlexAttention (train.attention=flex): through `flex_attention` or `packed_forward`."""
+        return self.flex_attention is not None or self.packed_forward is not None
+
     loss: Callable = ttt_loss
     check: Optional[Callable] = None
     prepare: Optional[Callable] = None

@@ -73,16 +73,17 @@ class TrainSettings:
     ema_decay: float = 0.0  # > 0: evaluate and end on an EMA of the weights (engine/train/average.py); 0: off
 
 
-def train_forward_options(spec: TrainSpec, s: TrainSettings) -> dict:
-    """The training step's forward options: FlexAttention (train.attention=flex) and the Triton RMSNorm and
-    RoPE (train.kernels=triton) where the draft's forward has them. Evaluation keeps the plain forward (the
-    materialized attention: no backward there)."""
-    options = {}
+def training_forward(spec: TrainSpec, s: TrainSettings) -> Callable:
+    """The training step's forward: the draft's packed forward (train.attention=flex, where it has one:
+    only the trained positions, per-step objective.Rows), else its forward with FlexAttention
+    (train.attention=flex) and the Triton RMSNorm and RoPE (train.kernels=triton) where it has them.
+    Evaluation keeps the plain forward (the materialized attention: no backward there)."""
+    options = {"ops": TRITON_OPS} if s.kernels == "triton" and spec.forward_ops else {}
+    if s.attention == "flex" and spec.packed_forward is not None:
+        return functools.partial(spec.packed_forward, **options)
     if s.attention == "flex" and spec.flex_attention is not None:
         options["attention"] = spec.flex_attention
-    if s.kernels == "triton" and spec.forward_ops:
-        options["ops"] = TRITON_OPS
-    return options
+    return functools.partial(spec.forward, **options)
 
 
 def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
@@ -135,7 +136,7 @@ class Trainer:
         self.step, self.epoch, self.index = 0, 0, 0
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
-        self.train_forward = functools.partial(spec.forward, **train_forward_options(spec, settings))
+        self.train_forward = training_forward(spec, settings)
         self.loss = functools.partial(spec.loss, kernel=settings.kernels)  # (logits, batch, decay)
 
     # -- state ------------------------------------------------------------------------------------

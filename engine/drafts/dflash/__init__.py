@@ -4,14 +4,14 @@ features injected as extra keys and values (`DFlashDraftModel`, z-lab's layout).
     head.py   DFlashHead (context write, block forward), config.json and card text
     loop.py   DFlashDraft: context k/v in the prefill and each extend, one block per proposal
     plan.py   explicit target layers, block size, mask token; its words in the plan line
-    train.py  every anchor's block at once, and the train.* limits of a block
+    train.py  every anchor's block at once (packed: the trained anchors' only), the train.* limits of a block
 """
 
 from engine.drafts.base import Algorithm, FeatureKind
 from engine.drafts.dflash.head import DFlashHead, dflash_config, dflash_value
 from engine.drafts.dflash.loop import DFlashDraft, make_dflash
 from engine.drafts.dflash.plan import DFlashConfig, describe_dflash, plan_dflash
-from engine.drafts.dflash.train import block_attention_flex, check_dflash_training, dflash_forward
+from engine.drafts.dflash.train import check_dflash_training, dflash_forward, dflash_forward_packed
 from engine.train.objective import TrainSpec
 
 ALGORITHM = Algorithm(
@@ -23,8 +23,8 @@ ALGORITHM = Algorithm(
     train=TrainSpec(
         FeatureKind.aux,
         dflash_forward,
-        flex_attention=block_attention_flex,
         forward_ops=True,
+        packed_forward=dflash_forward_packed,
         check=check_dflash_training,
     ),
     recipe="+experiment=train_dflash_smollm2",

@@ -18,21 +18,29 @@ blk keys, and is exact for every anchor, not an approximation of inference.
                                      to p > j + 1 + i - W for block index i at position j + 1 + i)
     block scores  [B, H, T, blk, blk]
 
-`block_attention` materializes those scores (CPU, and the reference); `block_attention_flex`
-(train.attention=flex, the default on CUDA) is the same attention as one FlexAttention call over the
-keys [context; blocks], [B, KV, T + T*blk, D], whose block mask skips the tiles no query reads.
+`block_attention` materializes those scores (CPU, evaluation, and the reference). Outputs follow the
+trainer's layout (engine/train/objective.py): logits[s][:, p] is the prediction for label index p (the
+target's distribution of x_{p+2}) made by the block anchored at j = p - s, at block index s + 1; so the
+EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's position-decayed loss) and
+`chain_acceptance` apply unchanged. Labels are over the full target vocabulary: the drafter predicts
+through the target's lm_head.
 
-Outputs follow the trainer's layout (engine/train/objective.py): logits[s][:, p] is the prediction for
-label index p (the target's distribution of x_{p+2}) made by the block anchored at j = p - s, at
-block index s + 1; so the EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's
-position-decayed loss) and `chain_acceptance` apply unchanged. Labels are over the full target
-vocabulary: the drafter predicts through the target's lm_head.
+The training step (train.attention=flex, the default on CUDA) runs `dflash_forward_packed`: only the
+anchors whose block trains a label (a sample's prompt and the padding train none: about a third of the
+positions of the self-distilled data), packed row after row into one sequence,
+
+    block tokens  [1, N*blk]            N trained anchors, anchor-major
+    keys          [1, KV, B*T (padded to a tile) + N*blk, D]   every row's context, then the blocks
+
+under one FlexAttention call whose block mask is planned from the rows' trained spans on the host
+(`AnchorPack`), and each step's lm_head and loss at its trained positions only (objective.Rows): the
+same logits there as `dflash_forward`.
 """
 
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +48,7 @@ from torch import Tensor
 
 from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel
 from engine.errors import ConfigError
-from engine.train.objective import Batch, _shift
+from engine.train.objective import Batch, Rows, _shift
 
 
 def context_visible(anchor: Tensor, index: Tensor, key: Tensor, window: int) -> Tensor:
@@ -78,66 +86,177 @@ def block_attention(
     return out + torch.einsum("bhjik,bhjkd->bhjid", probs[..., t:], vb).reshape(b, h, n, d)
 
 
-def block_attention_flex(
-    q: Tensor, k_ctx: Tensor, v_ctx: Tensor, k_blk: Tensor, v_blk: Tensor, blk: int, group: int, window: int = 0
-) -> Tensor:
-    """`block_attention` as one FlexAttention call over [context; blocks] keys, [B, KV, T + T*blk, D]:
-    no [T, blk, T] score tensor in memory, and the tiles no query reads (past the anchor, before the
-    window, the other blocks) are skipped."""
-    t = k_ctx.shape[2]
-    mask = _block_mask(t, blk, q.device, window)
-    return flex_kernel(q.device.type)(
-        q, torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2), block_mask=mask, enable_gqa=group > 1
-    )
+def _layers(head, x: Tensor, c: Tensor, ctx_pos: Tensor, block_pos: Tensor, attend, ops: ForwardOps) -> Tensor:
+    """The decoder layers over block tokens x [R, n, hidden], reading the context c [R, t, hidden] as keys
+    and values only; RoPE at ctx_pos [R, t] and block_pos [R, n]. `attend(q, k_ctx, v_ctx, k_blk, v_blk,
+    group)` is the attention ([R, H, n, D] out). -> the last layer's output [R, n, hidden]."""
+    r, n, _ = x.shape
+    rows = lambda pos: (head.rope_cos[pos].float(), head.rope_sin[pos].float())  # noqa: E731  [R, *, D] fp32
+    (ccos, csin), (bcos, bsin) = rows(ctx_pos), rows(block_pos)
+    for layer in head.layers:
+        att = layer.self_attn
+        heads, kv, d = att.n_heads, att.n_kv, att.head_dim
+        k_ctx = ops.rope(att.k_proj(c), ccos, csin, kv)  # [R, KV, t, D]
+        v_ctx = att.v_proj(c).view(r, -1, kv, d).transpose(1, 2)
+        hn = ops.norm(layer.input_layernorm, x)  # [R, n, hidden]
+        q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [R, H, n, D]
+        k_blk = ops.rope(att.k_proj(hn), bcos, bsin, kv)
+        v_blk = att.v_proj(hn).view(r, n, kv, d).transpose(1, 2)
+        o = attend(q, k_ctx, v_ctx, k_blk, v_blk, heads // kv)
+        x = x + att.o_proj(o.transpose(1, 2).reshape(r, n, heads * d))
+        x = x + layer.mlp(ops.norm(layer.post_attention_layernorm, x))
+    return x
 
 
-@functools.lru_cache(maxsize=1024)
-def _block_mask(t: int, blk: int, device: torch.device, window: int = 0):
-    from torch.nn.attention.flex_attention import create_block_mask
-
-    def visible(b, h, q_idx, kv_idx):  # query of anchor j: context keys p <= j (in its window), its own block
-        anchor = q_idx // blk
-        ctx = context_visible(anchor, q_idx % blk, kv_idx, window)
-        return torch.where(kv_idx < t, ctx, (kv_idx - t) // blk == anchor)
-
-    return create_block_mask(visible, None, None, t * blk, t + t * blk, device=device)
+def _block_tokens(head, bonus: Tensor) -> Tensor:
+    """bonus [...] -> [..., blk]: each anchor's block [x_{j+1}, m, ..., m]."""
+    tokens = bonus.new_full((*bonus.shape, head.block_size), head.mask_token_id)
+    tokens[..., 0] = bonus
+    return tokens
 
 
-def dflash_forward(
-    head, batch: Batch, steps: int, attention=block_attention, ops: ForwardOps = TORCH_OPS
-) -> list[Tensor]:
-    """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1.
-    `attention`: block_attention (materialized scores) or block_attention_flex (train.attention=flex);
-    `ops`: the RMSNorms and RoPE as modules and torch formulas, or as Triton kernels (train.kernels=triton)."""
+def dflash_forward(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
+    """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1, over
+    the materialized scores (`block_attention`); `ops`: the RMSNorms and RoPE as modules and torch
+    formulas, or as Triton kernels (train.kernels=triton)."""
     blk = head.block_size
     if not 1 <= steps < blk:
         raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
     b, t = batch.tokens.shape
-    tokens = torch.full((b, t, blk), head.mask_token_id, dtype=torch.long, device=batch.tokens.device)
-    tokens[:, :, 0] = batch.tokens  # [B, T, blk]: [x_{j+1}, m, ..., m] per anchor j
-    x = head.embed(tokens).detach().view(b, t * blk, -1)  # [B, T*blk, hidden]; the target's, frozen
+    x = head.embed(_block_tokens(head, batch.tokens)).detach().view(b, t * blk, -1)  # the target's, frozen
     c = head.context(batch.feats, ops.norm)  # [B, T, hidden]
-    x = x.to(c.dtype)
     block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
-    rows = lambda pos: (head.rope_cos[pos].float(), head.rope_sin[pos].float())  # noqa: E731  [B, n, D] fp32
-    (ccos, csin), (bcos, bsin) = rows(batch.positions), rows(block_pos)
-    for layer in head.layers:
-        att = layer.self_attn
-        heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-        k_ctx = ops.rope(att.k_proj(c), ccos, csin, kv)  # [B, KV, T, D]
-        v_ctx = att.v_proj(c).view(b, t, kv, d).transpose(1, 2)
-        hn = ops.norm(layer.input_layernorm, x)  # [B, T*blk, hidden]
-        q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [B, H, T*blk, D]
-        k_blk = ops.rope(att.k_proj(hn), bcos, bsin, kv)
-        v_blk = att.v_proj(hn).view(b, t * blk, kv, d).transpose(1, 2)
-        o = attention(q, k_ctx, v_ctx, k_blk, v_blk, blk, heads // kv, head.sliding_window)
-        x = x + att.o_proj(o.transpose(1, 2).reshape(b, t * blk, heads * d))
-        x = x + layer.mlp(ops.norm(layer.post_attention_layernorm, x))
-    h = x.view(b, t, blk, -1)
+    window = head.sliding_window
+    attend = lambda q, kc, vc, kb, vb, group: block_attention(q, kc, vc, kb, vb, blk, group, window)  # noqa: E731
+    h = _layers(head, x.to(c.dtype), c, batch.positions, block_pos, attend, ops).view(b, t, blk, -1)
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
     # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout, on the
     # hidden states (the zero rows stay zero through the norm and the lm_head), not on the logits.
     return [F.linear(ops.norm(head.norm, _shift(h[:, :, s + 1], s, 1)), w) for s in range(steps)]
+
+
+# --------------------------------------------------------------------------------- the packed training step
+_TILE = 128  # FlexAttention's block-mask tile (queries and keys)
+
+
+@dataclass
+class AnchorPack:
+    """The anchors of a training batch whose block trains at least one label, packed row after row.
+
+    Anchor j of row b trains label p = j + s at step s where the row trains p (batch.spans' [first, end)),
+    so the anchors are j in [first - steps + 1, end) per row; the others (the prompt's, the padding's)
+    would be computed for no loss. Built on the host from batch.spans: no device sync.
+
+        row, pos     [N] int64   each anchor's row b and position j (N >= 1: one idle anchor, row -1, when
+                                 no row trains anything)
+        picks        per step s: (anchor n [M_s], flat label position b * T + j + s [M_s]): the trained
+                     (anchor, step) pairs, every valid position of the step once
+        mask         the FlexAttention block mask over queries [N * blk] (anchor-major) and keys
+                     [context B * T, padded to a tile; blocks N * blk]: a query of anchor n at block
+                     index i reads its row's context p <= j (in the window) and its own block. The tiles
+                     are planned here (a query tile's anchors are consecutive, so its context is one
+                     range of tiles, then its own block's tile): nothing [Q, KV]-sized is built.
+    """
+
+    row: Tensor
+    pos: Tensor
+    picks: list[tuple[Tensor, Tensor]]
+    mask: object  # torch.nn.attention.flex_attention.BlockMask
+
+    @classmethod
+    def plan(cls, spans: Tensor, t: int, steps: int, blk: int, window: int, device) -> "AnchorPack":
+        from torch.nn.attention.flex_attention import BlockMask
+
+        first, end = spans[:, 0], spans[:, 1]  # [B] host
+        lo = (first - steps + 1).clamp(min=0)
+        count = torch.where(end > first, end - lo, 0)  # [B] anchors of each row
+        rows = torch.repeat_interleave(torch.arange(len(spans)), count)  # [N]
+        n = len(rows)
+        pos = lo[rows] + torch.arange(n) - (count.cumsum(0) - count)[rows]  # [N] anchor j, ascending per row
+        picks = []
+        for s in range(steps):
+            p = pos + s
+            at = ((p >= first[rows]) & (p < end[rows])).nonzero().flatten()  # [M_s]
+            picks.append((at, rows[at] * t + p[at]))
+        if n == 0:  # nothing trains: one idle anchor keeps the shapes valid
+            rows, pos, n = torch.tensor([-1]), torch.tensor([0]), 1
+        q_len = n * blk
+        ctx_pad = -(-len(spans) * t // _TILE) * _TILE  # the context keys, then the blocks from a tile start
+        kv_len = ctx_pad + q_len
+        q_tiles, kv_tiles = -(-q_len // _TILE), -(-kv_len // _TILE)
+        # A query tile's anchors a0..a1 are consecutive: its context is the key tiles from its first anchor's
+        # lowest key to its last anchor's position, then the tiles of its anchors' own block keys.
+        first_q = torch.arange(q_tiles) * _TILE
+        a0 = first_q // blk
+        a1 = (torch.minimum(first_q + _TILE, torch.tensor(q_len)) - 1) // blk
+        real = rows[a0] >= 0
+        last = torch.where(rows[a1] >= 0, a1, a0)  # an idle anchor sits alone
+        lowest = (pos[a0] + 2 - window).clamp(min=0) if window else torch.zeros_like(pos[a0])
+        cols = torch.arange(kv_tiles)[None]
+        context = (cols >= ((rows[a0] * t + lowest) // _TILE)[:, None]) & (
+            cols <= ((rows[last] * t + pos[last]) // _TILE)[:, None]
+        )
+        own = (cols >= ((ctx_pad + a0 * blk) // _TILE)[:, None]) & (
+            cols <= ((ctx_pad + (a1 + 1) * blk - 1) // _TILE)[:, None]
+        )
+        dense = (real[:, None] & context) | own  # [Qt, KVt] the key tiles each query tile reads
+        num = dense.sum(-1, dtype=torch.int32)
+        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+        pinned = torch.device(device).type == "cuda"
+        move = lambda x: (x.pin_memory() if pinned else x).to(device, non_blocking=True)  # noqa: E731
+        row_d, pos_d = move(rows), move(pos)
+
+        def visible(b, h, q_idx, kv_idx):  # its row's context at key <= j (in the window), or its own block
+            a = q_idx // blk
+            key = kv_idx - row_d[a] * t  # the key's position in the anchor's row (out of 0..j: another row)
+            ctx = (key >= 0) & context_visible(pos_d[a], q_idx % blk, key, window)
+            return torch.where(kv_idx < ctx_pad, ctx, (kv_idx - ctx_pad) // blk == a)
+
+        mask = BlockMask.from_kv_blocks(
+            move(num)[None, None],
+            move(indices)[None, None],
+            BLOCK_SIZE=_TILE,
+            mask_mod=visible,
+            seq_lengths=(q_len, kv_len),
+        )
+        return cls(row_d, pos_d, [(move(a), move(p)) for a, p in picks], mask)
+
+
+def packed_block_attention(pack: AnchorPack, ctx_pad: int):
+    """FlexAttention over the pack's layout: q [1, H, N*blk, D], context k/v [1, KV, B*T, D] (padded here to
+    ctx_pad keys), block k/v [1, KV, N*blk, D]."""
+
+    def attend(q, k_ctx, v_ctx, k_blk, v_blk, group):
+        pad = (0, 0, 0, ctx_pad - k_ctx.shape[2])
+        keys = torch.cat([F.pad(k_ctx, pad), k_blk], 2)
+        values = torch.cat([F.pad(v_ctx, pad), v_blk], 2)
+        return flex_kernel(q.device.type)(q, keys, values, block_mask=pack.mask, enable_gqa=group > 1)
+
+    return attend
+
+
+def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) -> list[Rows]:
+    """The training step's forward (train.attention=flex): the blocks of the anchors that train a label only
+    (`AnchorPack`), in one FlexAttention sequence, and each step's logits at its valid positions only
+    (objective.Rows). The same logits as `dflash_forward` there, for about the answer's share of its work:
+    no block, attention query or lm_head row of a prompt or padding position."""
+    blk = head.block_size
+    if not 1 <= steps < blk:
+        raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
+    if batch.spans is None:
+        raise ValueError("dflash_forward_packed: the batch has no spans (engine.train.data.target_batch sets them)")
+    b, t = batch.tokens.shape
+    pack = AnchorPack.plan(batch.spans, t, steps, blk, head.sliding_window, batch.tokens.device)
+    row = pack.row.clamp(min=0)  # an idle anchor reads row 0's tokens; nothing reads its outputs
+    x = head.embed(_block_tokens(head, batch.tokens[row, pack.pos])).detach().flatten(0, 1)[None]  # [1, N*blk, hidden]
+    c = head.context(batch.feats, ops.norm).view(1, b * t, -1)  # [1, B*T, hidden]: every row's context
+    block_pos = batch.positions[row, pack.pos][:, None] + 1 + torch.arange(blk, device=x.device)  # [N, blk]
+    ctx_pad = pack.mask.seq_lengths[1] - x.shape[1]
+    attend = packed_block_attention(pack, ctx_pad)
+    h = _layers(head, x.to(c.dtype), c, batch.positions.reshape(1, -1), block_pos.view(1, -1), attend, ops)
+    h = h.view(-1, blk, h.shape[-1])  # [N, blk, hidden]
+    w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
+    return [Rows(F.linear(ops.norm(head.norm, h[a, s + 1]), w), p) for s, (a, p) in enumerate(pack.picks)]
 
 
 def check_dflash_training(cfg, plan) -> None:
