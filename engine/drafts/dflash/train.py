@@ -189,22 +189,23 @@ class AnchorPack:
         first_q = torch.arange(q_tiles) * _TILE
         a0 = first_q // blk
         a1 = (torch.minimum(first_q + _TILE, torch.tensor(q_len)) - 1) // blk
-        real = rows[a0] >= 0
         last = torch.where(rows[a1] >= 0, a1, a0)  # an idle anchor sits alone
         lowest = (pos[a0] + 2 - window).clamp(min=0) if window else torch.zeros_like(pos[a0])
-        cols = torch.arange(kv_tiles)[None]
-        context = (cols >= ((rows[a0] * t + lowest) // _TILE)[:, None]) & (
-            cols <= ((rows[last] * t + pos[last]) // _TILE)[:, None]
-        )
-        own = (cols >= ((ctx_pad + a0 * blk) // _TILE)[:, None]) & (
-            cols <= ((ctx_pad + (a1 + 1) * blk - 1) // _TILE)[:, None]
-        )
-        dense = (real[:, None] & context) | own  # [Qt, KVt] the key tiles each query tile reads
-        num = dense.sum(-1, dtype=torch.int32)
-        indices = torch.argsort(dense.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
-        pinned = torch.device(device).type == "cuda"
-        move = lambda x: (x.pin_memory() if pinned else x).to(device, non_blocking=True)  # noqa: E731
-        row_d, pos_d = move(rows), move(pos)
+        ctx_lo = (rows[a0] * t + lowest) // _TILE
+        ctx_n = torch.where(rows[a0] >= 0, (rows[last] * t + pos[last]) // _TILE - ctx_lo + 1, 0)
+        own_lo = (ctx_pad + a0 * blk) // _TILE
+        own_n = (ctx_pad + (a1 + 1) * blk - 1) // _TILE - own_lo + 1
+        # everything the device needs in one pinned host buffer and one copy
+        parts = [rows, pos, *(x for pick in picks for x in pick), ctx_lo, ctx_n, own_lo, own_n]
+        host = torch.cat(parts)
+        if torch.device(device).type == "cuda":
+            host = host.pin_memory()
+        row_d, pos_d, *rest = host.to(device, non_blocking=True).split([len(x) for x in parts])
+        picks_d = list(zip(rest[0 : 2 * steps : 2], rest[1 : 2 * steps : 2]))
+        ctx_lo, ctx_n, own_lo, own_n = (x[:, None] for x in rest[2 * steps :])
+        cols = torch.arange(kv_tiles, device=device)[None]  # [1, KVt]
+        indices = torch.where(cols < ctx_n, ctx_lo + cols, own_lo + cols - ctx_n)  # [Qt, KVt], the first num valid
+        num = (ctx_n + own_n)[:, 0]
 
         def visible(b, h, q_idx, kv_idx):  # its row's context at key <= j (in the window), or its own block
             a = q_idx // blk
@@ -213,13 +214,13 @@ class AnchorPack:
             return torch.where(kv_idx < ctx_pad, ctx, (kv_idx - ctx_pad) // blk == a)
 
         mask = BlockMask.from_kv_blocks(
-            move(num)[None, None],
-            move(indices)[None, None],
+            num.to(torch.int32)[None, None],
+            indices.to(torch.int32)[None, None],
             BLOCK_SIZE=_TILE,
             mask_mod=visible,
             seq_lengths=(q_len, kv_len),
         )
-        return cls(row_d, pos_d, [(move(a), move(p)) for a, p in picks], mask)
+        return cls(row_d, pos_d, picks_d, mask)
 
 
 def packed_block_attention(pack: AnchorPack, ctx_pad: int):
