@@ -251,6 +251,7 @@ class DFlashHead(HeadBase):
 
     def card_objective(self, f: dict) -> str:
         return (
-            f"Every anchor's block of {self.block_size} tokens at once (exactly the attention of inference), "
+            f"The block of {self.block_size} tokens of every answer anchor at once (exactly the attention of "
+            "inference), "
             f"block positions 1..{f['train']['ttt_steps']}"
         )
