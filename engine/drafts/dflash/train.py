@@ -155,7 +155,8 @@ class AnchorPack:
                      [context B * T, padded to a tile; blocks N * blk]: a query of anchor n at block
                      index i reads its row's context p <= j (in the window) and its own block. The tiles
                      are planned here (a query tile's anchors are consecutive, so its context is one
-                     range of tiles, then its own block's tile): nothing [Q, KV]-sized is built.
+                     range of key tiles, then the tiles of their own blocks): nothing [Q, KV]-sized is
+                     evaluated, and every planned tile is partial (the mask reads each query's anchor).
     """
 
     row: Tensor
