@@ -64,6 +64,29 @@ def test_smollm2_main_job_end_to_end(outputs):
     assert (args.num_layers, args.hidden_size, args.num_kv_heads, args.rope_theta) == (30, 576, 3, 100000.0)
 
 
+@pytest.mark.slow
+def test_the_converted_smollm2_tokenizer_loads_directly_as_autotokenizer_would(outputs):
+    """The GGUF conversion saves the tokenizers library's generic backend: `HFTokenizer.from_dir` loads it
+    without AutoTokenizer's model-config imports, and it encodes, decodes, applies the chat template and
+    names the stop tokens exactly as the tokenizer AutoTokenizer loads from the same directory."""
+    from transformers import AutoTokenizer
+
+    from engine.loading import convert_gguf, packaged_smollm2_gguf
+    from engine.tokenizer import GENERIC_TOKENIZERS, HFTokenizer
+
+    path = str(convert_gguf(packaged_smollm2_gguf(), outputs / "weights"))
+    fast, auto = HFTokenizer.from_dir(path, (7,)), HFTokenizer(AutoTokenizer.from_pretrained(path), (7,))
+    assert type(fast.tok).__name__ in GENERIC_TOKENIZERS and fast.eos_token_ids == auto.eos_token_ids
+    texts = ["Hello world", " leading space", "Ünïcödé 你好 🙂", "a\n\nb  c", "def f(x):\n    return x"]
+    for text in texts:
+        ids = fast.encode(text)
+        assert ids == auto.encode(text) and fast.decode(ids) == auto.decode(ids)
+        assert fast.encode_chat(text, "Be brief.") == auto.encode_chat(text, "Be brief.")
+    assert fast.user_turn() == auto.user_turn() and fast.user_turn("Ask about math.") == auto.user_turn(
+        "Ask about math."
+    )
+
+
 def test_a_conversion_that_lost_the_race_keeps_the_winner(tmp_path):
     """Two runs converting the GGUF at once: the first rename publishes its directory; the second finds
     a complete one in place and keeps it. A failed rename onto an incomplete directory still raises."""
