@@ -117,27 +117,30 @@ def test_cli_bad_input_is_one_clear_error(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
+def dry_run(capsys, *overrides: str) -> str:
+    """The plan `dry_run=true` prints (in this process: the CLI's own path is test_cli_dry_run_*'s)."""
+    capsys.readouterr()
+    assert run(compose_cfg(*overrides, "dry_run=true", "device=cpu")) == {}
+    return capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     "experiment, head", [("eagle3", "eagle3"), ("eagle", "eagle"), ("mtp", "mtp"), ("dflash", "dflash")]
 )
-def test_every_draft_experiment_plans_its_shipped_head(outputs, experiment, head):
+def test_every_draft_experiment_plans_its_shipped_head(outputs, capsys, experiment, head):
     """dry_run names the checkpoint each draft experiment loads by default: the head shipped for it."""
-    p = cli(f"+experiment={experiment}", "dry_run=true", "device=cpu", outputs=outputs)
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert f"checkpoints/smollm2-135m-instruct-{head}," in p.stdout and "RANDOM" not in p.stdout
+    plan = dry_run(capsys, f"+experiment={experiment}")
+    assert f"checkpoints/smollm2-135m-instruct-{head}," in plan and "RANDOM" not in plan
 
 
-def test_the_plan_warns_of_random_weights(outputs):
+def test_the_plan_warns_of_random_weights(outputs, capsys):
     """A draft with random weights is called out in the plan with the recipe that trains one, and not in
     a training run."""
-    mtp = cli("+experiment=mtp", "draft.init=random", "dry_run=true", "device=cpu", outputs=outputs)
-    assert mtp.returncode == 0, mtp.stderr[-2000:]
-    assert "RANDOM-WEIGHT head" in mtp.stdout
-    assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp.stdout
-    assert "+experiment=train_mtp_smollm2" in mtp.stdout
-    train = cli("+experiment=train_mtp_smollm2", "dry_run=true", "device=cpu", outputs=outputs)
-    assert train.returncode == 0, train.stderr[-2000:]
-    assert "RANDOM WEIGHTS" not in train.stdout
+    mtp = dry_run(capsys, "+experiment=mtp", "draft.init=random")
+    assert "RANDOM-WEIGHT head" in mtp
+    assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp
+    assert "+experiment=train_mtp_smollm2" in mtp
+    assert "RANDOM WEIGHTS" not in dry_run(capsys, "+experiment=train_mtp_smollm2")
 
 
 def test_several_bad_values_are_reported_together(outputs):
