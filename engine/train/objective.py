@@ -232,12 +232,11 @@ class TrainSpec:
     flex_attention: Optional[Callable] = None  # train.attention=flex: forward(..., attention=this)
     forward_ops: bool = False  # forward(..., ops=TRITON_OPS) exists (train.kernels=triton)
     packed_forward: Optional[Callable] = None  # train.attention=flex: (head, batch, steps[, ops]) -> [Rows]
+    loss: Callable = ttt_loss
+    check: Optional[Callable] = None
+    prepare: Optional[Callable] = None
 
     @property
     def flex(self) -> bool:
         """It trains with FlexAttention (train.attention=flex): through `flex_attention` or `packed_forward`."""
         return self.flex_attention is not None or self.packed_forward is not None
-
-    loss: Callable = ttt_loss
-    check: Optional[Callable] = None
-    prepare: Optional[Callable] = None
