@@ -108,6 +108,14 @@ def _layers(head, x: Tensor, c: Tensor, ctx_pos: Tensor, block_pos: Tensor, atte
     return x
 
 
+def _block_size(head, steps: int) -> int:
+    """The head's block size, checking that `steps` block positions fit in it."""
+    blk = head.block_size
+    if not 1 <= steps < blk:
+        raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
+    return blk
+
+
 def _block_tokens(head, bonus: Tensor) -> Tensor:
     """bonus [...] -> [..., blk]: each anchor's block [x_{j+1}, m, ..., m]."""
     tokens = bonus.new_full((*bonus.shape, head.block_size), head.mask_token_id)
@@ -119,9 +127,7 @@ def dflash_forward(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) 
     """The blocks of all anchors -> per-step logits [B, T, vocab] (differentiable), steps <= block - 1, over
     the materialized scores (`block_attention`); `ops`: the RMSNorms and RoPE as modules and torch
     formulas, or as Triton kernels (train.kernels=triton)."""
-    blk = head.block_size
-    if not 1 <= steps < blk:
-        raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
+    blk = _block_size(head, steps)
     b, t = batch.tokens.shape
     x = head.embed(_block_tokens(head, batch.tokens)).detach().view(b, t * blk, -1)  # the target's, frozen
     c = head.context(batch.feats, ops.norm)  # [B, T, hidden]
@@ -163,6 +169,7 @@ class AnchorPack:
     pos: Tensor
     picks: list[tuple[Tensor, Tensor]]
     mask: object  # torch.nn.attention.flex_attention.BlockMask
+    ctx_pad: int  # context keys, B * T padded to a tile: the blocks' keys start there
 
     @classmethod
     def plan(cls, spans: Tensor, t: int, steps: int, blk: int, window: int, device) -> "AnchorPack":
@@ -221,15 +228,15 @@ class AnchorPack:
             mask_mod=visible,
             seq_lengths=(q_len, kv_len),
         )
-        return cls(row_d, pos_d, picks_d, mask)
+        return cls(row_d, pos_d, picks_d, mask, ctx_pad)
 
 
-def packed_block_attention(pack: AnchorPack, ctx_pad: int):
+def packed_block_attention(pack: AnchorPack):
     """FlexAttention over the pack's layout: q [1, H, N*blk, D], context k/v [1, KV, B*T, D] (padded here to
-    ctx_pad keys), block k/v [1, KV, N*blk, D]."""
+    pack.ctx_pad keys), block k/v [1, KV, N*blk, D]."""
 
     def attend(q, k_ctx, v_ctx, k_blk, v_blk, group):
-        pad = (0, 0, 0, ctx_pad - k_ctx.shape[2])
+        pad = (0, 0, 0, pack.ctx_pad - k_ctx.shape[2])
         keys = torch.cat([F.pad(k_ctx, pad), k_blk], 2)
         values = torch.cat([F.pad(v_ctx, pad), v_blk], 2)
         return flex_kernel(q.device.type)(q, keys, values, block_mask=pack.mask, enable_gqa=group > 1)
@@ -242,9 +249,7 @@ def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORC
     (`AnchorPack`), in one FlexAttention sequence, and each step's logits at its valid positions only
     (objective.Rows). The same logits as `dflash_forward` there, for about the answer's share of its work:
     no block, attention query or lm_head row of a prompt or padding position."""
-    blk = head.block_size
-    if not 1 <= steps < blk:
-        raise ValueError(f"{steps} steps: a DFlash block of {blk} tokens predicts 1..{blk - 1}")
+    blk = _block_size(head, steps)
     if batch.spans is None:
         raise ValueError("dflash_forward_packed: the batch has no spans (engine.train.data.target_batch sets them)")
     b, t = batch.tokens.shape
@@ -253,8 +258,7 @@ def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORC
     x = head.embed(_block_tokens(head, batch.tokens[row, pack.pos])).detach().flatten(0, 1)[None]  # [1, N*blk, hidden]
     c = head.context(batch.feats, ops.norm).view(1, b * t, -1)  # [1, B*T, hidden]: every row's context
     block_pos = batch.positions[row, pack.pos][:, None] + 1 + torch.arange(blk, device=x.device)  # [N, blk]
-    ctx_pad = pack.mask.seq_lengths[1] - x.shape[1]
-    attend = packed_block_attention(pack, ctx_pad)
+    attend = packed_block_attention(pack)
     h = _layers(head, x.to(c.dtype), c, batch.positions.reshape(1, -1), block_pos.view(1, -1), attend, ops)
     h = h.view(-1, blk, h.shape[-1])  # [N, blk, hidden]
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
