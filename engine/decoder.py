@@ -59,7 +59,7 @@ from kernels.fused import rope_cache_write
 
 STREAM, DELTA, QUERY, ATTN_OUT = "x", "delta", "q", "o"  # the residual stream, a layer's queries and attention output
 MASK, ATTN, AUX_LIST = "mask", "attn", "aux_list"
-CAUSAL = "causal"  # host flag of LlamaModel.forward: SDPA's causal kernel over fresh rows
+CAUSAL = "causal"  # set by the first step of LlamaModel.program(causal=True): SDPA's causal kernel over fresh rows
 
 EnvFn = Callable[[dict], None]
 

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.decoder import AUX_LIST, DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
+from engine.decoder import AUX_LIST, CAUSAL, DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
 from engine.program import Step, run_steps
 from kernels.decode_attention import decode_attention
 from kernels.fused import add_rmsnorm, rotate_half
@@ -458,7 +458,13 @@ class LlamaModel(nn.Module):
 
     # -- forward ----------------------------------------------------------------------------------
     def program(
-        self, cache: StaticKVCache, *, embeds_input: bool = False, logits_at_index: bool = False, greedy: bool = False
+        self,
+        cache: StaticKVCache,
+        *,
+        embeds_input: bool = False,
+        logits_at_index: bool = False,
+        greedy: bool = False,
+        causal: bool = False,
     ) -> list[Step]:
         """The forward as segments and attention breaks over an env dict (see `engine.program.Step`).
 
@@ -468,12 +474,15 @@ class LlamaModel(nn.Module):
                  embeds [b, t, h] (what the first layer took); with `greedy`, ids [b, t or 1] (the
                  argmax), and on the fused path no logits (the lm_head kernel takes the argmax itself)
         The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
-        built with, in `Step.meta`.
+        built with, in `Step.meta`. `causal`: the rows are fresh, positions 0..t-1 (see Attention.attend):
+        every layer attends through SDPA's causal kernel, whatever kv_len, so a graph of it is static.
         """
         aux_ids, n, fused = self.aux_layer_ids, self.args.num_layers, self.fused
         max_rows = None if self.batch_invariant else THROUGHPUT_ROWS
 
         def start(env):
+            if causal:
+                env[CAUSAL] = True
             x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
             env["embeds"] = x  # [b, t, h]
             return x
@@ -544,9 +553,9 @@ class LlamaModel(nn.Module):
             "input_embeds": input_embeds,
             "logits_index": logits_index,
             "kv_len": cache.max_seq_len if kv_len is None else kv_len,
-            "causal": causal,
         }
-        run_steps(
-            self.program(cache, embeds_input=input_embeds is not None, logits_at_index=logits_index is not None), env
+        program = self.program(
+            cache, embeds_input=input_embeds is not None, logits_at_index=logits_index is not None, causal=causal
         )
+        run_steps(program, env)
         return ForwardOutput.from_env(env)

@@ -288,7 +288,14 @@ class TrainDraftStage(Stage):
         trainer = Trainer(
             student, target, train, heldout, VocabMap.of(student), settings(cfg, env.device), out, log, spec
         )
+        if trainer.graphs is not None and distributed.is_main():
+            g = trainer.graphs.stats
+            print(f"[train_draft] target graphs: {len(g.buckets)} batch shapes in {g.capture_s:.1f}s", flush=True)
         metrics = trainer.fit(resume=t.resume)
+        if trainer.graphs is not None:
+            metrics["target_graph_capture_s"] = trainer.graphs.stats.capture_s
+            metrics["target_graph_fallbacks"] = trainer.graphs.stats.fallbacks
+            log({k: metrics[k] for k in ("target_graph_capture_s", "target_graph_fallbacks")}, trainer.step)
         export = out / "head"
         if not distributed.is_main():  # rank 0 evaluates and exports (the other ranks print nothing: execute)
             return {"draft_checkpoint": str(export)}

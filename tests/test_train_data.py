@@ -12,9 +12,9 @@ from engine.train.selfdistill import Sample, cut_share, synthesize
 from pipeline.config import to_run_config
 
 
-def tiny_target(outputs):
-    cfg = to_run_config(compose_cfg("model=tiny", "device=cpu"))
-    return load_model(cfg.model, outputs / "weights", torch.device("cpu"), torch.float32)
+def tiny_target(outputs, device: str = "cpu", dtype=torch.float32):
+    cfg = to_run_config(compose_cfg("model=tiny", f"device={device}"))
+    return load_model(cfg.model, outputs / "weights", torch.device(device), dtype)
 
 
 def test_synthesize_prompts_and_answers_from_the_target(outputs):
@@ -190,6 +190,54 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
         spanned = (p >= batch.spans[:, :1]) & (p < batch.spans[:, 1:])
         assert torch.equal(spanned, batch.mask), max_len
     assert not batch.mask[3].any() and batch.mask[1].any()  # max_len 8: the fourth prompt is cut
+
+
+def check_target_graphs(outputs, device: str, dtype, policy: str, tol: float) -> None:
+    """The target's training graphs give the eager pass's features, labels and tokens at every position of
+    a live row, for batches narrower than their bucket and with fewer rows; a bucket per width class,
+    holding its class's most rows."""
+    from engine.drafts.base import FeatureKind
+    from engine.model import StaticKVCache
+    from engine.train.data import VocabMap, target_batch
+    from engine.train.target_graphs import TargetGraphs
+
+    target = tiny_target(outputs, device, dtype).model
+    target.set_aux_layers([1, 2, 3])
+    g = torch.Generator().manual_seed(1)
+    ids = lambda n: torch.randint(0, target.args.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    groups = [[Sample("", ids(6), ids(n)) for n in lengths] for lengths in ((4, 17, 9), (12, 3), (30, 29, 20, 25))]
+    shapes = [(len(x), max(len(s.ids) for s in x)) for x in groups]  # (3, 23), (2, 18), (4, 36)
+    vocab = VocabMap.identity(target.args.vocab_size, device)
+    cache = StaticKVCache(target.args, 4, 64, torch.device(device), dtype)
+    graphs = TargetGraphs(target, cache, shapes, policy=policy)
+    assert graphs.runner.buckets == [(4, 48), (3, 32)]  # largest first
+    for group in groups + [groups[1][:1]]:
+        for features in (FeatureKind.aux, FeatureKind.final):
+            ref = target_batch(target, cache, group, vocab, 64, device, features)
+            out = target_batch(target, cache, group, vocab, 64, device, features, graphs=graphs)
+            assert out.feats.shape == ref.feats.shape and out.label_logits.shape == ref.label_logits.shape
+            live = torch.arange(ref.mask.shape[1]) < torch.tensor([len(s.ids) - 1 for s in group])[:, None]
+            live = live.to(ref.mask.device)
+            torch.testing.assert_close(out.feats[live], ref.feats[live], atol=tol, rtol=tol)
+            torch.testing.assert_close(out.label_logits[live], ref.label_logits[live], atol=tol, rtol=tol)
+            assert torch.equal(out.mask, ref.mask) and torch.equal(out.tokens, ref.tokens)
+    assert graphs.stats.replays == 8 and graphs.stats.fallbacks == 0
+    with pytest.raises(ValueError, match="5 rows exceeds the cache's 4"):
+        TargetGraphs(target, cache, [(5, 10)], policy=policy)
+
+
+def test_target_graphs_replay_the_training_pass_over_padded_buckets(outputs):
+    """The debug backend: the runner's static buffers, padding and slicing, replayed eagerly."""
+    from engine.train.target_graphs import width_buckets
+
+    assert width_buckets([(5, 20), (7, 17), (3, 32), (9, 33)], 16) == [(7, 32), (9, 48)]
+    check_target_graphs(outputs, "cpu", torch.float32, "debug", 1e-5)
+
+
+@pytest.mark.gpu
+def test_target_graphs_on_cuda_match_the_eager_pass(outputs):
+    """CUDA graphs (the trainer's policy) in bf16: the same pass up to cuBLAS's choice by shape."""
+    check_target_graphs(outputs, "cuda", torch.bfloat16, "full", 2e-2)
 
 
 def test_label_temperature_sharpens_the_labels_toward_the_greedy_token(outputs):

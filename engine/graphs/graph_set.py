@@ -39,7 +39,8 @@ TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logit
 ROUND_OUT = {m: ("out",) for m in M}
 
 
-def _token_inputs() -> dict[str, InputSpec]:
+def token_inputs() -> dict[str, InputSpec]:
+    """A target program's per-token inputs; a padding position is invalid (it writes the dummy slot)."""
     return {
         "tokens": InputSpec((), torch.long, 0),
         "positions": InputSpec((), torch.long, 0),
@@ -139,7 +140,7 @@ class GraphSet:
                 else self.target_policy
             )
             inputs = {
-                **_token_inputs(),
+                **token_inputs(),
                 "input_embeds": InputSpec((h,), t.lm_head.weight.dtype, 0),
                 "logits_index": InputSpec((), torch.long, 0, per_row=True),
             }

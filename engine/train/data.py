@@ -26,7 +26,7 @@ import json
 import os
 import random
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -35,6 +35,9 @@ from torch import Tensor
 from engine.drafts.base import FeatureKind
 from engine.train.objective import Batch
 from engine.train.selfdistill import Sample
+
+if TYPE_CHECKING:
+    from engine.train.target_graphs import TargetGraphs
 
 
 def save_samples(
@@ -136,12 +139,14 @@ def target_batch(
     features: FeatureKind = FeatureKind.aux,
     causal: bool = True,
     label_temperature: float = 1.0,
+    graphs: Optional[TargetGraphs] = None,
 ) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
     attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
     `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
-    toward the greedy token); the batch keeps z itself, in the target's dtype."""
+    toward the greedy token); the batch keeps z itself, in the target's dtype. `graphs`: the forward
+    replayed from the target's training graphs (engine/train/target_graphs.py; causal, over `cache`)."""
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(lens)
     # Built in pinned memory and copied without a sync, so the host queues this batch's target forward
@@ -159,7 +164,10 @@ def target_batch(
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < length[:, None]
     first = torch.zeros(b, dtype=torch.long, device=device)  # full-vocabulary logits at one position only
-    out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal, logits_index=first)
+    if graphs is not None:
+        out = graphs(ids, positions, valid, first)
+    else:
+        out = target(ids, positions, cache.rows(b), valid=valid, kv_len=width, causal=causal, logits_index=first)
     feats = out.aux_hidden_states if features == FeatureKind.aux else out.hidden_states
     if feats is None:
         raise RuntimeError("the target captures no aux hidden states: configure_aux_capture must run first")

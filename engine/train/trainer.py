@@ -47,6 +47,7 @@ from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.objective import TrainSpec, chain_acceptance, chain_lengths, simulated_loop
 from engine.train.selfdistill import Sample
+from engine.train.target_graphs import TargetGraphs
 
 
 @dataclass
@@ -116,10 +117,15 @@ class Trainer:
         self.train_samples, self.heldout = train, heldout
         self.vocab = vocab
         self.device = target.lm_head.weight.device
-        rows = max(
-            len(g) for split in (train, heldout) for g in batches(split, settings.max_tokens, settings.max_len, None)
-        )
+        shapes = [  # (rows, width) of every batch, the same each epoch
+            (len(g), min(max(len(x.ids) for x in g), settings.max_len))
+            for split in (train, heldout)
+            for g in batches(split, settings.max_tokens, settings.max_len, None)
+        ]
+        rows = max(r for r, _ in shapes)
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
+        # on CUDA the target's forward replays from graphs: its eager launches would bound the step
+        self.graphs = TargetGraphs(target, self.cache, shapes) if self.device.type == "cuda" else None
         self.params = [p for p in head.parameters() if p.requires_grad]
         distributed.broadcast_params(self.params)  # every rank starts from rank 0's weights (and EMA)
         decay = [p for p in self.params if p.dim() >= 2]
@@ -194,6 +200,7 @@ class Trainer:
             self.device,
             self.spec.features,
             label_temperature=label_temperature,
+            graphs=self.graphs,
         )
 
     def _epoch_order(self) -> list[list[Sample]]:
