@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -29,11 +30,11 @@ from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
 from engine.errors import ConfigError, check_values
 from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
-from engine.serve.http import OpenAIServer
-from engine.serve.openai_server import OpenAIApp
-from engine.serve.protocol import ApiLimits
 from engine.serve.scheduler import Scheduler, ServeStats
 from stages.base import Stage, StageEnv, register_stage
+
+if TYPE_CHECKING:  # the HTTP side (fastapi, uvicorn) is imported when a server is built: every run imports stages
+    from engine.serve.http import OpenAIServer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -136,6 +137,10 @@ class ServeStage(Stage):
         )
 
     def build(self, cfg, inputs, env: StageEnv) -> OpenAIServer:
+        from engine.serve.http import OpenAIServer
+        from engine.serve.openai_server import OpenAIApp
+        from engine.serve.protocol import ApiLimits
+
         target: LoadedModel = inputs["target"]
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
         rng = torch.Generator(device=env.device).manual_seed(cfg.seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -74,14 +75,28 @@ def compose_cfg(*overrides: str) -> DictConfig:
         return compose(config_name="config", overrides=list(overrides))
 
 
+@pytest.fixture(scope="session")
+def mlflow_store_template(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store made as a run makes one (MlflowClient on its URI): its tables and
+    migrations, 2-4 s per store, are created once for the session and copied into each test's outputs."""
+    from mlflow.tracking import MlflowClient
+
+    path = tmp_path_factory.mktemp("mlflow_template") / "mlflow.db"
+    MlflowClient(f"sqlite:///{path}").search_experiments()
+    return path
+
+
 @pytest.fixture
-def outputs(tmp_path, monkeypatch) -> Path:
-    """A fresh outputs/ (MLflow store, artifacts) per test; converted weights shared with the repo's cache."""
+def outputs(tmp_path, monkeypatch, request) -> Path:
+    """A fresh outputs/ (an empty MLflow store, artifacts) per test; converted weights shared with the repo's
+    cache. Tests marked `fresh_store` get no store (they check that a run creates one, or that none is)."""
     out = tmp_path / "outputs"
     out.mkdir()
     shared = REPO / "outputs" / "weights"
     shared.mkdir(parents=True, exist_ok=True)
     (out / "weights").symlink_to(shared, target_is_directory=True)
+    if "fresh_store" not in request.keywords:
+        shutil.copyfile(request.getfixturevalue("mlflow_store_template"), out / "mlflow.db")
     monkeypatch.setenv("SPECPIPE_OUTPUTS", str(out))
     return out
 

@@ -152,7 +152,7 @@ def _check(case: Case, got: tuple, dtype) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_reference(device, dtype, kind, m, bias):
     """K = 80 in chunks of 32 (the last one ragged; the cat kinds' halves meet inside a chunk), N = 24 in
-    tiles of 16 (the last one ragged), M across one and several row tiles of 16 (192: in the batch
+    tiles of 16 (the last one ragged), M across one and several row tiles of 16 (48: also in the batch
     invariance test). bf16 at every M (its roundings are the point), fp32 at two."""
     case = _case(kind, m, 80, 24, dtype, device, bias, seed=m)
     _check(case, case.run(block_k=32), dtype)
@@ -193,10 +193,10 @@ def test_bf16_outputs_round_to_nearest_even(device):
 )
 @pytest.mark.parametrize("kind", KINDS)
 def test_row_is_independent_of_batch(device, dtype, block_k, kind):
-    """Row 37 of a batch of 192 (row tile 2, position 5), the same row in a batch of 6 (position 3) and
+    """Row 37 of a batch of 48 (row tile 2 of 3, position 5), the same row in a batch of 6 (position 3) and
     alone (M = 1): bitwise the same outputs (y, h, and the argmax ids). K = 80 in one chunk (the weight
-    loaded first) or three; the batch of 192 also against the reference."""
-    case = _case(kind, 192, 80, 16, dtype, device, bias=True, seed=5)
+    loaded first) or three; the batch of 48 also against the reference."""
+    case = _case(kind, 48, 80, 16, dtype, device, bias=True, seed=5)
     variants = [(case, 37), (case.sub(slice(34, 40)), 3), (case.sub(slice(37, 38)), 0)]
     batch = case.run(block_k=block_k)
     _check(case, batch, dtype)

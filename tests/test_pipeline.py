@@ -36,6 +36,7 @@ def download_text(outputs: Path, run_id: str, name: str) -> str:
     return Path(client(outputs).download_artifacts(run_id, name, str(outputs / "dl"))).read_text()
 
 
+@pytest.mark.fresh_store
 def test_tiny_eval_run_is_tracked(outputs):
     ctx = run(
         compose_cfg(
@@ -102,6 +103,7 @@ def test_compare_shows_what_differs(outputs):
         compare("nope", f"sqlite:///{outputs / 'mlflow.db'}")
 
 
+@pytest.mark.fresh_store
 def test_cli_dry_run_prints_plan_and_exits_0(outputs):
     p = cli("+experiment=baseline", "model=tiny", "dry_run=true", outputs=outputs)
     assert p.returncode == 0, p.stderr
@@ -109,6 +111,7 @@ def test_cli_dry_run_prints_plan_and_exits_0(outputs):
     assert not (outputs / "mlflow.db").exists()  # nothing ran, nothing tracked
 
 
+@pytest.mark.fresh_store
 def test_cli_bad_input_is_one_clear_error(outputs):
     p = cli("model=tiny", "eval.dataset=nope", "device=cpu", outputs=outputs)
     assert p.returncode == 2
@@ -143,6 +146,7 @@ def test_the_plan_warns_of_random_weights(outputs, capsys):
     assert "RANDOM WEIGHTS" not in dry_run(capsys, "+experiment=train_mtp_smollm2")
 
 
+@pytest.mark.fresh_store
 def test_several_bad_values_are_reported_together(outputs):
     """Three bad eval values at once: one message names all three, exit 2, nothing tracked."""
     p = cli("model=tiny", "device=cpu", "eval.max_new_tokens=-1", "eval.batch_size=0", "eval.top_p=2", outputs=outputs)
@@ -152,6 +156,7 @@ def test_several_bad_values_are_reported_together(outputs):
     assert not (outputs / "mlflow.db").exists()
 
 
+@pytest.mark.fresh_store
 def test_a_question_record_without_a_turn_fails_the_plan(outputs, tmp_path):
     """A record with no (or an empty) first turn would be answered as an empty prompt: the plan refuses
     the file, naming the line, before any weights load and without an MLflow run."""
@@ -335,6 +340,7 @@ def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatc
     assert json.loads(line)["tokens"] >= 1
 
 
+@pytest.mark.fresh_store
 def test_hydra_composition_errors_are_config_errors_with_a_hint_that_works(outputs):
     """A misspelt key, a group without its +, an unknown config and a value of the wrong type: exit 2 in
     the pipeline's format, and the hint for the misspelling is the real key (Hydra's was `+eval.limt=2`)."""

@@ -83,6 +83,7 @@ def test_a_tokenizer_that_does_not_load_fails_the_plan_naming_model_path(tmp_pat
         build_plan(cfg, outputs)
 
 
+@pytest.mark.fresh_store
 def test_prompt_lengths_are_reported_with_the_other_plan_errors_exit_2_and_no_run(tmp_path, outputs):
     data = question_jsonl(tmp_path / "question.jsonl", ["x" * 200])
     run = cli(*TINY, f"eval.dataset={data}", "eval.batch_size=0", "tracking=mlflow", outputs=outputs, timeout=120)

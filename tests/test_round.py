@@ -186,13 +186,14 @@ def test_a_round_advances_its_state_on_the_device():
 def _fused_pair(algorithm, device):
     """(plain generator, fused generator) over the same random target and head: the fused one with
     the Triton attention and fused kernels on the target and (through the draft) on the head."""
-    _, target = pair()
+    # a cache of 65 slots: two blocks of 64, so attention still splits and combines; 4 new tokens: 3 rounds
+    _, target = pair(max_seq_len=64)
     target = target.to(device)
     target.init_buffers(torch.device(device))
-    params = SamplingParams(max_new_tokens=6, ignore_eos=True)
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     gen = build(target, algorithm, 2, params)
     head = gen.draft.head
-    fused_target = pair()[1].to(device)
+    fused_target = pair(max_seq_len=64)[1].to(device)
     fused_target.init_buffers(torch.device(device))
     fused_target.set_aux_layers(target.aux_layer_ids)
     fused_target.attention_kernel = True
@@ -211,45 +212,51 @@ def _fused_pair(algorithm, device):
     return gen, Generator(fused_target, 2, fdraft, 3), params
 
 
+FUSED_PROMPTS = _prompts(2, seed=85)  # 6 and 8 tokens: a short prefill, rows of different lengths
+
+
+@pytest.fixture(scope="module")
+def fused_eagle3():
+    """The EAGLE3 pair of `_fused_pair` and the fused target's own greedy output on FUSED_PROMPTS,
+    computed once for the tests below (an interpreted generation takes tens of seconds on CPU)."""
+    device = "cuda" if CUDA else "cpu"
+    plain, fused, params = _fused_pair("eagle3", device)
+    base = [r.tokens for r in Generator(fused.model, 2).generate(FUSED_PROMPTS, params)]
+    return plain, fused, params, base
+
+
 @pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash"])
-def test_every_draft_on_the_fused_kernels_is_lossless_and_proposes_what_the_plain_path_does(algorithm):
+def test_every_draft_on_the_fused_kernels_is_lossless_and_proposes_what_the_plain_path_does(algorithm, request):
     """Every draft on CUDA; on CPU (the interpreter runs a kernel launch in tens of ms) EAGLE3 alone."""
     if not CUDA and algorithm != "eagle3":
         pytest.skip("the interpreter is slow: EAGLE3 on CPU, every draft on a GPU")
-    device = "cuda" if CUDA else "cpu"
-    plain, fused, params = _fused_pair(algorithm, device)
-    prompts = _prompts(2, seed=14)
-    base = [r.tokens for r in Generator(fused.model, 2).generate(prompts, params)]
-    got = fused.generate(prompts, params)
+    if algorithm == "eagle3":
+        plain, fused, params, base = request.getfixturevalue("fused_eagle3")
+    else:
+        plain, fused, params = _fused_pair(algorithm, "cuda" if CUDA else "cpu")
+        base = [r.tokens for r in Generator(fused.model, 2).generate(FUSED_PROMPTS, params)]
+    got = fused.generate(FUSED_PROMPTS, params)
     assert [r.tokens for r in got] == base  # lossless against the fused target's own greedy output
-    want = plain.generate(prompts, params)
+    want = plain.generate(FUSED_PROMPTS, params)
     assert [r.tokens for r in want] == base  # the plain path: the same target output (fp32: no tie flips)
     assert [r.accepts for r in got] == [r.accepts for r in want]  # and the same proposals round by round
 
 
 @pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-def test_the_fused_round_replays_through_the_debug_runner():
+def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
     """The fused target and EAGLE3 draft through the round runner (debug backend: the runner's buffers,
     padding and bucket logic) equal the eager fused round."""
-    device = "cuda" if CUDA else "cpu"
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
-    target.attention_kernel = True
-    target.use_fused_kernels()
-    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
-    plan = plan_draft(cfg, target.args)
-    target.set_aux_layers(plan.aux.input_of)
-    head = load_head(plan, target, 0, torch.device(device), torch.float32)
     from engine.graphs.graph_set import GraphSet
 
+    _, fused, params, base = fused_eagle3
+    target, head = fused.model, fused.draft.head
+    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
+    plan = plan_draft(cfg, target.args)
     draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
-    gs = GraphSet(target, draft, 2, 3, "debug", "debug", [2], [16], features=True).capture()
-    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
-    prompts = _prompts(2, seed=15)
-    got = [r.tokens for r in Generator(target, 2, draft, 3, graphs=gs).generate(prompts, params)]
-    assert got == [r.tokens for r in Generator(target, 2).generate(prompts, params)]
+    gs = GraphSet(target, draft, 2, 3, "debug", "debug", [2], [8], features=True).capture()  # the prompts pad to 8
+    got = [r.tokens for r in Generator(target, 2, draft, 3, graphs=gs).generate(FUSED_PROMPTS, params)]
+    assert got == base
     assert gs.stats()[round_name(3)].replays > 0
 
 

@@ -140,13 +140,16 @@ def test_a_shipped_head_is_its_default_and_drafts_smollm2_losslessly(name, outpu
         "eval.warmup=false",
         "tracking=off",
     )
-    accepted = {}
-    for policy in ("none", "debug"):
-        ctx = run(compose_cfg(*common, f"graph={policy}"))
+    accepted, baseline = {}, None
+    for policy in ("none", "debug"):  # the target's greedy output: generated once, by the first run
+        ctx = run(compose_cfg(*common, f"graph={policy}", f"eval.baseline={str(baseline is None).lower()}"))
         assert ctx["draft_head"].__class__.architecture == HEADS[name][2]
-        m = ctx["eval_results"]["metrics"]
-        assert m["match_baseline"] == 1.0, policy
-        accepted[policy] = m["accept_length"]
+        res = ctx["eval_results"]
+        if baseline is None:
+            assert res["metrics"]["match_baseline"] == 1.0
+            baseline = [r.result.tokens for r in res["baseline"]]
+        assert [r.result.tokens for r in res["records"]] == baseline, policy
+        accepted[policy] = res["metrics"]["accept_length"]
     shape = {
         "dflash": [
             "draft.block_size=8",
@@ -156,6 +159,7 @@ def test_a_shipped_head_is_its_default_and_drafts_smollm2_losslessly(name, outpu
         ],
         "mtp": ["draft.intermediate_size=768"],
     }.get(name, [])
-    random_ = run(compose_cfg(*common, "eval.baseline=false", "draft.init=random", *shape))
+    # a random head is accepted about never: its floor on the first prompt alone (its rounds are the costliest)
+    random_ = run(compose_cfg(*common, "eval.limit=1", "eval.baseline=false", "draft.init=random", *shape))
     floor = random_["eval_results"]["metrics"]["accept_length"]
     assert min(accepted.values()) > floor + 0.4, (accepted, floor)

@@ -101,6 +101,7 @@ def test_shipped_heads_fit_the_clone_budget():
     assert sum(sizes.values()) <= 40_000_000
 
 
+@pytest.mark.fresh_store
 def test_a_broken_checkpoint_file_is_one_clear_error_before_any_weights_load(tmp_path, outputs):
     """A truncated model.safetensors (cut in its tensors, or in its header), random bytes (whose header
     length would claim exabytes) and a header that is not JSON: each fails the plan, naming draft.path
