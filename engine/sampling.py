@@ -26,6 +26,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
+from kernels.top_p import top_p_filter
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -146,12 +148,8 @@ def probs_from_logits(
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if any_top_p is None:
         any_top_p = isinstance(top_p, Tensor) or top_p < 1.0
-    if any_top_p:
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p (the first token always survives).
-        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
-        sorted_p = sorted_p.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+    if any_top_p:  # the smallest set of the likeliest tokens whose mass reaches top_p (kernels/top_p.py)
+        probs = top_p_filter(probs, top_p)
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
 

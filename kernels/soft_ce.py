@@ -21,6 +21,15 @@ p-weighted sum, the argmax on the way) and once in the backward, which writes th
 softmax(logits) - p scaled by the incoming grad, straight in logits' dtype; it keeps only the two
 logsumexps per row ([N] fp32 each). Math in fp32 on both paths.
 
+    linear_soft_cross_entropy(hidden, weight, target_logits, temperature, index, scale, kernel="torch", probs=None)
+        -> (loss, ce, argmax)
+        hidden [M, H], weight [V, H] (a frozen lm_head): the logits hidden @ weight.T scored as above against
+        target row index[i]; loss = scale * sum(ce), differentiable in hidden only; ce [M] and argmax [M]
+        detached. The Triton path computes the gradient in its forward: one kernel reads each row twice
+        (logsumexps, then softmax(z) - p written over the logits in place), and hidden's gradient
+        (softmax(z) - p) @ weight is formed there, so the [M, V] logits die inside the call and the
+        backward only scales an [M, H] tensor (the incoming grad is a scalar): no backward pass over [M, V].
+
 `soft_cross_entropy_reference` is the plain-torch definition; the Triton kernels are tested against it
 (TRITON_INTERPRET=1 on CPU, and on the GPU).
 """
@@ -74,8 +83,10 @@ if triton is not None:
         ARG,
         n_cols,
         inv_temp,
+        grad_scale,
         HAS_ROWS: tl.constexpr,
         HAS_IDX: tl.constexpr,
+        GRAD: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row = tl.program_id(0).to(tl.int64)
@@ -112,6 +123,14 @@ if triton is not None:
         tl.store(LSE_Z + row, lse_z)
         tl.store(LSE_T + row, tl.where(live, m_t, 0.0) + tl.log(s_t))
         tl.store(ARG + row, tl.where(live, best_i, -1).to(tl.int64))
+        if GRAD:  # every row live: grad_scale * (softmax(z) - p) over z in place, the row read a second time
+            for start in range(0, n_cols, BLOCK):
+                cols = start + tl.arange(0, BLOCK)
+                m = cols < n_cols
+                z = tl.load(z_row + cols, mask=m, other=0.0).to(tl.float32)
+                t = tl.load(t_row + cols, mask=m, other=0.0).to(tl.float32) * inv_temp
+                dz = grad_scale * (tl.exp(z - lse_z) - tl.exp(t - (m_t + tl.log(s_t))))
+                tl.store(z_row + cols, dz.to(Z.dtype.element_ty), mask=m)
 
     @triton.jit
     def _soft_ce_bwd_kernel(
@@ -166,8 +185,10 @@ class _SoftCrossEntropy(torch.autograd.Function):
             arg,
             v,
             1.0 / temperature,
+            0.0,
             HAS_ROWS=rows is not None,
             HAS_IDX=index is not None,
+            GRAD=False,
             BLOCK=_BLOCK,
         )
         ctx.save_for_backward(logits, target_logits, flags, at, lse_z, lse_t)
@@ -196,6 +217,73 @@ class _SoftCrossEntropy(torch.autograd.Function):
             BLOCK=_BLOCK,
         )
         return dz, None, None, None, None
+
+
+class _LinearSoftCrossEntropy(torch.autograd.Function):
+    """The lm_head and the soft cross-entropy in one forward that also forms hidden's gradient (module doc)."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cuda")  # the matrix products follow the caller's autocast
+    def forward(ctx, hidden: Tensor, weight: Tensor, target_logits: Tensor, index: Tensor, temperature: float, scale):
+        z = (hidden @ weight.T).contiguous()  # [M, V] (bf16 under autocast)
+        m, v = z.shape
+        ce = torch.empty(m, dtype=torch.float32, device=z.device)
+        lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
+        arg = torch.empty(m, dtype=torch.int64, device=z.device)
+        if m:
+            _soft_ce_fwd_kernel[(m,)](
+                z, target_logits, ce, index, ce, lse_z, lse_t, arg, v, 1.0 / temperature, float(scale),
+                HAS_ROWS=False, HAS_IDX=True, GRAD=True, BLOCK=_BLOCK,
+            )  # fmt: skip
+        grad = z @ weight  # [M, H]: scale * (softmax(z) - p) @ weight, the gradient at an incoming grad of 1
+        ctx.save_for_backward(grad)
+        ctx.hidden_dtype = hidden.dtype
+        ctx.mark_non_differentiable(ce, arg)
+        return ce.sum() * scale, ce, arg
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cuda")
+    def backward(ctx, g_loss: Tensor, _g_ce, _g_arg):
+        (grad,) = ctx.saved_tensors
+        return (grad * g_loss).to(ctx.hidden_dtype), None, None, None, None, None
+
+
+def linear_soft_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target_logits: Tensor,
+    temperature: float,
+    index: Tensor,
+    scale: float,
+    kernel: str = "torch",
+    probs: Optional[Tensor] = None,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """(scale * sum(ce), ce [M] fp32, argmax [M]) of the logits hidden @ weight.T against target rows
+    `index`; `weight` frozen. kernel torch: the logits formed and scored by the reference, autograd's
+    backward; triton: fused (the module doc)."""
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"linear_soft_cross_entropy: hidden {tuple(hidden.shape)} and weight {tuple(weight.shape)} must be "
+            "[M, H] and [V, H]"
+        )
+    if target_logits.dim() != 2 or target_logits.shape[1] != weight.shape[0] or index.shape != hidden.shape[:1]:
+        raise ValueError(
+            f"linear_soft_cross_entropy: target_logits {tuple(target_logits.shape)} must be [R, V={weight.shape[0]}] "
+            f"and index {tuple(index.shape)} [M={hidden.shape[0]}]"
+        )
+    if weight.requires_grad:
+        raise ValueError("linear_soft_cross_entropy: weight must be frozen (requires_grad=False): the lm_head")
+    if kernel == "torch":
+        ce, arg = soft_cross_entropy_reference(hidden @ weight.T, target_logits, temperature, None, probs, index)
+        return ce.sum() * scale, ce.detach(), arg
+    if kernel != "triton" or triton is None:
+        raise ValueError(
+            f"linear_soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
+            + (" (triton is not installed)" if kernel == "triton" else "")
+        )
+    return _LinearSoftCrossEntropy.apply(
+        hidden, weight, target_logits.contiguous(), index.contiguous(), temperature, scale
+    )
 
 
 def soft_cross_entropy(

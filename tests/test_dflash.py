@@ -23,7 +23,7 @@ from safetensors import safe_open
 from test_graphs import poison
 from test_model import _prompts, pair
 from test_speculative import AUX, oracle_prefix, tap
-from torch.nn.attention.flex_attention import create_block_mask
+from torch.nn.attention.flex_attention import create_block_mask, create_mask
 
 from engine.drafts.base import SpecState
 from engine.drafts.common.ttt import TRITON_OPS
@@ -461,16 +461,18 @@ def test_packed_training_forward_equals_the_dense_one_at_every_trained_position(
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
 @pytest.mark.parametrize(
-    "blk, window, t", [(8, 0, 300), (8, 256, 300), (4, 6, 200), (6, 0, 97)]
-)  # the recipe's block and window; a block that does not divide a 128-query tile
+    "blk, window, t", [(8, 0, 300), (8, 256, 300), (8, 256, 700), (4, 6, 200), (6, 0, 97)]
+)  # the recipe's block and window, over short rows and rows past the window; a block that does not divide a tile
 def test_anchor_pack_plans_every_key_tile_its_queries_read(blk, window, t):
     """The pack's block mask is planned from the spans, never evaluated over [Q, KV]: its key tiles must
     cover every tile where the mask admits a key (FlexAttention's kernel skips the others), checked against
-    the mask evaluated everywhere; and the planned tiles stay near that minimum."""
+    the mask evaluated everywhere; and the planned tiles stay near that minimum. A tile planned full (its
+    mask not evaluated by the kernel) must be visible at every query and key."""
     g = torch.Generator().manual_seed(blk + t)
-    first = torch.randint(0, t // 2, (7,), generator=g)
-    end = torch.minimum(first + torch.randint(0, t, (7,), generator=g), torch.tensor(t))
-    end[2] = first[2]  # a row that trains nothing
+    rows = 7 if t < 500 else 3  # long rows: fewer, so that the mask evaluated everywhere stays small
+    first = torch.randint(0, t // 2, (rows,), generator=g)
+    end = torch.minimum(first + torch.randint(t // 4, t, (rows,), generator=g), torch.tensor(t))
+    end[-1] = first[-1]  # a row that trains nothing
     pack = AnchorPack.plan(torch.stack([first, end], 1), t, blk - 1, blk, window, "cpu")
     q, kv = pack.mask.seq_lengths
     needed = create_block_mask(pack.mask.mask_mod, None, None, q, kv, device="cpu").to_dense()[0, 0].bool()
@@ -478,6 +480,16 @@ def test_anchor_pack_plans_every_key_tile_its_queries_read(blk, window, t):
     assert needed.shape == planned.shape and needed.sum() > needed.shape[0]
     assert not (needed & ~planned).any()
     assert planned.sum() <= 1.1 * needed.sum()
+    m = pack.mask
+    full = torch.zeros_like(planned)
+    for r in range(full.shape[0]):
+        full[r, m.full_kv_indices[0, 0, r, : m.full_kv_num_blocks[0, 0, r]].long()] = True
+    if window >= 2 * 128 and t > 2 * window:  # anchors past a window of whole tiles: most query tiles read one whole
+        assert full.sum() > full.shape[0] // 2
+    visible = create_mask(m.mask_mod, None, None, q, kv, device="cpu")[0, 0]  # [Q, KV]
+    tile = m.BLOCK_SIZE[0]
+    for r, c in full.nonzero().tolist():
+        assert visible[r * tile : (r + 1) * tile, c * tile : (c + 1) * tile].all()
 
 
 def test_anchor_pack_of_a_batch_that_trains_nothing_is_one_idle_anchor():
@@ -491,7 +503,8 @@ def test_anchor_pack_of_a_batch_that_trains_nothing_is_one_idle_anchor():
 def test_packed_training_step_matches_the_materialized_one_on_gpu(window):
     """Loss and gradients of a training step agree between the dense forward over the materialized scores
     and the packed one (FlexAttention's fused kernels, forward and backward), with the trainer's bf16
-    autocast, on the torch and on the Triton norms and RoPE (the trainer's default on CUDA)."""
+    autocast, on the torch and on the Triton norms and RoPE with the fused lm_head and loss (the trainer's
+    default on CUDA)."""
 
     _, head = make_head(pair()[1].to("cuda"), device="cuda", seed=3, intermediate_size=64, sliding_window=window)
     head.requires_grad_(True)
@@ -499,11 +512,12 @@ def test_packed_training_step_matches_the_materialized_one_on_gpu(window):
     batch = _spanned_batch(head, spans, 100, "cuda")
     batch.label_logits = batch.label_logits.to(torch.bfloat16)
     runs = []
-    for forward in (dflash_forward, dflash_forward_packed, functools.partial(dflash_forward_packed, ops=TRITON_OPS)):
+    triton_step = functools.partial(dflash_forward_packed, ops=TRITON_OPS)
+    for forward, kernel in ((dflash_forward, "torch"), (dflash_forward_packed, "torch"), (triton_step, "triton")):
         head.zero_grad(set_to_none=True)
         with torch.autocast("cuda", dtype=torch.bfloat16):
             logits = forward(head, batch, BLOCK - 1)
-        loss, _ = ttt_loss(logits, batch)
+        loss, _ = ttt_loss(logits, batch, kernel=kernel)
         loss.backward()
         runs.append((loss.detach(), {n: p.grad.clone() for n, p in head.named_parameters() if p.grad is not None}))
     (l0, g0) = runs[0]

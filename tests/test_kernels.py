@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from kernels import decode_attention as da
-from kernels import fused, gemv, rms_norm, rope, soft_ce  # noqa: F401  (imported under TRITON_INTERPRET: see below)
+from kernels import fused, gemv, rms_norm, rope, soft_ce, top_p  # noqa: F401  (imported under TRITON_INTERPRET: see below)
 
 pytestmark = pytest.mark.skipif(da.triton is None, reason="triton is not installed")
 DEVICES = ["cuda"] if torch.cuda.is_available() else (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
@@ -419,6 +419,37 @@ def test_soft_cross_entropy_argmax_takes_the_first_maximum_across_blocks(device)
     assert arg.tolist() == [1500, 7] == z.argmax(-1).tolist()
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v", [37, 2500])  # one partial block; several blocks and a partial one
+def test_linear_soft_cross_entropy_matches_the_lm_head_then_the_reference(device, v):
+    """The fused lm_head + loss forms hidden's gradient in its forward (the logits overwritten in place):
+    its loss, cross-entropies, argmax and gradient equal the reference's over the formed logits, and an
+    incoming gradient other than 1 (a rank's share of the batch) scales the gradient."""
+    g = torch.Generator().manual_seed(v)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    weight = (torch.randn(v, 48, generator=g) / 4).to(device, dtype)  # [V, H], frozen
+    target = (3 * torch.randn(9, v, generator=g)).to(device, dtype)  # every position's target logits
+    index = torch.tensor([7, 0, 3, 3, 8], device=device)
+    hidden = torch.randn(5, 48, generator=g).to(device).requires_grad_(True)  # fp32, like the final norm's
+    got = {}
+    for kernel in ("torch", "triton"):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device == "cuda"):
+            loss, ce, arg = soft_ce.linear_soft_cross_entropy(hidden, weight, target, 0.5, index, 0.3, kernel)
+        (2.5 * loss).backward()
+        got[kernel], hidden.grad = (loss.detach(), ce, arg, hidden.grad), None
+    (l0, ce0, a0, g0), (l1, ce1, a1, g1) = got["torch"], got["triton"]
+    torch.testing.assert_close(l0, 0.3 * ce0.sum())
+    assert not ce1.requires_grad and g1.dtype == torch.float32
+    tol = dict(atol=2e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(ce1, ce0, **tol)
+    torch.testing.assert_close(l1, 0.3 * ce0.sum(), **tol)
+    assert torch.equal(a1, a0)
+    torch.testing.assert_close(g1, g0, **(tol if dtype == torch.float32 else dict(atol=5e-3, rtol=2e-2)))
+    assert g1.abs().sum() > 0
+    with pytest.raises(ValueError, match="frozen"):
+        soft_ce.linear_soft_cross_entropy(hidden, weight.requires_grad_(True), target, 1.0, index, 1.0, "torch")
+
+
 def test_soft_cross_entropy_rejects_a_bad_kernel_or_shape():
     z = torch.zeros(2, 5)
     with pytest.raises(ValueError, match="kernel='fused'"):
@@ -482,3 +513,26 @@ def test_rope_forward_and_backward_match_reference(device, heads, d):
     torch.testing.assert_close(dx1, dx0, atol=1e-5, rtol=1e-5)
     # the rotation keeps each pair's norm, and the backward is its inverse
     torch.testing.assert_close(y1.square().sum(), x.detach().square().sum(), rtol=1e-5, atol=1e-3)
+
+
+# ------------------------------------------------------------------------------------- top-p without a sort
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("v", [37, 3000])  # one partial block; several blocks
+def test_top_p_threshold_keeps_the_sorted_nucleus(device, v):
+    """The searched threshold keeps exactly the sort's nucleus: scalar and per-row top-p, flat and peaked
+    rows (one token past top_p alone), and every token at top_p = 1."""
+    g = torch.Generator().manual_seed(v)
+    logits = 3 * torch.randn(6, v, generator=g)
+    logits[1, 5] = 40.0  # one token holds nearly all the mass
+    logits[2] = 0.01 * torch.randn(v, generator=g)  # nearly flat
+    probs = logits.softmax(-1).to(device)
+    per_row = torch.tensor([[0.1], [0.5], [0.9], [0.99], [1.0], [0.3]], device=device)
+    for p in (0.5, 0.95, per_row):
+        tau = top_p.top_p_threshold(probs, p)
+        kept = probs >= tau[:, None]
+        assert torch.equal(kept, top_p.top_p_filter_reference(probs, p) > 0)
+        mass = (probs * kept).sum(-1)
+        assert (mass >= (p.flatten() if isinstance(p, torch.Tensor) else p) - 1e-6).all()
+    assert kept[4].all() and kept[1].sum() == 1  # top_p = 1: everything; the peaked row: its one token
+    with pytest.raises(ValueError, match="float32"):
+        top_p.top_p_threshold(probs.double(), 0.5)

@@ -16,12 +16,14 @@ aligned by p, so tokens and labels are the same for every step:
     batch.spans    [B, 2] int64    on the host: each row's trained positions [first, end), where mask is
                                    True (a forward that skips untrained positions plans on it, no sync)
     step logits    [B, T, Vd]      one tensor per step: logits[s][:, p] from the chain anchored at p - s;
-                   or `Rows`       the same logits at the step's trained positions only: [M, Vd] and
-                                   their flat positions b * T + p (a forward that computes no others)
+                   or `Rows`       at the step's trained positions only (a forward that computes no others):
+                                   the lm_head's input [M, H], its frozen weight and the flat positions
+                                   b * T + p; the loss applies the lm_head fused with the cross-entropy
 
 Loss: cross-entropy against the target distribution (forward KL up to a constant), step s weighted
 by `decay ** s`, as EAGLE-3 does; `kernels/soft_ce.py` computes it per position from the label logits
-(kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path).
+(kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path; for `Rows`
+`linear_soft_cross_entropy`, whose forward also forms the gradient: the logits never stored).
 
 `chain_lengths` turns the per-step greedy matches into the drafts a chain anchored at each j gets
 accepted; `chain_acceptance` averages them over anchors (the per-position estimate: accept_rate_pos_i,
@@ -36,10 +38,11 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.base import FeatureKind
-from kernels.soft_ce import soft_cross_entropy
+from kernels.soft_ce import linear_soft_cross_entropy, soft_cross_entropy
 
 
 @dataclass
@@ -64,10 +67,16 @@ class Batch:
 
 @dataclass
 class Rows:
-    """One step's logits at its trained positions only (those of `step_valid`, each once, in any order)."""
+    """One step's lm_head input at its trained positions only (those of `step_valid`, each once, in any
+    order): the loss forms the logits, fused with the cross-entropy (never stored)."""
 
-    logits: Tensor  # [M, Vd]
+    hidden: Tensor  # [M, H] the final norm's output
+    weight: Tensor  # [Vd, H] the lm_head's weight, frozen
     position: Tensor  # [M] int64: flat index b * T + p into the batch's [B, T]
+
+    @property
+    def logits(self) -> Tensor:  # [M, Vd], formed on demand (a check's; the loss never stores them)
+        return F.linear(self.hidden, self.weight)
 
 
 def _shift(x: Tensor, n: int, dim: int) -> Tensor:
@@ -97,30 +106,33 @@ def ttt_loss(
     """Cross-entropy against the target distribution, step s weighted decay ** s; also per-step loss and
     greedy accuracy (0-d tensors: reading them is a device sync, left to the caller). Only the valid
     positions are computed; `kernel` is soft_cross_entropy's (torch or triton). A step's logits are
-    [B, T, Vd] or `Rows` (its valid positions only, scored against their target rows in place)."""
-    first = logits[0].logits if isinstance(logits[0], Rows) else logits[0]
-    total, norm, stats = first.new_zeros((), dtype=torch.float32), 0.0, {}
+    [B, T, Vd], or `Rows` (its valid positions only, through the lm_head fused with the loss, scored
+    against their target rows in place)."""
+    total, stats = batch.label_logits.new_zeros((), dtype=torch.float32), {}
+    norm = sum(decay**s for s in range(len(logits)))
     target = batch.label_logits.flatten(0, 1)  # [B*T, Vd]
     probs = batch.labels.flatten(0, 1) if kernel == "torch" else None  # the torch path's labels, once a batch
     top_at = batch.top.flatten()  # [B*T]
     for s, lg in enumerate(logits):
-        if isinstance(lg, Rows):  # [M, Vd] at the step's M valid positions
+        weight = decay**s / norm
+        if isinstance(lg, Rows):  # [M, H] at the step's M valid positions: the fused lm_head and loss
             n = max(lg.position.numel(), 1)
-            ce, top = soft_cross_entropy(lg.logits, target, batch.label_temperature, None, kernel, probs, lg.position)
-            loss_s = ce.sum() / n
-            right = (top == top_at[lg.position]).sum()
-        else:
-            valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
-            n = valid.sum().clamp(min=1)
-            lg = lg.flatten(0, 1)
-            ce, top = soft_cross_entropy(lg, target, batch.label_temperature, valid.flatten(), kernel, probs)
-            loss_s = (ce.view_as(valid) * valid).sum() / n
-            right = ((top.view_as(valid) == batch.top) & valid).sum()  # [B, T] by position
-        total = total + decay**s * loss_s
-        norm += decay**s
+            part, ce, top = linear_soft_cross_entropy(
+                lg.hidden, lg.weight, target, batch.label_temperature, lg.position, weight / n, kernel, probs
+            )
+            total = total + part
+            stats[f"loss_{s}"] = ce.sum() / n
+            stats[f"acc_{s}"] = (top == top_at[lg.position]).sum() / n
+            continue
+        valid = step_valid(batch.mask, s)  # [B, T] by position p = j + s
+        n = valid.sum().clamp(min=1)
+        ce, top = soft_cross_entropy(lg.flatten(0, 1), target, batch.label_temperature, valid.flatten(), kernel, probs)
+        loss_s = (ce.view_as(valid) * valid).sum() / n
+        right = ((top.view_as(valid) == batch.top) & valid).sum()  # [B, T] by position
+        total = total + weight * loss_s
         stats[f"loss_{s}"] = loss_s.detach()
         stats[f"acc_{s}"] = right / n
-    return total / norm, stats
+    return total, stats
 
 
 @torch.no_grad()

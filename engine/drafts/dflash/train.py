@@ -33,8 +33,8 @@ positions of the self-distilled data), packed row after row into one sequence,
     keys          [1, KV, B*T (padded to a tile) + N*blk, D]   every row's context, then the blocks
 
 under one FlexAttention call whose block mask is planned from the rows' trained spans on the host
-(`AnchorPack`), and each step's lm_head and loss at its trained positions only (objective.Rows): the
-same logits there as `dflash_forward`.
+(`AnchorPack`), and each step's lm_head and loss at its trained positions only (objective.Rows: the
+lm_head fused with the loss): the same logits there as `dflash_forward`.
 """
 
 from __future__ import annotations
@@ -162,7 +162,8 @@ class AnchorPack:
                      index i reads its row's context p <= j (in the window) and its own block. The tiles
                      are planned here (a query tile's anchors are consecutive, so its context is one
                      range of key tiles, then the tiles of their own blocks): nothing [Q, KV]-sized is
-                     evaluated, and every planned tile is partial (the mask reads each query's anchor).
+                     evaluated. Context tiles that every query of a tile reads whole are full tiles (no
+                     mask evaluated); the mask reads three int32 bounds per query (`bounds`).
     """
 
     row: Tensor
@@ -176,11 +177,11 @@ class AnchorPack:
         from torch.nn.attention.flex_attention import BlockMask
 
         first, end = spans[:, 0], spans[:, 1]  # [B] host
-        lo = (first - steps + 1).clamp(min=0)
-        count = torch.where(end > first, end - lo, 0)  # [B] anchors of each row
+        start = (first - steps + 1).clamp(min=0)
+        count = torch.where(end > first, end - start, 0)  # [B] anchors of each row
         rows = torch.repeat_interleave(torch.arange(len(spans)), count)  # [N]
         n = len(rows)
-        pos = lo[rows] + torch.arange(n) - (count.cumsum(0) - count)[rows]  # [N] anchor j, ascending per row
+        pos = start[rows] + torch.arange(n) - (count.cumsum(0) - count)[rows]  # [N] anchor j, ascending per row
         picks = []
         for s in range(steps):
             p = pos + s
@@ -191,39 +192,66 @@ class AnchorPack:
         q_len = n * blk
         ctx_pad = -(-len(spans) * t // _TILE) * _TILE  # the context keys, then the blocks from a tile start
         kv_len = ctx_pad + q_len
+        # Per query (anchor-major, block index i): the flat context keys it reads, [lo, hi] (empty for an
+        # idle anchor), and its block's first key. The mask reads these three int32 rows only: the per-key
+        # work is four comparisons, where arithmetic on anchors and positions would cost several times more.
+        index = torch.arange(blk)
+        lowest = (pos[:, None] + 2 + index - window).clamp(min=0) if window else torch.zeros(n, blk, dtype=torch.long)
+        lo = (rows.clamp(min=0) * t)[:, None] + lowest  # [N, blk]
+        hi = torch.where(rows >= 0, rows * t + pos, -1)[:, None].expand(n, blk)
+        own = (ctx_pad + torch.arange(n) * blk)[:, None].expand(n, blk)
+        bounds = torch.stack([lo, hi, own]).view(3, q_len)  # [3, Q]
+        # Key tiles per query tile: the context tiles between its queries' lowest lo and highest hi, of which
+        # those inside [highest lo, lowest hi] are full (every query reads every key: no mask evaluated
+        # there); then the tiles of its anchors' own blocks.
         q_tiles, kv_tiles = -(-q_len // _TILE), -(-kv_len // _TILE)
-        # A query tile's anchors a0..a1 are consecutive: its context is the key tiles from its first anchor's
-        # lowest key to its last anchor's position, then the tiles of its anchors' own block keys.
-        first_q = torch.arange(q_tiles) * _TILE
-        a0 = first_q // blk
-        a1 = (torch.minimum(first_q + _TILE, torch.tensor(q_len)) - 1) // blk
-        last = torch.where(rows[a1] >= 0, a1, a0)  # an idle anchor sits alone
-        lowest = (pos[a0] + 2 - window).clamp(min=0) if window else torch.zeros_like(pos[a0])
-        ctx_lo = (rows[a0] * t + lowest) // _TILE
-        ctx_n = torch.where(rows[a0] >= 0, (rows[last] * t + pos[last]) // _TILE - ctx_lo + 1, 0)
-        own_lo = (ctx_pad + a0 * blk) // _TILE
-        own_n = (ctx_pad + (a1 + 1) * blk - 1) // _TILE - own_lo + 1
+        reads = lo <= hi  # [N, blk] a query of a small window can read no context at all
+        big = 1 << 40
+        tiled = lambda x, fill: F.pad(x.flatten(), (0, q_tiles * _TILE - q_len), value=fill).view(q_tiles, _TILE)  # noqa: E731
+        ctx_lo = tiled(torch.where(reads, lo, big), big).amin(1)
+        ctx_hi = tiled(torch.where(reads, hi, -1), -1).amax(1)
+        some = ctx_hi >= 0
+        ctx_lo, ctx_hi = torch.where(some, ctx_lo // _TILE, 0), torch.where(some, ctx_hi // _TILE + 1, 0)
+        full_lo = -(-tiled(lo, -big).amax(1) // _TILE)
+        full_n = ((tiled(hi, big).amin(1) + 1) // _TILE - full_lo).clamp(min=0)
+        full_lo = torch.where(full_n > 0, full_lo, ctx_hi)  # no full tile: the partial range is the whole
+        left_n, right_lo = full_lo - ctx_lo, full_lo + full_n
+        right_n = ctx_hi - right_lo
+        q0 = torch.arange(q_tiles) * _TILE
+        q1 = torch.minimum(q0 + _TILE, torch.tensor(q_len)) - 1
+        own_lo = (ctx_pad + q0 // blk * blk) // _TILE
+        own_n = (ctx_pad + (q1 // blk + 1) * blk - 1) // _TILE - own_lo + 1
+        cols = torch.arange(kv_tiles)[None]  # [1, KVt]
+        lo_, left, right, own_at = (x[:, None] for x in (ctx_lo, left_n, right_lo, own_lo))
+        partial = torch.where(
+            cols < left,
+            lo_ + cols,
+            torch.where(cols < left + right_n[:, None], right + cols - left, own_at + cols - left - right_n[:, None]),
+        )  # [Qt, KVt]: the first left_n + right_n + own_n valid
+        full = full_lo[:, None] + cols  # [Qt, KVt]: the first full_n valid
+        counts = torch.stack([left_n + right_n + own_n, full_n])  # [2, Qt]
         # everything the device needs in one pinned host buffer and one copy
-        parts = [rows, pos, *(x for pick in picks for x in pick), ctx_lo, ctx_n, own_lo, own_n]
+        parts = [rows, pos, *(x for pick in picks for x in pick), bounds.flatten(), counts.flatten()]
+        parts += [partial.flatten(), full.flatten()]
         host = torch.cat(parts)
         if torch.device(device).type == "cuda":
             host = host.pin_memory()
         row_d, pos_d, *rest = host.to(device, non_blocking=True).split([len(x) for x in parts])
         picks_d = list(zip(rest[0 : 2 * steps : 2], rest[1 : 2 * steps : 2]))
-        ctx_lo, ctx_n, own_lo, own_n = (x[:, None] for x in rest[2 * steps :])
-        cols = torch.arange(kv_tiles, device=device)[None]  # [1, KVt]
-        indices = torch.where(cols < ctx_n, ctx_lo + cols, own_lo + cols - ctx_n)  # [Qt, KVt], the first num valid
-        num = (ctx_n + own_n)[:, 0]
+        bounds_d, counts_d, partial_d, full_d = rest[2 * steps :]
+        lo_d, hi_d, own_d = bounds_d.to(torch.int32).view(3, q_len)
+        i32 = lambda x: x.to(torch.int32)[None, None]  # noqa: E731
 
-        def visible(b, h, q_idx, kv_idx):  # its row's context at key <= j (in the window), or its own block
-            a = q_idx // blk
-            key = kv_idx - row_d[a] * t  # the key's position in the anchor's row (out of 0..j: another row)
-            ctx = (key >= 0) & context_visible(pos_d[a], q_idx % blk, key, window)
-            return torch.where(kv_idx < ctx_pad, ctx, (kv_idx - ctx_pad) // blk == a)
+        def visible(b, h, q_idx, kv_idx):  # its row's context in [lo, hi], or its own block
+            at = kv_idx - own_d[q_idx]
+            return ((kv_idx >= lo_d[q_idx]) & (kv_idx <= hi_d[q_idx])) | ((at >= 0) & (at < blk))
 
+        num, full_num = counts_d.view(2, q_tiles)
         mask = BlockMask.from_kv_blocks(
-            num.to(torch.int32)[None, None],
-            indices.to(torch.int32)[None, None],
+            i32(num),
+            i32(partial_d.view(q_tiles, kv_tiles)),
+            i32(full_num),
+            i32(full_d.view(q_tiles, kv_tiles)),
             BLOCK_SIZE=_TILE,
             mask_mod=visible,
             seq_lengths=(q_len, kv_len),
@@ -246,9 +274,10 @@ def packed_block_attention(pack: AnchorPack):
 
 def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) -> list[Rows]:
     """The training step's forward (train.attention=flex): the blocks of the anchors that train a label only
-    (`AnchorPack`), in one FlexAttention sequence, and each step's logits at its valid positions only
-    (objective.Rows). The same logits as `dflash_forward` there, for about the answer's share of its work:
-    no block, attention query or lm_head row of a prompt or padding position."""
+    (`AnchorPack`), in one FlexAttention sequence, and each step's lm_head input at its valid positions
+    only (objective.Rows: the loss forms the logits, fused with the cross-entropy). The same logits as
+    `dflash_forward` there, for about the answer's share of its work: no block, attention query or lm_head
+    row of a prompt or padding position."""
     blk = _block_size(head, steps)
     if batch.spans is None:
         raise ValueError("dflash_forward_packed: the batch has no spans (engine.train.data.target_batch sets them)")
@@ -262,7 +291,7 @@ def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORC
     h = _layers(head, x.to(c.dtype), c, batch.positions.reshape(1, -1), block_pos.view(1, -1), attend, ops)
     h = h.view(-1, blk, h.shape[-1])  # [N, blk, hidden]
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
-    return [Rows(F.linear(ops.norm(head.norm, h[a, s + 1]), w), p) for s, (a, p) in enumerate(pack.picks)]
+    return [Rows(ops.norm(head.norm, h[a, s + 1]), w, p) for s, (a, p) in enumerate(pack.picks)]
 
 
 def check_dflash_training(cfg, plan) -> None:
