@@ -225,7 +225,7 @@ class _LinearSoftCrossEntropy(torch.autograd.Function):
     @staticmethod
     @torch.amp.custom_fwd(device_type="cuda")  # the matrix products follow the caller's autocast
     def forward(ctx, hidden: Tensor, weight: Tensor, target_logits: Tensor, index: Tensor, temperature: float, scale):
-        z = (hidden @ weight.T).contiguous()  # [M, V] (bf16 under autocast)
+        z = (hidden.to(weight.dtype) @ weight.T).contiguous()  # [M, V] (bf16 under autocast)
         m, v = z.shape
         ce = torch.empty(m, dtype=torch.float32, device=z.device)
         lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
@@ -274,7 +274,8 @@ def linear_soft_cross_entropy(
     if weight.requires_grad:
         raise ValueError("linear_soft_cross_entropy: weight must be frozen (requires_grad=False): the lm_head")
     if kernel == "torch":
-        ce, arg = soft_cross_entropy_reference(hidden @ weight.T, target_logits, temperature, None, probs, index)
+        z = hidden.to(weight.dtype) @ weight.T  # [M, V]: the lm_head's dtype, as under autocast
+        ce, arg = soft_cross_entropy_reference(z, target_logits, temperature, None, probs, index)
         return ce.sum() * scale, ce.detach(), arg
     if kernel != "triton" or triton is None:
         raise ValueError(

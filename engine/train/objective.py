@@ -76,7 +76,7 @@ class Rows:
 
     @property
     def logits(self) -> Tensor:  # [M, Vd], formed on demand (a check's; the loss never stores them)
-        return F.linear(self.hidden, self.weight)
+        return F.linear(self.hidden.to(self.weight.dtype), self.weight)
 
 
 def _shift(x: Tensor, n: int, dim: int) -> Tensor:
