@@ -1,16 +1,12 @@
 """Cross-entropy against a soft target given by its logits, fused: the draft-training loss.
 
-    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch", probs=None, index=None)
+    soft_cross_entropy(logits, target_logits, temperature, rows=None, kernel="torch", probs=None)
         -> (ce, argmax)
         logits          [N, V]  the head's logits (any float dtype; bf16 under autocast), differentiable
         target_logits   [N, V]  the target's logits over the same vocabulary; labels p = softmax(t / T)
-                        ([R, V] with `index`)
         rows            [N] bool, optional: the rows to compute (the others: ce 0, argmax -1, gradient 0)
         probs           [N, V] fp32, optional: p itself, for the torch path when a caller reuses one target
                         over several calls (ttt_loss's steps); the Triton path never materializes it
-                        ([R, V] with `index`)
-        index           [N] int64, optional: logits row i is scored against target row index[i] (a head
-                        that computes its logits at some positions only); read in place, never gathered
         ce              [N] fp32   -sum_v p_v log softmax(logits)_v  =  lse(logits) - sum_v p_v logits_v
         argmax          [N] int64  the logits' argmax (first index of the maximum), for accuracy figures
 
@@ -23,12 +19,14 @@ logsumexps per row ([N] fp32 each). Math in fp32 on both paths.
 
     linear_soft_cross_entropy(hidden, weight, target_logits, temperature, index, scale, kernel="torch", probs=None)
         -> (loss, ce, argmax)
-        hidden [M, H], weight [V, H] (a frozen lm_head): the logits hidden @ weight.T scored as above against
-        target row index[i]; loss = scale * sum(ce), differentiable in hidden only; ce [M] and argmax [M]
-        detached. The Triton path computes the gradient in its forward: one kernel reads each row twice
-        (logsumexps, then softmax(z) - p written over the logits in place), and hidden's gradient
-        (softmax(z) - p) @ weight is formed there, so the [M, V] logits die inside the call and the
-        backward only scales an [M, H] tensor (the incoming grad is a scalar): no backward pass over [M, V].
+        hidden [M, H], weight [V, H] (a frozen lm_head): the logits hidden @ weight.T scored as above, row i
+        against target row index[i] (target_logits and probs [R, V]: a head that forms its logits at some
+        positions only; the Triton path reads them in place, never gathered); loss = scale * sum(ce),
+        differentiable in hidden only; ce [M] and argmax [M] detached. The Triton path computes the
+        gradient in its forward: one kernel reads each row twice (logsumexps, then softmax(z) - p written
+        over the logits in place), and hidden's gradient (softmax(z) - p) @ weight is formed there, so the
+        [M, V] logits die inside the call and the backward only scales an [M, H] tensor (the incoming grad
+        is a scalar): no backward pass over [M, V].
 
 `soft_cross_entropy_reference` is the plain-torch definition; the Triton kernels are tested against it
 (TRITON_INTERPRET=1 on CPU, and on the GPU).
@@ -121,7 +119,8 @@ if triton is not None:
         lse_z = tl.where(live, m_z, 0.0) + tl.log(s_z)
         tl.store(CE + row, tl.where(live, lse_z - a / s_t, 0.0))
         tl.store(LSE_Z + row, lse_z)
-        tl.store(LSE_T + row, tl.where(live, m_t, 0.0) + tl.log(s_t))
+        lse_t = tl.where(live, m_t, 0.0) + tl.log(s_t)
+        tl.store(LSE_T + row, lse_t)
         tl.store(ARG + row, tl.where(live, best_i, -1).to(tl.int64))
         if GRAD:  # every row live: grad_scale * (softmax(z) - p) over z in place, the row read a second time
             for start in range(0, n_cols, BLOCK):
@@ -129,7 +128,7 @@ if triton is not None:
                 m = cols < n_cols
                 z = tl.load(z_row + cols, mask=m, other=0.0).to(tl.float32)
                 t = tl.load(t_row + cols, mask=m, other=0.0).to(tl.float32) * inv_temp
-                dz = grad_scale * (tl.exp(z - lse_z) - tl.exp(t - (m_t + tl.log(s_t))))
+                dz = grad_scale * (tl.exp(z - lse_z) - tl.exp(t - lse_t))
                 tl.store(z_row + cols, dz.to(Z.dtype.element_ty), mask=m)
 
     @triton.jit
@@ -137,7 +136,6 @@ if triton is not None:
         Z,
         T,
         ROWS,
-        IDX,
         LSE_Z,
         LSE_T,
         G,
@@ -145,11 +143,9 @@ if triton is not None:
         n_cols,
         inv_temp,
         HAS_ROWS: tl.constexpr,
-        HAS_IDX: tl.constexpr,
         BLOCK: tl.constexpr,
     ):
         row, blk = tl.program_id(0).to(tl.int64), tl.program_id(1)
-        t_at = tl.load(IDX + row).to(tl.int64) if HAS_IDX else row
         cols = blk * BLOCK + tl.arange(0, BLOCK)
         m = cols < n_cols
         n = n_cols
@@ -158,27 +154,24 @@ if triton is not None:
         m_in = cols < n
         g = tl.load(G + row)
         z = tl.load(Z + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32)
-        t = tl.load(T + t_at * n_cols + cols, mask=m_in, other=0.0).to(tl.float32) * inv_temp
+        t = tl.load(T + row * n_cols + cols, mask=m_in, other=0.0).to(tl.float32) * inv_temp
         dz = tl.where(m_in, g * (tl.exp(z - tl.load(LSE_Z + row)) - tl.exp(t - tl.load(LSE_T + row))), 0.0)
         tl.store(DZ + row * n_cols + cols, dz.to(DZ.dtype.element_ty), mask=m)
 
 
 class _SoftCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx, logits: Tensor, target_logits: Tensor, rows: Optional[Tensor], index: Optional[Tensor], temperature: float
-    ):
+    def forward(ctx, logits: Tensor, target_logits: Tensor, rows: Optional[Tensor], temperature: float):
         n, v = logits.shape
         ce = torch.empty(n, dtype=torch.float32, device=logits.device)
         lse_z, lse_t = torch.empty_like(ce), torch.empty_like(ce)
         arg = torch.empty(n, dtype=torch.int64, device=logits.device)
-        flags = rows if rows is not None else ce  # placeholder pointers when every row is live, or its own
-        at = index if index is not None else ce
+        flags = rows if rows is not None else ce  # a placeholder pointer when every row is live
         _soft_ce_fwd_kernel[(n,)](
             logits,
             target_logits,
             flags,
-            at,
+            ce,  # the target row index's placeholder: row i is scored against target row i
             ce,
             lse_z,
             lse_t,
@@ -187,25 +180,24 @@ class _SoftCrossEntropy(torch.autograd.Function):
             1.0 / temperature,
             0.0,
             HAS_ROWS=rows is not None,
-            HAS_IDX=index is not None,
+            HAS_IDX=False,
             GRAD=False,
             BLOCK=_BLOCK,
         )
-        ctx.save_for_backward(logits, target_logits, flags, at, lse_z, lse_t)
-        ctx.has_rows, ctx.has_idx, ctx.inv_temp = rows is not None, index is not None, 1.0 / temperature
+        ctx.save_for_backward(logits, target_logits, flags, lse_z, lse_t)
+        ctx.has_rows, ctx.inv_temp = rows is not None, 1.0 / temperature
         ctx.mark_non_differentiable(arg)
         return ce, arg
 
     @staticmethod
     def backward(ctx, g_ce: Tensor, _g_arg):
-        logits, target_logits, flags, at, lse_z, lse_t = ctx.saved_tensors
+        logits, target_logits, flags, lse_z, lse_t = ctx.saved_tensors
         n, v = logits.shape
         dz = torch.empty_like(logits)
         _soft_ce_bwd_kernel[(n, triton.cdiv(v, _BLOCK))](
             logits,
             target_logits,
             flags,
-            at,
             lse_z,
             lse_t,
             g_ce.float().contiguous(),
@@ -213,10 +205,22 @@ class _SoftCrossEntropy(torch.autograd.Function):
             v,
             ctx.inv_temp,
             HAS_ROWS=ctx.has_rows,
-            HAS_IDX=ctx.has_idx,
             BLOCK=_BLOCK,
         )
-        return dz, None, None, None, None
+        return dz, None, None, None
+
+
+def _torch_kernel(op: str, kernel: str) -> bool:
+    """True for kernel torch (the reference), False for triton; anything else, or triton without the
+    package, is one error naming the valid kernels."""
+    if kernel == "torch":
+        return True
+    if kernel != "triton" or triton is None:
+        raise ValueError(
+            f"{op}: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
+            + (" (triton is not installed)" if kernel == "triton" else "")
+        )
+    return False
 
 
 class _LinearSoftCrossEntropy(torch.autograd.Function):
@@ -273,15 +277,10 @@ def linear_soft_cross_entropy(
         )
     if weight.requires_grad:
         raise ValueError("linear_soft_cross_entropy: weight must be frozen (requires_grad=False): the lm_head")
-    if kernel == "torch":
+    if _torch_kernel("linear_soft_cross_entropy", kernel):
         z = hidden.to(weight.dtype) @ weight.T  # [M, V]: the lm_head's dtype, as under autocast
         ce, arg = soft_cross_entropy_reference(z, target_logits, temperature, None, probs, index)
         return ce.sum() * scale, ce.detach(), arg
-    if kernel != "triton" or triton is None:
-        raise ValueError(
-            f"linear_soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
-            + (" (triton is not installed)" if kernel == "triton" else "")
-        )
     return _LinearSoftCrossEntropy.apply(
         hidden, weight, target_logits.contiguous(), index.contiguous(), temperature, scale
     )
@@ -294,24 +293,14 @@ def soft_cross_entropy(
     rows: Optional[Tensor] = None,
     kernel: str = "torch",
     probs: Optional[Tensor] = None,
-    index: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     """(ce [N] fp32, argmax [N]); `kernel`: torch (the reference) or triton (the fused kernels)."""
-    rows_of_target = logits.shape[0] if index is None else target_logits.shape[0]
-    if logits.dim() != 2 or target_logits.shape != (rows_of_target, logits.shape[1]):
+    if logits.dim() != 2 or target_logits.shape != logits.shape:
         raise ValueError(
             f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
-            f"{tuple(target_logits.shape)} must be [N, V] and [N, V] ([R, V] with an index)"
+            f"{tuple(target_logits.shape)} must be [N, V] and [N, V]"
         )
-    if index is not None and index.shape != logits.shape[:1]:
-        raise ValueError(f"soft_cross_entropy: index {tuple(index.shape)} for {logits.shape[0]} logits rows")
-    if kernel == "torch":
-        return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs, index)
-    if kernel != "triton" or triton is None:
-        raise ValueError(
-            f"soft_cross_entropy: kernel={kernel!r}; valid: {list(SOFT_CE_KERNELS)}"
-            + (" (triton is not installed)" if kernel == "triton" else "")
-        )
+    if _torch_kernel("soft_cross_entropy", kernel):
+        return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs)
     rows = rows.to(torch.uint8).contiguous() if rows is not None else None
-    index = index.contiguous() if index is not None else None
-    return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, index, temperature)
+    return _SoftCrossEntropy.apply(logits.contiguous(), target_logits.contiguous(), rows, temperature)
