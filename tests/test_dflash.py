@@ -23,7 +23,7 @@ from safetensors import safe_open
 from test_graphs import poison
 from test_model import _prompts, pair
 from test_speculative import AUX, oracle_prefix, tap
-from torch.nn.attention.flex_attention import create_block_mask, create_mask
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from engine.drafts.base import SpecState
 from engine.drafts.common.ttt import TRITON_OPS
@@ -490,6 +490,18 @@ def test_anchor_pack_plans_every_key_tile_its_queries_read(blk, window, t):
     tile = m.BLOCK_SIZE[0]
     for r, c in full.nonzero().tolist():
         assert visible[r * tile : (r + 1) * tile, c * tile : (c + 1) * tile].all()
+    # the key tiles' tables (the backward's), planned on the host: torch's own transpose of the query tiles'
+    ref = BlockMask.from_kv_blocks(
+        m.kv_num_blocks, m.kv_indices, m.full_kv_num_blocks, m.full_kv_indices, tile, seq_lengths=(q, kv)
+    )
+    for ours, theirs in [(m.q_num_blocks, ref.q_num_blocks), (m.full_q_num_blocks, ref.full_q_num_blocks)]:
+        assert torch.equal(ours, theirs)
+    for num, ours, theirs in [
+        (m.q_num_blocks, m.q_indices, ref.q_indices),
+        (m.full_q_num_blocks, m.full_q_indices, ref.full_q_indices),
+    ]:
+        valid = torch.arange(ours.shape[-1]) < num[..., None]
+        assert ours.shape == theirs.shape and torch.equal(ours[valid], theirs[valid])
 
 
 def test_anchor_pack_of_a_batch_that_trains_nothing_is_one_idle_anchor():

@@ -155,9 +155,10 @@ def target_batch(
     ids = torch.zeros(b, width, dtype=torch.long, pin_memory=pinned)
     answer = torch.zeros(b, width, dtype=torch.bool, pin_memory=pinned)
     length = torch.tensor(lens, pin_memory=pinned)
+    ids_, answer_ = ids.numpy(), answer.numpy()  # filled through numpy: a torch op a row costs more than the row
     for i, s in enumerate(samples):
-        ids[i, : lens[i]] = torch.tensor(s.ids[: lens[i]])
-        answer[i, len(s.prompt_ids) : lens[i]] = True
+        ids_[i, : lens[i]] = s.ids[: lens[i]]
+        answer_[i, len(s.prompt_ids) : lens[i]] = True
     first = [max(len(s.prompt_ids) - 2, 0) for s in samples]  # mask[i, p] = answer[i, p + 2]
     spans = torch.tensor([[f, max(n - 2, f)] for f, n in zip(first, lens)], dtype=torch.long)  # [B, 2] host
     ids, answer, length = (x.to(device, non_blocking=True) for x in (ids, answer, length))

@@ -42,6 +42,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -88,21 +89,22 @@ def block_attention(
 
 def _layers(head, x: Tensor, c: Tensor, ctx_pos: Tensor, block_pos: Tensor, attend, ops: ForwardOps) -> Tensor:
     """The decoder layers over block tokens x [R, n, hidden], reading the context c [R, t, hidden] as keys
-    and values only; RoPE at ctx_pos [R, t] and block_pos [R, n]. `attend(q, k_ctx, v_ctx, k_blk, v_blk,
-    group)` is the attention ([R, H, n, D] out). -> the last layer's output [R, n, hidden]."""
+    and values only; RoPE at ctx_pos [R, t] and block_pos [R, n]. Each layer projects the keys and values of
+    the context and the block in one pass over [c; norm(x)] ([R, t + n, hidden]: one projection each, one
+    RoPE). `attend(q [R, H, n, D], k, v [R, KV, t + n, D], group)` is the attention ([R, H, n, D] out).
+    -> the last layer's output [R, n, hidden]."""
     r, n, _ = x.shape
     rows = lambda pos: (head.rope_cos[pos].float(), head.rope_sin[pos].float())  # noqa: E731  [R, *, D] fp32
-    (ccos, csin), (bcos, bsin) = rows(ctx_pos), rows(block_pos)
+    (bcos, bsin), (kcos, ksin) = rows(block_pos), rows(torch.cat([ctx_pos, block_pos], 1))
     for layer in head.layers:
         att = layer.self_attn
         heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-        k_ctx = ops.rope(att.k_proj(c), ccos, csin, kv)  # [R, KV, t, D]
-        v_ctx = att.v_proj(c).view(r, -1, kv, d).transpose(1, 2)
         hn = ops.norm(layer.input_layernorm, x)  # [R, n, hidden]
+        joint = torch.cat([c, hn.to(c.dtype)], 1)  # [R, t + n, hidden]: the projections cast as they would each
         q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [R, H, n, D]
-        k_blk = ops.rope(att.k_proj(hn), bcos, bsin, kv)
-        v_blk = att.v_proj(hn).view(r, n, kv, d).transpose(1, 2)
-        o = attend(q, k_ctx, v_ctx, k_blk, v_blk, heads // kv)
+        k = ops.rope(att.k_proj(joint), kcos, ksin, kv)  # [R, KV, t + n, D]
+        v = att.v_proj(joint).view(r, -1, kv, d).transpose(1, 2)
+        o = attend(q, k, v, heads // kv)
         x = x + att.o_proj(o.transpose(1, 2).reshape(r, n, heads * d))
         x = x + layer.mlp(ops.norm(layer.post_attention_layernorm, x))
     return x
@@ -133,7 +135,10 @@ def dflash_forward(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) 
     c = head.context(batch.feats, ops.norm)  # [B, T, hidden]
     block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
     window = head.sliding_window
-    attend = lambda q, kc, vc, kb, vb, group: block_attention(q, kc, vc, kb, vb, blk, group, window)  # noqa: E731
+
+    def attend(q, k, v, group):  # the context's t keys, then the blocks'
+        return block_attention(q, k[:, :, :t], v[:, :, :t], k[:, :, t:], v[:, :, t:], blk, group, window)
+
     h = _layers(head, x.to(c.dtype), c, batch.positions, block_pos, attend, ops).view(b, t, blk, -1)
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
     # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout, on the
@@ -176,98 +181,139 @@ class AnchorPack:
     def plan(cls, spans: Tensor, t: int, steps: int, blk: int, window: int, device) -> "AnchorPack":
         from torch.nn.attention.flex_attention import BlockMask
 
-        first, end = spans[:, 0], spans[:, 1]  # [B] host
-        start = (first - steps + 1).clamp(min=0)
-        count = torch.where(end > first, end - start, 0)  # [B] anchors of each row
-        rows = torch.repeat_interleave(torch.arange(len(spans)), count)  # [N]
+        # numpy on the host: the step is bound by the host, and these arrays are small (a torch op on them
+        # costs several times its numpy twin in dispatch alone)
+        first, end = spans.numpy().T  # [B] each
+        start = np.maximum(first - steps + 1, 0)
+        count = np.where(end > first, end - start, 0)  # [B] anchors of each row
+        rows = np.repeat(np.arange(len(first)), count)  # [N]
         n = len(rows)
-        pos = start[rows] + torch.arange(n) - (count.cumsum(0) - count)[rows]  # [N] anchor j, ascending per row
+        pos = start[rows] + np.arange(n) - (np.cumsum(count) - count)[rows]  # [N] anchor j, ascending per row
         picks = []
         for s in range(steps):
             p = pos + s
-            at = ((p >= first[rows]) & (p < end[rows])).nonzero().flatten()  # [M_s]
-            picks.append((at, rows[at] * t + p[at]))
+            at = np.flatnonzero((p >= first[rows]) & (p < end[rows]))  # [M_s]
+            picks += [at, rows[at] * t + p[at]]
         if n == 0:  # nothing trains: one idle anchor keeps the shapes valid
-            rows, pos, n = torch.tensor([-1]), torch.tensor([0]), 1
+            rows, pos, n = np.array([-1]), np.array([0]), 1
         q_len = n * blk
-        ctx_pad = -(-len(spans) * t // _TILE) * _TILE  # the context keys, then the blocks from a tile start
+        ctx_pad = -(-len(first) * t // _TILE) * _TILE  # the context keys, then the blocks from a tile start
         kv_len = ctx_pad + q_len
         # Per query (anchor-major, block index i): the flat context keys it reads, [lo, hi] (empty for an
         # idle anchor), and its block's first key. The mask reads these three int32 rows only: the per-key
         # work is four comparisons, where arithmetic on anchors and positions would cost several times more.
-        index = torch.arange(blk)
-        lowest = (pos[:, None] + 2 + index - window).clamp(min=0) if window else torch.zeros(n, blk, dtype=torch.long)
-        lo = (rows.clamp(min=0) * t)[:, None] + lowest  # [N, blk]
-        hi = torch.where(rows >= 0, rows * t + pos, -1)[:, None].expand(n, blk)
-        own = (ctx_pad + torch.arange(n) * blk)[:, None].expand(n, blk)
-        bounds = torch.stack([lo, hi, own]).view(3, q_len)  # [3, Q]
+        index = np.arange(blk)
+        lowest = np.maximum(pos[:, None] + 2 + index - window, 0) if window else np.zeros((n, blk), np.int64)
+        lo = (np.maximum(rows, 0) * t)[:, None] + lowest  # [N, blk]
+        hi = np.broadcast_to(np.where(rows >= 0, rows * t + pos, -1)[:, None], (n, blk))
+        own = np.broadcast_to((ctx_pad + np.arange(n) * blk)[:, None], (n, blk))
         # Key tiles per query tile: the context tiles between its queries' lowest lo and highest hi, of which
         # those inside [highest lo, lowest hi] are full (every query reads every key: no mask evaluated
         # there); then the tiles of its anchors' own blocks.
         q_tiles, kv_tiles = -(-q_len // _TILE), -(-kv_len // _TILE)
         reads = lo <= hi  # [N, blk] a query of a small window can read no context at all
         big = 1 << 40
-        tiled = lambda x, fill: F.pad(x.flatten(), (0, q_tiles * _TILE - q_len), value=fill).view(q_tiles, _TILE)  # noqa: E731
-        ctx_lo = tiled(torch.where(reads, lo, big), big).amin(1)
-        ctx_hi = tiled(torch.where(reads, hi, -1), -1).amax(1)
+
+        def tiled(x, fill):  # [N, blk] -> [Qt, TILE], the last tile padded with `fill`
+            return np.pad(x.ravel(), (0, q_tiles * _TILE - q_len), constant_values=fill).reshape(q_tiles, _TILE)
+
+        ctx_lo = tiled(np.where(reads, lo, big), big).min(1)
+        ctx_hi = tiled(np.where(reads, hi, -1), -1).max(1)
         some = ctx_hi >= 0
-        ctx_lo, ctx_hi = torch.where(some, ctx_lo // _TILE, 0), torch.where(some, ctx_hi // _TILE + 1, 0)
-        full_lo = -(-tiled(lo, -big).amax(1) // _TILE)
-        full_n = ((tiled(hi, big).amin(1) + 1) // _TILE - full_lo).clamp(min=0)
-        full_lo = torch.where(full_n > 0, full_lo, ctx_hi)  # no full tile: the partial range is the whole
+        ctx_lo, ctx_hi = np.where(some, ctx_lo // _TILE, 0), np.where(some, ctx_hi // _TILE + 1, 0)
+        full_lo = -(-tiled(lo, -big).max(1) // _TILE)
+        full_n = np.maximum((tiled(hi, big).min(1) + 1) // _TILE - full_lo, 0)
+        full_lo = np.where(full_n > 0, full_lo, ctx_hi)  # no full tile: the partial range is the whole
         left_n, right_lo = full_lo - ctx_lo, full_lo + full_n
         right_n = ctx_hi - right_lo
-        q0 = torch.arange(q_tiles) * _TILE
-        q1 = torch.minimum(q0 + _TILE, torch.tensor(q_len)) - 1
+        q0 = np.arange(q_tiles) * _TILE
+        q1 = np.minimum(q0 + _TILE, q_len) - 1
         own_lo = (ctx_pad + q0 // blk * blk) // _TILE
         own_n = (ctx_pad + (q1 // blk + 1) * blk - 1) // _TILE - own_lo + 1
-        cols = torch.arange(kv_tiles)[None]  # [1, KVt]
-        lo_, left, right, own_at = (x[:, None] for x in (ctx_lo, left_n, right_lo, own_lo))
-        partial = torch.where(
-            cols < left,
-            lo_ + cols,
-            torch.where(cols < left + right_n[:, None], right + cols - left, own_at + cols - left - right_n[:, None]),
-        )  # [Qt, KVt]: the first left_n + right_n + own_n valid
-        full = full_lo[:, None] + cols  # [Qt, KVt]: the first full_n valid
-        counts = torch.stack([left_n + right_n + own_n, full_n])  # [2, Qt]
-        # everything the device needs in one pinned host buffer and one copy
-        parts = [rows, pos, *(x for pick in picks for x in pick), bounds.flatten(), counts.flatten()]
-        parts += [partial.flatten(), full.flatten()]
-        host = torch.cat(parts)
-        if torch.device(device).type == "cuda":
-            host = host.pin_memory()
-        row_d, pos_d, *rest = host.to(device, non_blocking=True).split([len(x) for x in parts])
-        picks_d = list(zip(rest[0 : 2 * steps : 2], rest[1 : 2 * steps : 2]))
-        bounds_d, counts_d, partial_d, full_d = rest[2 * steps :]
-        lo_d, hi_d, own_d = bounds_d.to(torch.int32).view(3, q_len)
-        i32 = lambda x: x.to(torch.int32)[None, None]  # noqa: E731
+        # The tile tables, partial and full: each query tile's key tiles [Qt, KVt], and each key tile's query
+        # tiles [KVt, Qt] (the backward's dK / dV loop), zeros but for their first count entries. The host
+        # sends the entries and the device scatters them into one zeroed buffer: from_kv_blocks would
+        # transpose the tables on the device with a few dozen small launches.
+        size = q_tiles * kv_tiles
+        partial = _table_entries(
+            np.stack([ctx_lo, right_lo, own_lo], 1), np.stack([left_n, right_n, own_n], 1), kv_tiles
+        )
+        full = _table_entries(full_lo[:, None], full_n[:, None], kv_tiles)
+        # everything the device needs in one pinned host buffer and one copy: the index lists (int64 on the
+        # device), then the mask's int32 bounds, the tables' counts and their entries
+        index_parts = [rows, pos, *picks, partial.at, full.at + 2 * size]
+        mask_parts = [lo, hi, own, *partial.counts, *full.counts, partial.values, full.values]
+        sizes = [x.size for x in index_parts + mask_parts]
+        host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
+        np.concatenate([x.ravel() for x in index_parts + mask_parts], out=host.numpy(), casting="unsafe")
+        dev = host.to(device, non_blocking=True)
+        split = sum(sizes[: len(index_parts)])
+        row_d, pos_d, *picks_d, at_p, at_f = dev[:split].long().split(sizes[: len(index_parts)])
+        lo_d, hi_d, own_d, kv_num, q_num, full_num, full_q_num, *values = dev[split:].split(sizes[len(index_parts) :])
+        tables = torch.zeros(4 * size, dtype=torch.int32, device=device)
+        tables[torch.cat([at_p, at_f])] = torch.cat(values)
+        kv_idx, q_idx, full_idx, full_q_idx = tables.split(size)
+        tile_q, tile_kv = (1, 1, q_tiles, kv_tiles), (1, 1, kv_tiles, q_tiles)
 
         def visible(b, h, q_idx, kv_idx):  # its row's context in [lo, hi], or its own block
             at = kv_idx - own_d[q_idx]
             return ((kv_idx >= lo_d[q_idx]) & (kv_idx <= hi_d[q_idx])) | ((at >= 0) & (at < blk))
 
-        num, full_num = counts_d.view(2, q_tiles)
-        mask = BlockMask.from_kv_blocks(
-            i32(num),
-            i32(partial_d.view(q_tiles, kv_tiles)),
-            i32(full_num),
-            i32(full_d.view(q_tiles, kv_tiles)),
-            BLOCK_SIZE=_TILE,
-            mask_mod=visible,
+        mask = BlockMask(
             seq_lengths=(q_len, kv_len),
+            kv_num_blocks=kv_num.view(tile_q[:3]),
+            kv_indices=kv_idx.view(tile_q),
+            full_kv_num_blocks=full_num.view(tile_q[:3]),
+            full_kv_indices=full_idx.view(tile_q),
+            q_num_blocks=q_num.view(tile_kv[:3]),
+            q_indices=q_idx.view(tile_kv),
+            full_q_num_blocks=full_q_num.view(tile_kv[:3]),
+            full_q_indices=full_q_idx.view(tile_kv),
+            BLOCK_SIZE=(_TILE, _TILE),
+            mask_mod=visible,
         )
-        return cls(row_d, pos_d, picks_d, mask, ctx_pad)
+        return cls(row_d, pos_d, list(zip(picks_d[0::2], picks_d[1::2])), mask, ctx_pad)
+
+
+@dataclass
+class _TableEntries:
+    """One kind of tile table (partial or full) as its valid entries, for a [Qt, KVt] table by query tile
+    followed by its [KVt, Qt] transpose in one flat buffer."""
+
+    counts: tuple  # (by query tile [Qt], by key tile [KVt])
+    at: np.ndarray  # [2E] flat positions: the query-tile table's entries, then the key-tile table's
+    values: np.ndarray  # [2E] the key tile, then the query tile
+
+
+def _table_entries(start, count, kv_tiles: int) -> _TableEntries:
+    """Query tile r reads key tiles start[r, j] .. start[r, j] + count[r, j] - 1 (start, count [Qt, J], the
+    runs ascending) -> its tables, each row's entries ascending (as BlockMask.from_kv_blocks orders them)."""
+    q_tiles, n = count.shape[0], count.ravel()
+    run = np.repeat(np.arange(n.size), n)  # [E] each entry's run
+    q = run // count.shape[1]  # [E] query tile, ascending
+    k = start.ravel()[run] + np.arange(run.size) - (np.cumsum(n) - n)[run]  # [E] key tile
+    by_k = np.lexsort((q, k))  # the transpose: by key tile, then query tile
+    qk, kk = q[by_k], k[by_k]
+    return _TableEntries(
+        (np.bincount(q, minlength=q_tiles), np.bincount(kk, minlength=kv_tiles)),
+        np.concatenate([q * kv_tiles + _rank(q), q_tiles * kv_tiles + kk * q_tiles + _rank(kk)]),
+        np.concatenate([k, qk]),
+    )
+
+
+def _rank(group):
+    """[E] sorted -> each entry's rank among the equal entries before it."""
+    at = np.arange(group.size)
+    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if group.size else at
+    return at - np.repeat(starts, np.diff(np.r_[starts, group.size]))
 
 
 def packed_block_attention(pack: AnchorPack):
-    """FlexAttention over the pack's layout: q [1, H, N*blk, D], context k/v [1, KV, B*T, D] (padded here to
-    pack.ctx_pad keys), block k/v [1, KV, N*blk, D]."""
+    """FlexAttention over the pack's layout: q [1, H, N*blk, D]; k/v [1, KV, ctx_pad + N*blk, D], every row's
+    context (padded to pack.ctx_pad keys), then the blocks."""
 
-    def attend(q, k_ctx, v_ctx, k_blk, v_blk, group):
-        pad = (0, 0, 0, pack.ctx_pad - k_ctx.shape[2])
-        keys = torch.cat([F.pad(k_ctx, pad), k_blk], 2)
-        values = torch.cat([F.pad(v_ctx, pad), v_blk], 2)
-        return flex_kernel(q.device.type)(q, keys, values, block_mask=pack.mask, enable_gqa=group > 1)
+    def attend(q, k, v, group):
+        return flex_kernel(q.device.type)(q, k, v, block_mask=pack.mask, enable_gqa=group > 1)
 
     return attend
 
@@ -285,10 +331,12 @@ def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORC
     pack = AnchorPack.plan(batch.spans, t, steps, blk, head.sliding_window, batch.tokens.device)
     row = pack.row.clamp(min=0)  # an idle anchor reads row 0's tokens; nothing reads its outputs
     x = head.embed(_block_tokens(head, batch.tokens[row, pack.pos])).detach().flatten(0, 1)[None]  # [1, N*blk, hidden]
-    c = head.context(batch.feats, ops.norm).view(1, b * t, -1)  # [1, B*T, hidden]: every row's context
+    pad = (0, pack.ctx_pad - b * t)  # the blocks' keys start at a tile
+    c = F.pad(head.context(batch.feats, ops.norm).view(1, b * t, -1), (0, 0, *pad))  # [1, ctx_pad, hidden]
+    ctx_pos = F.pad(batch.positions.reshape(1, -1), pad)  # [1, ctx_pad]
     block_pos = batch.positions[row, pack.pos][:, None] + 1 + torch.arange(blk, device=x.device)  # [N, blk]
     attend = packed_block_attention(pack)
-    h = _layers(head, x.to(c.dtype), c, batch.positions.reshape(1, -1), block_pos.view(1, -1), attend, ops)
+    h = _layers(head, x.to(c.dtype), c, ctx_pos, block_pos.view(1, -1), attend, ops)
     h = h.view(-1, blk, h.shape[-1])  # [N, blk, hidden]
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
     return [Rows(ops.norm(head.norm, h[a, s + 1]), w, p) for s, (a, p) in enumerate(pack.picks)]
