@@ -181,8 +181,8 @@ class AnchorPack:
     def plan(cls, spans: Tensor, t: int, steps: int, blk: int, window: int, device) -> "AnchorPack":
         from torch.nn.attention.flex_attention import BlockMask
 
-        # numpy on the host: the step is bound by the host, and these arrays are small (a torch op on them
-        # costs several times its numpy twin in dispatch alone)
+        # numpy on the host: these arrays are small, and a torch op on them costs several times its numpy
+        # twin in dispatch alone (the whole plan: 1.3 ms against 7.4 in torch with from_kv_blocks)
         first, end = spans.numpy().T  # [B] each
         start = np.maximum(first - steps + 1, 0)
         count = np.where(end > first, end - start, 0)  # [B] anchors of each row
