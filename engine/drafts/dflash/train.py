@@ -168,7 +168,7 @@ class AnchorPack:
                      are planned here (a query tile's anchors are consecutive, so its context is one
                      range of key tiles, then the tiles of their own blocks): nothing [Q, KV]-sized is
                      evaluated. Context tiles that every query of a tile reads whole are full tiles (no
-                     mask evaluated); the mask reads three int32 bounds per query (`bounds`).
+                     mask evaluated); the mask reads three int32 bounds per query (lo, hi, own).
     """
 
     row: Tensor
@@ -188,7 +188,7 @@ class AnchorPack:
         count = np.where(end > first, end - start, 0)  # [B] anchors of each row
         rows = np.repeat(np.arange(len(first)), count)  # [N]
         n = len(rows)
-        pos = start[rows] + np.arange(n) - (np.cumsum(count) - count)[rows]  # [N] anchor j, ascending per row
+        pos = start[rows] + _rank(rows, count)  # [N] anchor j, ascending per row
         picks = []
         for s in range(steps):
             p = pos + s
@@ -241,17 +241,17 @@ class AnchorPack:
         full = _table_entries(full_lo[:, None], full_n[:, None], kv_tiles)
         # everything the device needs in one pinned host buffer and one copy: the index lists (int64 on the
         # device), then the mask's int32 bounds, the tables' counts and their entries
-        index_parts = [rows, pos, *picks, partial.at, full.at + 2 * size]
-        mask_parts = [lo, hi, own, *partial.counts, *full.counts, partial.values, full.values]
+        index_parts = [rows, pos, *picks, np.concatenate([partial.at, full.at + 2 * size])]
+        mask_parts = [lo, hi, own, *partial.counts, *full.counts, np.concatenate([partial.values, full.values])]
         sizes = [x.size for x in index_parts + mask_parts]
         host = torch.empty(sum(sizes), dtype=torch.int32, pin_memory=torch.device(device).type == "cuda")
         np.concatenate([x.ravel() for x in index_parts + mask_parts], out=host.numpy(), casting="unsafe")
         dev = host.to(device, non_blocking=True)
         split = sum(sizes[: len(index_parts)])
-        row_d, pos_d, *picks_d, at_p, at_f = dev[:split].long().split(sizes[: len(index_parts)])
-        lo_d, hi_d, own_d, kv_num, q_num, full_num, full_q_num, *values = dev[split:].split(sizes[len(index_parts) :])
+        row_d, pos_d, *picks_d, at = dev[:split].long().split(sizes[: len(index_parts)])
+        lo_d, hi_d, own_d, kv_num, q_num, full_num, full_q_num, values = dev[split:].split(sizes[len(index_parts) :])
         tables = torch.zeros(4 * size, dtype=torch.int32, device=device)
-        tables[torch.cat([at_p, at_f])] = torch.cat(values)
+        tables[at] = values
         kv_idx, q_idx, full_idx, full_q_idx = tables.split(size)
         tile_q, tile_kv = (1, 1, q_tiles, kv_tiles), (1, 1, kv_tiles, q_tiles)
 
@@ -291,21 +291,20 @@ def _table_entries(start, count, kv_tiles: int) -> _TableEntries:
     q_tiles, n = count.shape[0], count.ravel()
     run = np.repeat(np.arange(n.size), n)  # [E] each entry's run
     q = run // count.shape[1]  # [E] query tile, ascending
-    k = start.ravel()[run] + np.arange(run.size) - (np.cumsum(n) - n)[run]  # [E] key tile
+    k = start.ravel()[run] + _rank(run, n)  # [E] key tile
     by_k = np.lexsort((q, k))  # the transpose: by key tile, then query tile
     qk, kk = q[by_k], k[by_k]
+    by_q, by_kv = np.bincount(q, minlength=q_tiles), np.bincount(kk, minlength=kv_tiles)
     return _TableEntries(
-        (np.bincount(q, minlength=q_tiles), np.bincount(kk, minlength=kv_tiles)),
-        np.concatenate([q * kv_tiles + _rank(q), q_tiles * kv_tiles + kk * q_tiles + _rank(kk)]),
+        (by_q, by_kv),
+        np.concatenate([q * kv_tiles + _rank(q, by_q), q_tiles * kv_tiles + kk * q_tiles + _rank(kk, by_kv)]),
         np.concatenate([k, qk]),
     )
 
 
-def _rank(group):
-    """[E] sorted -> each entry's rank among the equal entries before it."""
-    at = np.arange(group.size)
-    starts = np.flatnonzero(np.r_[True, group[1:] != group[:-1]]) if group.size else at
-    return at - np.repeat(starts, np.diff(np.r_[starts, group.size]))
+def _rank(group, counts):
+    """group [E] ascending, counts [G] its bincount -> each entry's rank within its group [E]."""
+    return np.arange(group.size) - (np.cumsum(counts) - counts)[group]
 
 
 def packed_block_attention(pack: AnchorPack):
