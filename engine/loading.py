@@ -7,12 +7,16 @@ measure prompts against the KV cache. `load(cfg)` returns the model and its toke
 
 GGUF files are read through transformers' GGUF support (dequantized, with q/k permuted back to the HF
 layout) once, and cached as an HF safetensors directory under `<weights_dir>/<stem>-<key>/`, keyed by
-the file's size and a hash of its head and tail; later loads read that directory directly. The cache
+the file's size and a hash of its head and tail; later loads read that directory directly. Until then
+a process parses the file once (`_gguf_parsed_once`: transformers would parse it for the config, the
+tensors and the tokenizer each, and the plan's description and tokenizer read it too). The cache
 is written into a temporary directory and renamed, so an interrupted conversion leaves nothing behind.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import json
 import os
@@ -136,6 +140,32 @@ def _file_key(path: Path) -> str:
     return h.hexdigest()[:12]
 
 
+_READERS: dict[tuple, object] = {}  # parsed GGUF headers, until the file is converted
+
+
+@contextlib.contextmanager
+def _gguf_parsed_once():
+    """transformers parses a GGUF file afresh for its config, its tensors and its tokenizer (4 s apiece for
+    SmolLM2's 49k-token vocabulary) and builds gguf-py's tensor-name map once per module (400 times for 30
+    layers): inside this block each file is parsed once per process and each map built once."""
+    import gguf
+
+    reader_cls, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+
+    def reader(path, mode="r"):
+        st = os.stat(path)
+        key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, mode)
+        if key not in _READERS:
+            _READERS[key] = reader_cls(path, mode)
+        return _READERS[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.lru_cache(maxsize=None)(name_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = reader_cls, name_map
+
+
 def gguf_cache_dir(gguf: Path, weights_dir: Path) -> Path:
     return weights_dir / f"{gguf.stem}-{_file_key(gguf)}"
 
@@ -164,24 +194,26 @@ def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
     weights_dir.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=weights_dir))
     try:
-        print(f"[load] converting {gguf.name} -> {out} (once)", flush=True)
-        from safetensors.torch import save_file
+        with _gguf_parsed_once():
+            print(f"[load] converting {gguf.name} -> {out} (once)", flush=True)
+            from safetensors.torch import save_file
 
-        hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-        # transformers marks GGUF-loaded models as quantized and will not save them: write the
-        # dequantized tensors and a plain config ourselves.
-        state = {k: v.contiguous() for k, v in hf.state_dict().items()}
-        cfg = hf.config.to_dict()
-        cfg.pop("quantization_config", None)
-        cfg.update(architectures=[type(hf).__name__], dtype="float32")
-        if cfg.get("tie_word_embeddings"):
-            state.pop("lm_head.weight", None)
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
-        AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
-        publish(tmp, out)
+            hf = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+            # transformers marks GGUF-loaded models as quantized and will not save them: write the
+            # dequantized tensors and a plain config ourselves.
+            state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+            cfg = hf.config.to_dict()
+            cfg.pop("quantization_config", None)
+            cfg.update(architectures=[type(hf).__name__], dtype="float32")
+            if cfg.get("tie_word_embeddings"):
+                state.pop("lm_head.weight", None)
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+            AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _READERS.clear()  # later loads read the converted directory
     return out
 
 
@@ -211,7 +243,8 @@ def _describe_gguf(cfg, weights_dir: Path) -> ModelArgs:
         return ModelArgs.from_hf_config(json.loads(cached.read_text()))
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    with _gguf_parsed_once():
+        meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
     _check_model_type(meta, str(gguf))
     return ModelArgs.from_hf_config(meta)
 
@@ -230,7 +263,8 @@ def _tokenizer_gguf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
         return HFTokenizer.from_dir(str(cached), eos)
     from transformers import AutoTokenizer  # the GGUF's vocabulary and merges, not its tensors
 
-    return HFTokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), eos)
+    with _gguf_parsed_once():
+        return HFTokenizer(AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name), eos)
 
 
 def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:

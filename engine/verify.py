@@ -10,8 +10,9 @@ last kept one. The output is exactly the target's greedy output.
 
 Sampling (temperature > 0): speculative rejection sampling. Keep d_i with probability
 min(1, p_i(d_i) / q_i(d_i)); at the first rejection draw the bonus from norm(max(0, p_a - q_a));
-if all k survive draw it from p_k. Each emitted token is then distributed exactly as the target's
-(with the same temperature and top-p), whatever the draft proposes.
+if all k survive draw it from p_k (k = 0, plain sampled decoding: a draw from p_0). Each emitted token
+is then distributed exactly as the target's (with the same temperature and top-p), whatever the draft
+proposes.
 
 Per row (`engine.sampling.RowSampling`, serve: every request its own setting): greedy rows take the
 greedy rule, the others rejection sampling with their own temperature / top-p / generator; a
@@ -46,6 +47,8 @@ def verify_sampling(
     k = k1 - 1
     flat = s.repeat_rows(k1)  # each row's temperature / top-p for its k+1 positions
     p = probs_from_logits(logits.reshape(b * k1, vocab), flat.temperature, flat.top_p, s.any_top_p).view(b, k1, vocab)
+    if k == 0:  # plain sampled decoding: nothing to accept or reject, the bonus is a draw from p itself
+        return torch.zeros(b, dtype=torch.long, device=logits.device), s.race(p[:, 0])
     if q is None:
         q = F.one_hot(draft, vocab).to(p.dtype)  # [b, k, vocab]
     p_d = p[:, :k].gather(-1, draft[..., None])[..., 0]  # [b, k]

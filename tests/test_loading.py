@@ -87,6 +87,33 @@ def test_the_converted_smollm2_tokenizer_loads_directly_as_autotokenizer_would(o
     )
 
 
+@pytest.mark.slow
+def test_a_first_gguf_load_parses_the_file_once(tmp_path, monkeypatch):
+    """The plan's description and tokenizer and the conversion read one parse of the GGUF (transformers
+    parses it afresh for each of config, tensors and tokenizer); gguf-py is left as it was, and the
+    converted directory describes the same model as the file."""
+    import gguf
+
+    from engine.loading import convert_gguf, load_tokenizer, packaged_smollm2_gguf
+
+    parses = []
+
+    class Counting(gguf.GGUFReader):
+        def __init__(self, path, mode="r"):
+            parses.append(path)
+            super().__init__(path, mode)
+
+    monkeypatch.setattr(gguf, "GGUFReader", Counting)
+    cfg = to_run_config(compose_cfg()).model
+    args = describe_model(cfg, tmp_path)
+    tok = load_tokenizer(cfg, tmp_path, args)
+    out = convert_gguf(packaged_smollm2_gguf(), tmp_path)
+    assert len(parses) == 1 and gguf.GGUFReader is Counting
+    assert describe_model(cfg, tmp_path) == args  # now read from the converted config.json
+    assert load_tokenizer(cfg, tmp_path, args).encode("Hello world") == tok.encode("Hello world")
+    assert (out / "model.safetensors").stat().st_size > 500e6  # 134.5M parameters in float32
+
+
 def test_a_conversion_that_lost_the_race_keeps_the_winner(tmp_path):
     """Two runs converting the GGUF at once: the first rename publishes its directory; the second finds
     a complete one in place and keeps it. A failed rename onto an incomplete directory still raises."""

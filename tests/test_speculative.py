@@ -177,6 +177,24 @@ def test_rejection_sampling_rule_is_exact():
     assert 0.5 * (naive - p).abs().sum() > 0.05
 
 
+def test_a_round_without_drafts_samples_from_p_with_top_p():
+    """k = 0 (plain sampled decoding): nothing accepted, the token drawn from p after temperature and
+    top-p: the filtered-out tail never appears, the nucleus at its renormalized frequencies."""
+    n, vocab = 40000, 6
+    p_logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
+    logits = p_logits.expand(n, 1, vocab).clone()
+    params = SamplingParams(temperature=0.7, top_p=0.8)
+    accepted, bonus = verify_sampling(
+        logits, torch.empty(n, 0, dtype=torch.long), None, params, torch.Generator().manual_seed(2)
+    )
+    p = torch.softmax(p_logits / 0.7, -1)
+    keep = (torch.cumsum(p, -1) - p) < 0.8  # the smallest prefix of the sorted p reaching 0.8
+    want = torch.where(keep, p, torch.zeros_like(p))
+    freq = torch.bincount(bonus, minlength=vocab).float() / n
+    assert accepted.eq(0).all() and freq[~keep].sum() == 0
+    assert 0.5 * (freq - want / want.sum()).abs().sum() < 0.015
+
+
 @pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash", "ngram"])
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     """Token frequencies at positions 1..3 over many sequences: with a draft = without one (rejection
