@@ -298,7 +298,7 @@ def soft_cross_entropy(
     if logits.dim() != 2 or target_logits.shape != logits.shape:
         raise ValueError(
             f"soft_cross_entropy: logits {tuple(logits.shape)} and target_logits "
-            f"{tuple(target_logits.shape)} must be [N, V] and [N, V]"
+            f"{tuple(target_logits.shape)} must both be [N, V], the same shape"
         )
     if _torch_kernel("soft_cross_entropy", kernel):
         return soft_cross_entropy_reference(logits, target_logits, temperature, rows, probs)
