@@ -1,82 +1,22 @@
-"""Batch-invariant small-M matrix products for decode / verify / draft steps, with the elementwise ops
-between them fused into their prologues and the greedy argmax into their epilogue.
+"""Batch-invariant projections for decode / verify / draft steps (M = 1..256 rows), with the norm before
+them fused into their prologue and SwiGLU or the greedy argmax into their epilogue.
 
-    gemv(x, w, bias=None) -> y                                y = x @ w^T (+ bias)
-    add_rmsnorm_gemv(x, delta, norm_w, eps, w, bias=None)     h = x + delta (x when delta is None);
-        -> (h, y)                                             y = (norm_w * rmsnorm(h)) @ w^T (+ bias)
-        swiglu=True: w's rows are interleaved gate / up (interleave_gate_up); y = silu(gate) * up [M, N/2]
-    cat_rmsnorm_gemv(x1, x2, norm_w1, norm_w2, eps, w,        a = [norm_w1 * rmsnorm(x1_row), norm_w2 * rmsnorm(x2_row)]
-                     bias=None, *, index1=None, norm=True)    ([x1_row, x2_row] with norm=False);
-        -> y                                                  y = a @ w^T (+ bias); x1_row = x1[index1[m]]
-                                                              with index1 (an embedding lookup fused in)
-    argmax=True (gemv, add_rmsnorm_gemv, cat_rmsnorm_gemv): return ids = argmax_n round(y) (+ offsets[ids])
-        in place of y, without writing y: greedy sampling of an lm_head (offsets: EAGLE3's d2t map).
+    gemv(x, w, bias=None) -> y                              y = x @ w^T (+ bias)
+    add_rmsnorm_gemv(x, delta, norm_w, eps, w, bias=None)   h = x + delta (x when delta is None);
+        -> (h, y)                                           y = rmsnorm(h; norm_w) @ w^T (+ bias)
+        swiglu=True: w's rows interleaved gate / up (interleave_gate_up): y = silu(gate) * up [M, N / 2]
+    cat_rmsnorm_gemv(x1, x2, norm_w1, norm_w2, eps, w, ...) y = [rmsnorm(x1_row), rmsnorm(x2_row)] @ w^T;
+        index1: x1 is a table [V, K1] read at rows index1[m] (the embedding lookup fused in); norm=False: as is
+    argmax=True: ids = argmax_n round(y) (+ offsets[ids]; EAGLE3's d2t) instead of y, the first index on ties
 
-Layouts (nn.Linear's, y = x @ w^T):
-    x, delta, h  [M, K]         M = rows (batch x tokens), any M; any row stride, unit last stride.
-                                Leading dims are flattened: [b, t, K] in gives [b, t, N] (ids [b, t]) out.
-    x1, x2       [M, K1], [M, K2]   K = K1 + K2; with index1 ([M] int64), x1 is a table [V, K1]
-    w            [N, K]         unit last stride, any row stride; norm_w [K] (norm_w1 [K1], norm_w2 [K2]); bias [N]
-    y            [M, N]         x's dtype. ids [M] int64. Fresh tensors every call (graph-capture safe);
-                                with delta=None, h is x itself, as in kernels.fused.add_rmsnorm.
+Layouts (nn.Linear's): x, delta, h [..., K] (any row stride, unit last stride; leading dims flattened into
+M rows); w [N, K] (unit last stride); y [..., N] in x's dtype; ids [...] int64. Fresh outputs every call.
 
-Why. At decode / verify / draft sizes (M = 1..48 here) a projection of SmolLM2-135M (hidden 576,
-intermediate 1536, bf16) or of its EAGLE3 head is latency-bound: its weight is 0.6-3.5 MB (lm_head
-56 MB), and the call should cost about one DRAM round trip plus a launch. A layer is four such calls
-and no elementwise launches:
-    [add + rmsnorm + qkv] -> rope/cache -> attention -> [o_proj] -> [add + rmsnorm + gate_up + silu*up] -> [down]
-(a sublayer's residual add happens in the next norm, as DecoderLayer.pre/post carry it; SwiGLU is the
-gate/up kernel's epilogue, its gate and up rows interleaved so that a tile holds matching columns),
-and the draft's first projection takes [embed(token) | hidden] through cat_rmsnorm_gemv.
-
-Design. One kernel, `_gemv_kernel`, the prologue picked by constexprs, over a grid
-(cdiv(N, BLOCK_N), cdiv(M, BLOCK_M)); program (j, i) owns y[i-th 16 rows, j-th BLOCK_N columns]:
-  * the weight w^T [K, BLOCK_N] is walked in BLOCK_K chunks (128-256), in order, and each chunk is
-    one `acc = tl.dot(a, w_chunk, acc)` (tensor cores, fp32 accumulation [BLOCK_M, BLOCK_N]). The
-    weight loads feed the dot directly, so Triton's pipeliner keeps num_stages - 1 chunks in flight;
-    the defaults give num_stages = chunks + 1 (within a shared-memory budget), so for K <= 2048 the
-    program's whole weight share is requested at once. With K <= BLOCK_K (one chunk) the weight tile
-    is loaded first of all, before the prologue's first pass over the activations.
-  * the prologue builds the activation tile a [BLOCK_M, BLOCK_K] for each chunk in registers from up
-    to two sources (columns [0, K1) from x1, [K1, K) from x2): plain loads, or RMSNorm (pass 1 over the
-    row: h = x + delta, stored by the programs of column tile 0, and the sum of squares -> rstd per
-    source; pass 2, in the K loop, re-reads h (L1 / L2 hits) and forms round(norm_w * round(h * rstd))).
-    Every column tile recomputes the norms of its rows: K elements from L2 that overlap the weight's
-    DRAM latency, far cheaper than another launch.
-  * the epilogue adds the bias and rounds, then stores y; or (swiglu) splits the tile's interleaved
-    columns into gate and up and stores round(silu(gate) * up), half as wide; or (argmax) the max of
-    the rounded row over the tile and its lowest index into fp32 / int32 partials [M, n_tiles];
-    `_argmax_reduce_kernel` takes each row's max over tiles, the lowest tile on ties, so ties go to the
-    lowest index as in torch.argmax, and adds offsets[id].
-  * (A SiLU * up *prologue* for the down projection was tried: its activation loads, which feed math
-    before the dot, are not pipelined, and it cost 20-28 us at K = 1536 against 3.4 us for a per-row
-    GEMV; the epilogue on gate / up costs nothing measurable.)
-No split-K, no atomics: every output is a fixed sequence of tl.dot calls over K.
-
-Batch invariance. A row's outputs (y, h, ids) are bitwise the same whatever M is and wherever the row
-sits (alone, one of 6 verify tokens, row 37 of 192): BLOCK_M is 16 always, and BLOCK_N, BLOCK_K,
-num_warps and num_stages depend on (N, K, the SM count) only (`gemv_config`), so every call of a weight
-runs one binary (M is `do_not_specialize`d, so M = 1 is no special case) whose tiles, layouts and
-reduction orders do not depend on M; a tile's rows never mix (a row of tl.dot's output reads only its
-own row of a; padding rows are masked zeros), and the chunks over K are summed in one fixed order.
-(Triton also specialises on 16-byte alignment of pointers and strides; rows of fresh tensors with
-K * itemsize % 16 == 0, as all of SmolLM2's are, always get the same specialisation.) This is what
-lets greedy speculative decoding in bf16 match plain decoding token for token at any batch size.
-
-Block sizes (`gemv_config`, bf16), from N alone, as measured on an H100 (docs/performance.md):
-    N <= 1024    qkv 960x576, o 576x576, down 576x1536, draft qkv 960x1152     32 x 256, 4 warps
-    N <= 4096    gate_up 3072x576, draft gate_up 1536x576                      64 x 128, 8 warps
-    larger       lm_head 49152x576, draft lm_head 10240x576                    64 x 64, 4 warps, 3 stages
-num_stages = chunks + 1 (every chunk in flight) where the buffers fit in _SMEM_BUDGET (the pipeliner
-buffers every load in the K loop: the weight chunk and the prologue's activation tiles). Each is
-overridable per call (block_n=, block_k=, num_warps=, num_stages=) for tuning.
-
-Rounding follows the `*_reference` functions below, which compose kernels.fused's references:
-h = round(x + delta) in fp32; n = round(round(h * rsqrt(mean(h^2) + eps)) * norm_w);
-y = round(sum_k a_k w_k + bias) with an fp32 sum; swiglu: round(silu(g) * u) of the rounded y; argmax
-over round(y). Triton's interpreter (TRITON_INTERPRET=1, the CPU tests) truncates fp32 -> bf16 where the GPU
-rounds to nearest even; under it the kernel rounds bf16 by hand, and multiplies its (already rounded)
-dot operands in fp32, so the CPU tests check the GPU's roundings.
+Invariants: a row's outputs are bitwise the same whatever M is and wherever the row sits (MMA k-steps in
+one order over K, the norm's sum of squares in fixed lanes and a fixed tree, no FMA contraction), and the
+norm is applied after the product: y = rstd * (round(h * norm_w) @ w^T). Up to FUSED_M rows the norm is
+fused into the product's prologue; above, a pre-pass normalises each row once. docs/architecture.md says
+why and how; the `*_reference` functions are the definitions (rounding points included).
 """
 
 from __future__ import annotations
@@ -87,14 +27,16 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from kernels.fused import add_rmsnorm_reference, silu_mul_reference
+from kernels.fused import silu_mul_reference
 from kernels.runtime import triton
 
 if triton is not None:
     import triton.language as tl
 
-BLOCK_M = 16  # rows per program, whatever M is (tl.dot's minimum); more rows take more row tiles
-MAX_ROWS = BLOCK_M  # rows of one row tile: not a limit on M (any M works), kept for importers
+ROW_TILES = (16, 32, 64)  # rows of one program, by M's bucket; more rows take more programs
+FUSED_M = 64  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
+_PROGRAMS = 128  # the column tile narrows (down to 32) until a call has this many programs: the SMs busy
+BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
 _PLAIN, _RMSNORM = 0, 1  # prologues
 
@@ -107,11 +49,33 @@ def gemv_reference(x: Tensor, w: Tensor, bias: Tensor | None = None) -> Tensor:
     return y.to(x.dtype)
 
 
+def rstd_reference(h: Tensor, eps: float) -> Tensor:
+    """1 / sqrt(mean(h^2) + eps) [..., 1] fp32 with the kernels' order: lane j of BLOCK_K sums h^2 over
+    columns j, BLOCK_K + j, ... in order, then adjacent lanes pairwise (seven levels); IEEE sqrt and division."""
+    hf = h.float()
+    k = hf.shape[-1]
+    sq = torch.nn.functional.pad(hf * hf, (0, -k % BLOCK_K)).unflatten(-1, (-1, BLOCK_K))  # [..., chunks, BLOCK_K]
+    ss = torch.zeros_like(sq[..., 0, :])
+    for c in range(sq.shape[-2]):
+        ss = ss + sq[..., c, :]
+    while ss.shape[-1] > 1:
+        ss = ss[..., 0::2] + ss[..., 1::2]
+    return 1.0 / torch.sqrt(ss / k + eps)
+
+
+def _normed_rows(h: Tensor, norm_w: Tensor, eps: float) -> tuple[Tensor, Tensor]:
+    """h [..., K] -> (round(h * norm_w) [..., K] in h's dtype, rstd [..., 1] fp32): the product's operand
+    and the scale applied to its output."""
+    return (h.float() * norm_w.float()).to(h.dtype), rstd_reference(h, eps)
+
+
 def add_rmsnorm_gemv_reference(
     x: Tensor, delta: Tensor | None, norm_w: Tensor, eps: float, w: Tensor, bias: Tensor | None = None
 ) -> tuple[Tensor, Tensor]:
-    h, n = add_rmsnorm_reference(x, delta, norm_w, eps)
-    return h, gemv_reference(n.to(x.dtype), w, bias)
+    h = x if delta is None else (x.float() + delta.float()).to(x.dtype)
+    a, rstd = _normed_rows(h, norm_w, eps)
+    y = (a.float() @ w.float().t()) * rstd
+    return h, (y if bias is None else y + bias.float()).to(x.dtype)
 
 
 def cat_rmsnorm_gemv_reference(
@@ -127,11 +91,12 @@ def cat_rmsnorm_gemv_reference(
     norm: bool = True,
 ) -> Tensor:
     a1 = x1 if index1 is None else x1[index1]  # [..., K1]
-    a2 = x2  # [..., K2]
-    if norm:
-        a1 = add_rmsnorm_reference(a1, None, norm_w1, eps)[1].to(x2.dtype)
-        a2 = add_rmsnorm_reference(a2, None, norm_w2, eps)[1].to(x2.dtype)
-    return gemv_reference(torch.cat([a1, a2], -1), w, bias)
+    if not norm:
+        return gemv_reference(torch.cat([a1, x2], -1), w, bias)
+    k1 = a1.shape[-1]
+    (a1, r1), (a2, r2) = _normed_rows(a1, norm_w1, eps), _normed_rows(x2, norm_w2, eps)
+    y = (a1.float() @ w[:, :k1].float().t()) * r1 + (a2.float() @ w[:, k1:].float().t()) * r2
+    return (y if bias is None else y + bias.float()).to(x2.dtype)
 
 
 def interleave_gate_up(gate: Tensor, up: Tensor) -> Tensor:
@@ -156,9 +121,8 @@ if triton is not None:
 
     @triton.jit
     def _round(x, DT: tl.constexpr, RNE: tl.constexpr):
-        """fp32 -> fp32 holding the nearest DT value (a rounding point of the references). RNE: round to
-        bf16 by hand, to nearest even (under TRITON_INTERPRET=1, whose fp32 -> bf16 cast truncates; the
-        GPU's cvt.rn rounds); the cast after it is then exact."""
+        """fp32 -> fp32 holding the nearest DT value. RNE: round to bf16 to nearest even by hand (the
+        interpreter's fp32 -> bf16 cast truncates; the GPU's rounds), after which the cast is exact."""
         if RNE:
             bits = x.to(tl.uint32, bitcast=True)
             half = tl.add((bits >> 16) & 1, 0x7FFF, sanitize_overflow=False)  # half an ulp, + 1 if odd: ties to even
@@ -167,37 +131,91 @@ if triton is not None:
         return x.to(DT).to(tl.float32)
 
     @triton.jit
-    def _rstd(
-        x_rows,
-        d_rows,
-        H,
-        offs_m,
-        row_mask,
-        n_cols,
-        eps,
-        store_h,
-        DT: tl.constexpr,
-        HAS_DELTA: tl.constexpr,
-        BLOCK_M: tl.constexpr,
-        BLOCK_K: tl.constexpr,
-        RNE: tl.constexpr,
-    ):
-        """RMSNorm pass 1 over a source's rows [BLOCK_M, 1] (pointers): 1 / sqrt(mean(h^2) + eps) [BLOCK_M],
-        h = round(x + delta) (x without a delta); with a delta it also stores h (where store_h)."""
-        offs_k = tl.arange(0, BLOCK_K)
-        ss = tl.full([BLOCK_M, BLOCK_K], 0.0, tl.float32)  # (tl.full: tl.zeros is slow to interpret)
-        for k0 in range(0, n_cols, BLOCK_K):
-            cols = k0 + offs_k
-            mask = row_mask[:, None] & (cols < n_cols)[None, :]
-            h = tl.load(x_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-            if HAS_DELTA:
-                h = _round(h + tl.load(d_rows + cols[None, :], mask=mask, other=0.0).to(tl.float32), DT, RNE)
-                if store_h:
-                    tl.store(H + offs_m[:, None] * n_cols + cols[None, :], h.to(DT), mask=mask)
-            ss += h * h
-        return 1.0 / tl.sqrt(tl.sum(ss, 1) / n_cols + eps)  # one fixed reduction order per row
+    def _rstd(ss, n_cols, eps):
+        """1 / sqrt(mean(h^2) + eps) [R] from the lanes ss [R, BLOCK_K] (lane j: columns j, BLOCK_K + j, ... in
+        order): adjacent lanes summed pairwise, seven times (a fixed tree: the same bits in every kernel and
+        in rstd_reference), IEEE sqrt and division."""
+        for _ in tl.static_range(7):
+            a, b = tl.split(tl.reshape(ss, (ss.shape[0], ss.shape[1] // 2, 2)))
+            ss = a + b
+        return tl.div_rn(1.0, tl.sqrt_rn(tl.reshape(ss, (ss.shape[0],)) / n_cols + eps))
 
-    @triton.jit(do_not_specialize=["M"])  # M = 1 runs the same binary as any other M
+    @triton.jit
+    def _norm_chunk(x, d, nw, ss, HAS_DELTA: tl.constexpr, RNE: tl.constexpr):
+        """A loaded chunk of one source's rows x, d [R, BLOCK_K] and its norm weight nw [BLOCK_K] ->
+        (h = round(x + d) (x without a delta), a = round(h * nw), ss + h^2 by lane)."""
+        DT = x.dtype
+        h = x.to(tl.float32)
+        if HAS_DELTA:
+            h = _round(h + d.to(tl.float32), DT, RNE)
+        ss += h * h
+        return h, _round(h * nw.to(tl.float32)[None, :], DT, RNE), ss
+
+    @triton.jit
+    def _product(
+        acc,
+        ss,
+        x_rows,  # [ROWS, 1] pointers: the rows of this source
+        d_rows,  # [ROWS, 1] pointers: delta's rows (HAS_DELTA)
+        NW,  # norm weight of this source [K_HI - K_LO]
+        w_cols,  # [1, BLOCK_N] pointers: the columns of w^T
+        mmask,
+        nmask,
+        K_LO: tl.constexpr,  # this source's columns of w: [K_LO, K_HI)
+        K_HI: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        NORM: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+        RNE: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):
+        """acc [ROWS, BLOCK_N] += a @ w^T[K_LO:K_HI] over one source's chunks in order; with NORM,
+        a = round(h * norm_w) and ss [ROWS, BLOCK_K] += h^2 by lane; else a is the source as is.
+        NORM's activations feed arithmetic before the dot, which the compiler's pipeliner does not
+        prefetch: each iteration loads the next chunk's before it uses the current one."""
+        KS: tl.constexpr = K_HI - K_LO
+        offs_k = tl.arange(0, BLOCK_K)
+        if NORM:
+            nmk = offs_k < KS
+            m2 = mmask[:, None] & nmk[None, :]
+            x_n = tl.load(x_rows + offs_k[None, :], mask=m2, other=0.0)  # [ROWS, BLOCK_K]
+            d_n = tl.load(d_rows + offs_k[None, :], mask=m2, other=0.0) if HAS_DELTA else x_n
+            nw_n = tl.load(NW + offs_k, mask=nmk, other=0.0)  # [BLOCK_K]
+        for k0 in range(0, KS, BLOCK_K):
+            kk = k0 + offs_k  # [BLOCK_K] columns of this source
+            wmask = (kk < KS)[:, None] & nmask[None, :]
+            w = tl.load(w_cols + (K_LO + kk)[:, None], mask=wmask, other=0.0, eviction_policy="evict_first")  # [BK, BN]
+            if NORM:
+                x, d, nw = x_n, d_n, nw_n
+                kn = kk + BLOCK_K  # the next chunk
+                nmk = kn < KS
+                m2 = mmask[:, None] & nmk[None, :]
+                x_n = tl.load(x_rows + kn[None, :], mask=m2, other=0.0)
+                if HAS_DELTA:
+                    d_n = tl.load(d_rows + kn[None, :], mask=m2, other=0.0)
+                nw_n = tl.load(NW + kn, mask=nmk, other=0.0)
+                _, a, ss = _norm_chunk(x, d, nw, ss, HAS_DELTA, RNE)
+            else:
+                a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < KS)[None, :], other=0.0)
+            acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+        return acc, ss
+
+    @triton.jit
+    def _store_h(
+        X, stride_x, D, stride_d, H, offs_m, mmask, K1: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr
+    ):
+        """h = round(x + delta) [rows, K1] stored (one column tile's programs do it, outside the product)."""
+        DT = X.dtype.element_ty
+        offs_k = tl.arange(0, BLOCK_K)
+        for k0 in range(0, K1, BLOCK_K):
+            kk = k0 + offs_k
+            m2 = mmask[:, None] & (kk < K1)[None, :]
+            x = tl.load(X + offs_m[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            d = tl.load(D + offs_m[:, None] * stride_d + kk[None, :], mask=m2, other=0.0).to(tl.float32)
+            tl.store(H + offs_m[:, None] * K1 + kk[None, :], _round(x + d, DT, RNE).to(DT), mask=m2)
+
+    @triton.jit(do_not_specialize=["M"])  # one binary per row tile, whatever M
     def _gemv_kernel(
         X1,
         stride_x1,
@@ -209,6 +227,7 @@ if triton is not None:
         D,
         stride_d,
         H,  # delta [M, K1], h out [M, K1] contiguous (HAS_DELTA)
+        RSTD,  # [M, 2] fp32: each source's rstd (PROLOGUE 2: the sources are already round(h * norm_w))
         W,
         stride_w,  # weight [N, K], unit last stride
         B,  # bias [N] (HAS_BIAS)
@@ -221,10 +240,10 @@ if triton is not None:
         eps,
         K: tl.constexpr,
         K1: tl.constexpr,
-        BLOCK_M: tl.constexpr,
+        ROWS: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_K: tl.constexpr,
-        PROLOGUE: tl.constexpr,  # 0: plain, 1: RMSNorm per source
+        PROLOGUE: tl.constexpr,  # 0: plain, 1: RMSNorm per source, 2: normed sources, rstd from RSTD
         HAS_INDEX: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         HAS_BIAS: tl.constexpr,
@@ -236,78 +255,86 @@ if triton is not None:
     ):
         DT = X2.dtype.element_ty  # the activations' dtype: every rounding point rounds to it
         TWO: tl.constexpr = K1 < K  # columns [K1, K) come from x2
-        pid_n, pid_m = tl.program_id(0), tl.program_id(1)
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this program
+        FUSED: tl.constexpr = PROLOGUE == 1
+        SCALED: tl.constexpr = PROLOGUE != 0  # the output of each source is scaled by its rstd
+        m_tiles = tl.cdiv(M, ROWS)  # the row tiles of a column tile run side by side: its weight read once
+        pid_n, pid_m = tl.program_id(0) // m_tiles, tl.program_id(0) % m_tiles
+        offs_m = pid_m * ROWS + tl.arange(0, ROWS)  # [ROWS] rows of this program
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
-        offs_k = tl.arange(0, BLOCK_K)
         mmask, nmask = offs_m < M, offs_n < N
         w_cols = W + offs_n[None, :] * stride_w  # [1, BLOCK_N]: the columns of w^T
-        if K <= BLOCK_K:
-            # One chunk: the whole weight share, requested before anything touches the activations.
-            w_all = tl.load(
-                w_cols + offs_k[:, None],
-                mask=(offs_k < K)[:, None] & nmask[None, :],
-                other=0.0,
-                eviction_policy="evict_first",
-            )  # [BLOCK_K, BLOCK_N]
-
         rows1 = offs_m
         if HAS_INDEX:
-            rows1 = tl.load(IDX1 + offs_m, mask=mmask, other=0)  # [BLOCK_M] table rows (an embedding lookup)
-        x1_rows = X1 + rows1[:, None] * stride_x1  # [BLOCK_M, 1]
-        x2_rows = X2 + offs_m[:, None] * stride_x2
-        d_rows = D + offs_m[:, None] * stride_d
-        if PROLOGUE == 1:  # pass 1: each source's rstd [BLOCK_M] (and h, stored by column tile 0)
-            rstd1 = _rstd(x1_rows, d_rows, H, offs_m, mmask, K1, eps, pid_n == 0, DT, HAS_DELTA, BLOCK_M, BLOCK_K, RNE)
-            if TWO:
-                rstd2 = _rstd(x2_rows, d_rows, H, offs_m, mmask, K - K1, eps, False, DT, False, BLOCK_M, BLOCK_K, RNE)
+            rows1 = tl.load(IDX1 + offs_m, mask=mmask, other=0)  # [ROWS] table rows (an embedding lookup)
 
-        acc = tl.full([BLOCK_M, BLOCK_N], 0.0, tl.float32)
-        for k0 in range(0, K, BLOCK_K):  # a fixed order over K; one trip when K <= BLOCK_K
-            # ---- prologue: the activation chunk a [BLOCK_M, BLOCK_K] of DT values, columns k of [x1 | x2]
-            k = k0 + offs_k  # [BLOCK_K]
-            k2 = k - K1  # x2's columns
-            in1 = (k < K1)[None, :]  # [1, BLOCK_K]
-            m1 = mmask[:, None] & in1  # [BLOCK_M, BLOCK_K]
-            m2 = mmask[:, None] & ((k2 >= 0) & (k2 < K - K1))[None, :]
-            if PROLOGUE == 0:  # as is
-                a = tl.load(x1_rows + k[None, :], mask=m1, other=0.0)
-                if TWO:
-                    a = tl.where(in1, a, tl.load(x2_rows + k2[None, :], mask=m2, other=0.0))
-            else:  # RMSNorm: round(norm_w * round(h * rstd)) per source; h read again (L1 / L2 hits)
-                h = tl.load(x1_rows + k[None, :], mask=m1, other=0.0).to(tl.float32)
-                if HAS_DELTA:
-                    h = _round(h + tl.load(d_rows + k[None, :], mask=m1, other=0.0).to(tl.float32), DT, RNE)
-                nw = tl.load(NW1 + k, mask=k < K1, other=0.0).to(tl.float32)  # [BLOCK_K]
-                a = _round(_round(h * rstd1[:, None], DT, RNE) * nw[None, :], DT, RNE)
-                if TWO:
-                    h = tl.load(x2_rows + k2[None, :], mask=m2, other=0.0).to(tl.float32)
-                    nw = tl.load(NW2 + k2, mask=(k2 >= 0) & (k2 < K - K1), other=0.0).to(tl.float32)
-                    a = tl.where(in1, a, _round(_round(h * rstd2[:, None], DT, RNE) * nw[None, :], DT, RNE))
-            # ---- the product: acc += a @ w^T[k, tile], fp32 accumulation
-            if K <= BLOCK_K:
-                w = w_all
+        acc = tl.full([ROWS, BLOCK_N], 0.0, tl.float32)  # (tl.full: tl.zeros is slow to interpret)
+        ss = tl.full([ROWS, BLOCK_K], 0.0, tl.float32)
+        X1_rows = X1 + rows1[:, None] * stride_x1
+        acc, ss = _product(
+            acc,
+            ss,
+            X1_rows,
+            D + offs_m[:, None] * stride_d,
+            NW1,
+            w_cols,
+            mmask,
+            nmask,
+            0,
+            K1,
+            BLOCK_K,
+            FUSED,
+            HAS_DELTA,
+            RNE,
+            DOT_DTYPE,
+            DOT_PRECISION,
+        )
+        y = acc
+        if FUSED:
+            y = acc * _rstd(ss, K1, eps)[:, None]  # [ROWS, BLOCK_N]
+        elif SCALED:
+            y = acc * tl.load(RSTD + offs_m * 2, mask=mmask, other=0.0)[:, None]
+        if TWO:  # source 2: its own accumulator and lanes when scaled, else the same sum
+            acc2 = tl.full([ROWS, BLOCK_N], 0.0, tl.float32) if SCALED else acc
+            ss2 = tl.full([ROWS, BLOCK_K], 0.0, tl.float32)
+            acc2, ss2 = _product(
+                acc2,
+                ss2,
+                X2 + offs_m[:, None] * stride_x2,
+                D,
+                NW2,
+                w_cols,
+                mmask,
+                nmask,
+                K1,
+                K,
+                BLOCK_K,
+                FUSED,
+                False,
+                RNE,
+                DOT_DTYPE,
+                DOT_PRECISION,
+            )
+            if FUSED:
+                y += acc2 * _rstd(ss2, K - K1, eps)[:, None]
+            elif SCALED:
+                y += acc2 * tl.load(RSTD + offs_m * 2 + 1, mask=mmask, other=0.0)[:, None]
             else:
-                w = tl.load(
-                    w_cols + k[:, None],
-                    mask=(k < K)[:, None] & nmask[None, :],
-                    other=0.0,
-                    eviction_policy="evict_first",
-                )  # [BLOCK_K, BLOCK_N]
-            acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
+                y = acc2
+        if FUSED and HAS_DELTA:
+            if pid_n == 0:  # h, stored once
+                _store_h(X1, stride_x1, D, stride_d, H, offs_m, mmask, K1, BLOCK_K, RNE)
 
-        # ---- epilogue: y = round(acc + bias), stored, or reduced to this tile's argmax per row
-        y = acc  # [BLOCK_M, BLOCK_N]
+        # ---- epilogue: y = round(y + bias), stored, or reduced to this tile's argmax per row
         if HAS_BIAS:
             y += tl.load(B + offs_n, mask=nmask, other=0.0).to(tl.float32)[None, :]
         if ARGMAX:
             y = tl.where(nmask[None, :], _round(y, DT, RNE), float("-inf"))
-            best, at = tl.max(y, 1, return_indices=True, return_indices_tie_break_left=True)  # [BLOCK_M]
-            part = offs_m * tl.num_programs(0) + pid_n
+            best, at = tl.max(y, 1, return_indices=True, return_indices_tie_break_left=True)  # [ROWS]
+            part = offs_m * tl.cdiv(N, BLOCK_N) + pid_n
             tl.store(PMAX + part, best, mask=mmask)
             tl.store(PIDX + part, pid_n * BLOCK_N + at, mask=mmask)
         elif SWIGLU:  # interleaved gate / up columns: the MLP's activation, as silu_mul_reference rounds it
-            g, u = tl.split(tl.reshape(_round(y, DT, RNE), (BLOCK_M, BLOCK_N // 2, 2)))  # [BLOCK_M, BLOCK_N / 2]
+            g, u = tl.split(tl.reshape(_round(y, DT, RNE), (ROWS, BLOCK_N // 2, 2)))  # [ROWS, BLOCK_N / 2]
             act = _round(g / (1.0 + tl.exp(-g)) * u, DT, RNE)
             offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(
@@ -321,6 +348,70 @@ if triton is not None:
                 _round(y, DT, RNE).to(DT),
                 mask=mmask[:, None] & nmask[None, :],
             )
+
+    @triton.jit
+    def _norm_source(
+        X_row,
+        D_row,
+        H_row,
+        NW,
+        A_row,
+        eps,
+        K_S: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+        RNE: tl.constexpr,
+    ):
+        """One row of one source [K_S]: a = round(h * norm_w) to A_row (h to H_row), -> its rstd [1]. The
+        chunk loop is unrolled, so every chunk's loads are issued before the first sum needs them."""
+        DT = X_row.dtype.element_ty
+        offs_k = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
+        ss = tl.full([1, BLOCK_K], 0.0, tl.float32)
+        for k0 in tl.static_range(0, K_S, BLOCK_K):
+            kk = k0 + offs_k
+            km = kk < K_S
+            x = tl.load(X_row + kk, mask=km, other=0.0)
+            d = tl.load(D_row + kk, mask=km, other=0.0) if HAS_DELTA else x
+            h, a, ss = _norm_chunk(x, d, tl.load(NW + kk, mask=km, other=0.0).reshape(BLOCK_K), ss, HAS_DELTA, RNE)
+            if HAS_DELTA:
+                tl.store(H_row + kk, h.to(DT), mask=km)
+            tl.store(A_row + kk, a.to(DT), mask=km)
+        return _rstd(ss, K_S, eps)
+
+    @triton.jit
+    def _norm_rows_kernel(
+        X1,
+        stride_x1,
+        IDX1,
+        NW1,
+        X2,
+        stride_x2,
+        NW2,
+        D,
+        stride_d,
+        H,
+        A,
+        RSTD,
+        eps,
+        K: tl.constexpr,
+        K1: tl.constexpr,
+        BLOCK_K: tl.constexpr,
+        HAS_INDEX: tl.constexpr,
+        HAS_DELTA: tl.constexpr,
+        RNE: tl.constexpr,
+    ):
+        """The norm of large calls, once per row (a program per row): h (stored with a delta), a =
+        [round(h1 * nw1) | round(x2 * nw2)] -> A [M, K], each source's rstd -> RSTD [M, 2]; the product
+        then reads A (PROLOGUE 2)."""
+        m = tl.program_id(0)
+        row1 = tl.load(IDX1 + m) if HAS_INDEX else m
+        one = tl.arange(0, 1)
+        r1 = _norm_source(X1 + row1 * stride_x1, D + m * stride_d, H + m * K1, NW1, A + m * K, eps, K1, BLOCK_K,
+                          HAS_DELTA, RNE)  # fmt: skip
+        tl.store(RSTD + m * 2 + one, r1)
+        if K1 < K:
+            r2 = _norm_source(X2 + m * stride_x2, X2, X2, NW2, A + m * K + K1, eps, K - K1, BLOCK_K, False, RNE)
+            tl.store(RSTD + m * 2 + 1 + one, r2)
 
     @triton.jit
     def _argmax_reduce_kernel(
@@ -346,46 +437,55 @@ def _interpreting() -> bool:
 
 
 class GemvConfig(NamedTuple):
+    rows: int  # rows of one program (M's bucket)
     block_n: int
     block_k: int
     num_warps: int
     num_stages: int
 
 
+def row_tile(m: int) -> int:
+    """The row tile of a call of M rows: the smallest of ROW_TILES that holds them (the largest above)."""
+    return next((r for r in ROW_TILES if r >= m), ROW_TILES[-1])
+
+
 def gemv_config(
     n: int,
     k: int,
-    device: torch.device,
+    m: int,
     *,
+    rows: int | None = None,
     block_n: int | None = None,
-    block_k: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
     itemsize: int = 2,
-    act_tiles: int = 2,
+    act_tiles: int = 1,
+    fused: bool = False,
 ) -> GemvConfig:
-    """The launch configuration for an [N, K] weight: a function of N, K and the prologue's loads
-    (act_tiles: [BLOCK_M, BLOCK_K] activation tiles read per chunk), never of M (which keeps a row's
-    result independent of the batch it is computed in). Any field can be overridden.
-
-    By N (measured on an H100 at M = 1..192, SmolLM2-135M and its EAGLE3 head, docs/performance.md):
-    N <= 1024 (q/k/v, o, down) 32-wide tiles in 256-deep chunks, 4 warps, every chunk in flight;
-    N <= 4096 (gate/up) 64 x 128, 8 warps; larger N (the lm_heads: hundreds of tiles, bandwidth-bound)
-    64 x 64, 4 warps, 3 stages."""
-    wide = n > 4096
-    bn = block_n or (32 if n <= 1024 else 64)
-    bk = block_k or min(256 if n <= 1024 else 128 if not wide else 64, max(16, triton.next_power_of_2(k)))
-    for name, v in (("block_n", bn), ("block_k", bk)):
-        assert v >= 16 and v & (v - 1) == 0, f"{name} must be a power of two >= 16 (tl.dot), got {v}"
-    if num_stages is None:  # every chunk in flight at once, within the shared-memory budget
+    """The launch configuration for an [N, K] weight and M rows (act_tiles: activation tiles read per
+    chunk; fused: the norm in the prologue, on row tiles of at most 32). Any choice here may follow M: none
+    changes a row's arithmetic on the GPU (MMA k-steps in order over K, the norm's lanes of BLOCK_K
+    columns), as the GPU tests check at every M. Any field can be overridden (tests, tuning)."""
+    rows = rows or (min(row_tile(m), 32) if fused else row_tile(m))
+    bk = BLOCK_K
+    m_tiles = triton.cdiv(max(m, 1), rows)
+    if block_n is None:
+        if m > FUSED_M:  # wide tiles re-read the activations less
+            bn = 128 if n >= 2048 else 64
+        else:  # narrow until the SMs are busy (the fused norm: at most 64 wide)
+            bn = next(
+                (b for b in (128, 64) if triton.cdiv(n, b) * m_tiles >= _PROGRAMS and b <= (64 if fused else 128)), 32
+            )
+    else:
+        bn = block_n
+    assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"
+    assert rows in ROW_TILES, f"rows must be one of {ROW_TILES}, got {rows}"
+    warps = num_warps or (8 if bn == 128 else 4)
+    if num_stages is None:  # as many chunks in flight as the shared-memory budget holds
         chunks = triton.cdiv(k, bk)
-        # the pipeliner keeps num_stages - 1 buffers of each load in the loop: a weight chunk, the activations
-        per_stage = (bk * bn + act_tiles * BLOCK_M * bk) * itemsize
-        num_stages = 1 if chunks == 1 else 1 + max(1, min(chunks, _SMEM_BUDGET // per_stage))
-        if wide:
-            num_stages = min(num_stages, 3)
-    warps = num_warps or (8 if 1024 < n <= 4096 else 4)
-    return GemvConfig(bn, bk, warps, num_stages)
+        per_stage = (bk * bn + act_tiles * rows * bk) * itemsize  # a weight chunk and the activation tiles
+        num_stages = 1 if chunks == 1 else max(2, min(chunks + 1, _SMEM_BUDGET // per_stage))
+    return GemvConfig(rows, bn, bk, warps, num_stages)
 
 
 def _as_rows(t: Tensor, k: int, name: str) -> Tensor:
@@ -423,8 +523,24 @@ def _launch(
     assert x1.dtype == x2.dtype, f"sources of different dtypes: {x1.dtype}, {x2.dtype}"
     dtype, device = x2.dtype, x2.device
     h = torch.empty(m, k1, dtype=dtype, device=device) if delta is not None else None
-    act_tiles = 1 + (delta is not None) + (k1 < k)  # activation tiles loaded per K chunk
-    cfg = gemv_config(n, k, device, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
+    interpret = _interpreting()
+    rne = dtype == torch.bfloat16 and interpret
+    d = delta if delta is not None else x2
+    rstd = x2  # unused placeholder
+    if prologue == _RMSNORM and m > FUSED_M:  # normalise the rows once, then a plain product
+        a = torch.empty(m, k, dtype=dtype, device=device)
+        rstd = torch.empty(m, 2, dtype=torch.float32, device=device)
+        _norm_rows_kernel[(m,)](
+            x1, x1.stride(0), index1 if index1 is not None else x1, norm_w1, x2, x2.stride(0),
+            norm_w2 if norm_w2 is not None else norm_w1, d, d.stride(0), h if h is not None else x2, a, rstd, eps,
+            K=k, K1=k1, BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None, HAS_DELTA=delta is not None, RNE=rne,
+            num_warps=1,
+            enable_fp_fusion=False,
+        )  # fmt: skip
+        prologue, x1, x2, index1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, a
+    act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
+    fused = prologue == _RMSNORM
+    cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, fused=fused, **tuning)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if argmax:
         assert offsets is None or (offsets.dtype == torch.int64 and offsets.is_contiguous())
@@ -438,12 +554,10 @@ def _launch(
         pmax = pidx = y  # unused placeholders
     if m == 0:
         return h, out
-    interpret = _interpreting()
     dot_dtype = (
         tl.float32 if interpret or dtype == torch.float32 else (tl.bfloat16 if dtype == torch.bfloat16 else tl.float16)
     )
-    d = delta if delta is not None else x2
-    _gemv_kernel[(n_tiles, triton.cdiv(m, BLOCK_M))](
+    _gemv_kernel[(n_tiles * triton.cdiv(m, cfg.rows),)](
         x1,
         x1.stride(0),
         index1 if index1 is not None else x1,
@@ -454,6 +568,7 @@ def _launch(
         d,
         d.stride(0),
         h if h is not None else x2,
+        rstd,
         w,
         w.stride(0),
         bias if bias is not None else w,
@@ -466,7 +581,7 @@ def _launch(
         eps,
         K=k,
         K1=k1,
-        BLOCK_M=BLOCK_M,
+        ROWS=cfg.rows,
         BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k,
         PROLOGUE=prologue,
@@ -475,23 +590,24 @@ def _launch(
         HAS_BIAS=bias is not None,
         ARGMAX=argmax,
         SWIGLU=swiglu,
-        RNE=dtype == torch.bfloat16 and interpret,
+        RNE=rne,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # (tf32: ignored for 16-bit operands)
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
+        enable_fp_fusion=False,  # every multiply and add rounded as written, in every kernel (batch invariance)
     )
     if argmax:
         block_t = triton.next_power_of_2(n_tiles)
-        rows = max(1, min(BLOCK_M, 4096 // block_t))  # up to 4096 partials per program
-        _argmax_reduce_kernel[(triton.cdiv(m, rows),)](
+        rows_r = max(1, min(16, 4096 // block_t))  # up to 4096 partials per program
+        _argmax_reduce_kernel[(triton.cdiv(m, rows_r),)](
             pmax,
             pidx,
             offsets if offsets is not None else out,
             out,
             m,
             n_tiles,
-            ROWS=rows,
+            ROWS=rows_r,
             BLOCK_T=block_t,
             HAS_OFFSETS=offsets is not None,
             num_warps=4,
@@ -508,7 +624,7 @@ def gemv(
 ) -> Tensor:
     """y = x @ w^T (+ bias): x [..., K], w [N, K] -> y [..., N] in x's dtype; with argmax, the ids [...]
     (int64) of round(y)'s maxima, the first on ties (+ offsets[ids]), instead. tuning: `gemv_config`'s
-    overrides (block_n, block_k, num_warps, num_stages), for tests and tuning."""
+    overrides (block_n, block_k, num_warps, num_stages) and rows (the row tile), for tests and tuning."""
     if triton is None:
         y = gemv_reference(x, w, bias)
         return argmax_reference(y, offsets) if argmax else y
@@ -531,7 +647,7 @@ def add_rmsnorm_gemv(
     swiglu: bool = False,
     **tuning,
 ) -> tuple[Tensor, Tensor]:
-    """(h, y): h = x + delta (x when delta is None), y = (norm_w * rmsnorm(h)) @ w^T (+ bias);
+    """(h, y): h = x + delta (x when delta is None), y = rmsnorm(h; norm_w) @ w^T (+ bias);
     x, delta [..., K], norm_w [K], w [N, K] -> h [..., K], y [..., N] (argmax, tuning: see gemv).
     swiglu: w holds interleaved gate / up rows (`interleave_gate_up`): y = silu(gate) * up [..., N / 2],
     the MLP's activation, rounded as silu_mul_reference rounds it, for the down projection."""
@@ -580,7 +696,7 @@ def cat_rmsnorm_gemv(
     offsets: Tensor | None = None,
     **tuning,
 ) -> Tensor:
-    """y = a @ w^T (+ bias), a = [norm_w1 * rmsnorm(x1_row), norm_w2 * rmsnorm(x2_row)] (each half with
+    """y = a @ w^T (+ bias), a = [rmsnorm(x1_row; norm_w1), rmsnorm(x2_row; norm_w2)] (each half with
     its own rstd; the plain concatenation with norm=False): x2 [..., K2], w [N, K1 + K2] -> y [..., N]
     (argmax, tuning: see gemv). x1 [..., K1] as x2, or with index1 (int64, x2's leading shape) a table
     [V, K1] whose row index1[m] is row m's: the embedding lookup fused into the prologue.

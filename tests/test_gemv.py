@@ -1,10 +1,10 @@
-"""Batch-invariant GEMV kernels (kernels/gemv.py) against their plain-torch references: TRITON_INTERPRET=1
-on CPU (fp32 and bf16), compiled on a GPU. Also: a row's outputs do not depend on the batch it is in,
-and the argmax epilogue is torch.argmax of the rounded outputs (ties to the lowest index)."""
+"""Batch-invariant projections (kernels/gemv.py) against their plain-torch references: TRITON_INTERPRET=1
+on CPU (fp32 and bf16), compiled on a GPU. Also: a row's outputs do not depend on the batch it is in (every
+M from 1 to 64 and beyond, the fused norm and the normalised-rows path), the norm's rstd is the reference's
+bit for bit, and the argmax epilogue is torch.argmax of the rounded outputs (ties to the lowest index)."""
 
 from __future__ import annotations
 
-import inspect
 import os
 from dataclasses import dataclass
 
@@ -145,30 +145,27 @@ def _check(case: Case, got: tuple, dtype) -> None:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(
     "dtype, m, bias",
-    [(torch.float32, 1, False), (torch.float32, 17, True)]
-    + [(torch.bfloat16, m, bias) for m, bias in [(1, False), (6, True), (16, False), (17, True), (48, False)]],
+    [(torch.float32, 1, False), (torch.float32, 17, True), (torch.float32, 70, True)]
+    + [(torch.bfloat16, m, bias) for m, bias in [(1, False), (6, True), (17, True), (48, False), (130, True)]],
     ids=lambda v: {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(v, str(v)),
 )
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_reference(device, dtype, kind, m, bias):
-    """K = 80 in chunks of 32 (the last one ragged; the cat kinds' halves meet inside a chunk), N = 24 in
-    tiles of 16 (the last one ragged), M across one and several row tiles of 16 (48: also in the batch
-    invariance test). bf16 at every M (its roundings are the point), fp32 at two."""
+    """K = 80 in one ragged chunk (the cat kinds' halves meet inside it), N = 24 in tiles of 16 (the last
+    one ragged), M in row tiles of 16, 32, 64, the norm fused (M <= 64) or the rows normalised first (70,
+    130). bf16 at every M (its roundings are the point), fp32 at three."""
     case = _case(kind, m, 80, 24, dtype, device, bias, seed=m)
-    _check(case, case.run(block_k=32), dtype)
+    _check(case, case.run(block_n=16), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @DTYPES
 @pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize(
-    "k, block_k", [(576, 256), (576, 1024), (2304, None)], ids=["576_chunked", "576_one_chunk", "2304"]
-)
-def test_k_sizes_match_reference(device, dtype, kind, k, block_k):
-    """SmolLM2's hidden 576 in chunks of 256 (2 whole + 64), in one chunk (the weight loaded before the
-    prologue), and K = 2304 > 2048 (9 chunks of the default 256)."""
+@pytest.mark.parametrize("k", [576, 2304])
+def test_k_sizes_match_reference(device, dtype, kind, k):
+    """SmolLM2's hidden 576 in chunks of 128 (4 whole + 64), and K = 2304 (18 chunks)."""
     case = _case(kind, 6, k, 24, dtype, device, bias=True, seed=k)
-    _check(case, case.run(block_k=block_k), dtype)
+    _check(case, case.run(), dtype)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,25 +185,41 @@ def test_bf16_outputs_round_to_nearest_even(device):
 
 # ------------------------------------------------------------------------------------- batch invariance
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize(
-    "dtype, block_k", [(torch.float32, None), (torch.bfloat16, 32)], ids=["fp32_one_chunk", "bf16_chunked"]
-)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
-def test_row_is_independent_of_batch(device, dtype, block_k, kind):
-    """Row 37 of a batch of 48 (row tile 2 of 3, position 5), the same row in a batch of 6 (position 3) and
-    alone (M = 1): bitwise the same outputs (y, h, and the argmax ids). K = 80 in one chunk (the weight
-    loaded first) or three; the batch of 48 also against the reference."""
-    case = _case(kind, 48, 80, 16, dtype, device, bias=True, seed=5)
-    variants = [(case, 37), (case.sub(slice(34, 40)), 3), (case.sub(slice(37, 38)), 0)]
-    batch = case.run(block_k=block_k)
-    _check(case, batch, dtype)
-    outs = [[t[i : i + 1] for t in (batch if c is case else c.run(block_k=block_k))] for c, i in variants]
-    if kind in ARGMAX_KINDS:
-        for (c, i), out in zip(variants, outs):
-            out.append(c.run(block_k=block_k, argmax=True)[-1][i : i + 1])
-    for out in outs[1:]:
-        for a, b in zip(outs[0], out):
-            assert torch.equal(a, b), kind
+def test_row_is_independent_of_batch(device, dtype, kind):
+    """A batch of 256 rows, then every M from 1 to 64 and a few above (the rows normalised first) over a
+    window that slides with M, so that rows sit at every position of a row tile: each row's outputs (y, h,
+    and the argmax ids) bitwise those of the whole batch. K = 200 (two chunks, the last ragged)."""
+    case = _case(kind, 256, 200, 16, dtype, device, bias=True, seed=5)
+    full = case.run()
+    _check(case, full, dtype)
+    ids = case.run(argmax=True)[-1] if kind in ARGMAX_KINDS else None
+    for m in [*range(1, 66), 100, 128, 129, 200]:
+        start = (m * 37) % (257 - m)
+        sub = case.sub(slice(start, start + m))
+        for a, b in zip(sub.run(), full):
+            assert torch.equal(a, b[start : start + m]), (kind, m, start)
+        if ids is not None and m % 8 == 1:
+            assert torch.equal(sub.run(argmax=True)[-1], ids[start : start + m]), (kind, m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("m", [3, 100], ids=["fused", "rows_first"])
+def test_norm_scale_is_the_references_bit_for_bit(device, m):
+    """w selects one column per output (an exact product), so y = round(x_k * norm_w_k * rstd): equal to the
+    reference bit for bit, rstd included (its lanes and tree are the kernels'), at K = 200 (ragged lanes)."""
+    g = torch.Generator().manual_seed(0)
+    k, n = 200, 32
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-2, 2, k)).to(device, torch.bfloat16)
+    delta = torch.randn(m, k, generator=g).to(device, torch.bfloat16)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(device, torch.bfloat16)
+    w = torch.zeros(n, k)
+    w[torch.arange(n), torch.randint(0, k, (n,), generator=g)] = 1.0
+    w = w.to(device, torch.bfloat16)
+    got = G.add_rmsnorm_gemv(x, delta, norm_w, EPS, w)
+    want = G.add_rmsnorm_gemv_reference(x, delta, norm_w, EPS, w)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
 # ------------------------------------------------------------------------------------- argmax epilogue
@@ -218,15 +231,15 @@ def test_argmax_is_the_argmax_of_the_outputs(device, kind, dtype=torch.bfloat16)
     of 16, the last one ragged."""
     m, n = 17, 40
     case = _case(kind, m, 80, n, dtype, device, bias=True, seed=3)
-    y = case.run(block_k=32)
-    ids = case.run(block_k=32, argmax=True)
+    y = case.run(block_n=16)
+    ids = case.run(block_n=16, argmax=True)
     assert ids[-1].dtype == torch.int64 and ids[-1].shape == (m,)
     assert torch.equal(ids[-1], y[-1].argmax(-1))
     assert torch.equal(ids[-1], G.argmax_reference(case.reference()[-1]))
     if len(y) == 2:
         assert torch.equal(ids[0], y[0])
     offsets = torch.randint(-50, 50, (n,), generator=torch.Generator().manual_seed(0)).to(device)
-    mapped = case.run(block_k=32, argmax=True, offsets=offsets)[-1]
+    mapped = case.run(block_n=16, argmax=True, offsets=offsets)[-1]
     assert torch.equal(mapped, ids[-1] + offsets[ids[-1]])
 
 
@@ -320,87 +333,77 @@ def test_rejects_what_it_does_not_handle(device):
         G.gemv(torch.randn(2, 32, device=device), w, block_n=8)  # below tl.dot's 16
 
 
-def test_config_depends_on_the_weight_only():
-    """SmolLM2-135M's and its EAGLE3 head's projections: no M anywhere in the choice; the tile by N;
-    every chunk of K in flight (num_stages = chunks + 1) within the shared-memory budget, but for the
-    lm_heads (3 stages)."""
-    assert "m" not in inspect.signature(G.gemv_config).parameters
-    cpu = torch.device("cpu")
-    shapes = {
-        "qkv": (960, 576),
-        "o_proj": (576, 576),
-        "gate_up": (3072, 576),
-        "down": (576, 1536),
-        "lm_head": (49152, 576),
-        "draft_qkv": (960, 1152),
-        "draft_gate_up": (1536, 576),
-        "draft_down": (576, 768),
-        "draft_lm_head": (10240, 576),
-    }
-    got = {name: G.gemv_config(n, k, cpu) for name, (n, k) in shapes.items()}
-    C = G.GemvConfig  # (block_n, block_k, num_warps, num_stages)
-    assert got == {
-        "qkv": C(32, 256, 4, 4),
-        "o_proj": C(32, 256, 4, 4),
-        "gate_up": C(64, 128, 8, 6),
-        "down": C(32, 256, 4, 7),
-        "lm_head": C(64, 64, 4, 3),
-        "draft_qkv": C(32, 256, 4, 6),
-        "draft_gate_up": C(64, 128, 8, 6),
-        "draft_down": C(32, 256, 4, 4),
-        "draft_lm_head": C(64, 64, 4, 3),
-    }
-    for bn, bk, _, stages in got.values():  # num_stages - 1 buffers of a weight chunk and two activation tiles
-        assert (stages - 1) * (bk * bn + 2 * G.BLOCK_M * bk) * 2 <= G._SMEM_BUDGET
-    assert G.gemv_config(576, 2048, cpu) == C(32, 256, 4, 7)  # K = 2048: 6 of 8 chunks in flight (the budget)
-    assert G.gemv_config(576, 2304, cpu, act_tiles=2, itemsize=4) == C(32, 256, 4, 4)  # fp32: 3 of 9
-    assert G.gemv_config(576, 100, cpu) == C(32, 128, 4, 1)  # one chunk
-    assert G.gemv_config(576, 576, cpu, block_n=32, block_k=64, num_warps=8, num_stages=2) == C(32, 64, 8, 2)
+def test_config_fits_shared_memory_and_fills_the_gpu():
+    """Every SmolLM2-135M / EAGLE3 / 8B projection at M = 1..256: a row tile that holds M (ROW_TILES, then
+    more row tiles), chunks of 64 or 128 columns (the norm's lanes), pipelined buffers within the
+    shared-memory budget, and (up to FUSED_M rows) column tiles narrow enough for _PROGRAMS programs."""
+    assert [G.row_tile(m) for m in (1, 16, 17, 48, 64, 65, 192, 1000)] == [16, 16, 32, 64, 64, 64, 64, 64]
+    shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (960, 1152), (10240, 576)]
+    shapes += [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
+    for n, k in shapes:
+        for m in (1, 6, 17, 48, 192, 256):
+            for act_tiles in (1, 2):
+                c = G.gemv_config(n, k, m, act_tiles=act_tiles)
+                assert c.rows == G.row_tile(m) and c.block_k == G.BLOCK_K and c.num_stages >= 1
+                if c.num_stages > 2:
+                    assert c.num_stages * (c.block_k * c.block_n + act_tiles * c.rows * c.block_k) * 2 <= G._SMEM_BUDGET
+                programs = -(-n // c.block_n) * -(-m // c.rows)
+                assert m > G.FUSED_M or programs >= G._PROGRAMS or c.block_n == 32, (n, k, m, c)
+    c = G.gemv_config(576, 576, 1, block_n=32, num_warps=8, num_stages=2)
+    assert c == G.GemvConfig(16, 32, G.BLOCK_K, 8, 2)
 
 
 # ------------------------------------------------------------------------------------- GPU, bf16
+GPU_SHAPES = [  # (kind, K, N): SmolLM2-135M's layer and lm_head, its EAGLE3 head, Llama-3.1-8B's layer and lm_head
+    ("add_rmsnorm", 576, 960),
+    ("gemv", 576, 576),
+    ("swiglu", 576, 3072),
+    ("gemv", 1536, 576),
+    ("rmsnorm", 576, 49152),
+    ("cat_index", 1152, 960),
+    ("cat_rmsnorm", 1152, 960),
+    ("swiglu", 576, 1536),
+    ("rmsnorm", 576, 10240),
+    ("add_rmsnorm", 4096, 6144),
+    ("gemv", 4096, 4096),
+    ("swiglu", 4096, 28672),
+    ("gemv", 14336, 4096),
+    ("rmsnorm", 4096, 128256),
+]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_smollm2_and_eagle3_shapes_bf16_on_gpu():
-    """Every SmolLM2-135M decode projection and every EAGLE3 draft projection in bf16, compiled: the
-    references' roundings, h bit-exact, row 37 of 192 bitwise the same alone (M = 1), at position 5 of 6
-    and at position 32 of 48, the lm_heads' argmax (and the draft's d2t offsets) equal to torch.argmax of
-    the kernel's y, and replay inside a CUDA graph."""
-    cases = [
-        ("rmsnorm", 576, 960),
-        ("add_rmsnorm", 576, 960),
-        ("gemv", 576, 576),
-        ("swiglu", 576, 3072),
-        ("gemv", 1536, 576),
-        ("rmsnorm", 576, 49152),
-        ("gemv", 576, 49152),  # target
-        ("cat_index", 1152, 960),
-        ("cat_rmsnorm", 1152, 960),
-        ("swiglu", 576, 1536),
-        ("gemv", 768, 576),
-        ("rmsnorm", 576, 10240),  # EAGLE3 draft
-        ("gemv", 4096, 1024),
-    ]  # K > 2048
-    for kind, k, n in cases:
-        case = _case(kind, 192, k, n, torch.bfloat16, "cuda", bias=False, seed=k + n, k1=576)
-        batch = case.run()
-        _check(case, batch, torch.bfloat16)
-        row = [t[37:38] for t in batch]
-        for m, start in ((1, 37), (6, 32), (48, 5)):
-            sub = case.sub(slice(start, start + m)).run()
-            for got_b, got_m in zip(row, sub):
-                assert torch.equal(got_b, got_m[37 - start : 38 - start]), (kind, k, n, m)
-        if kind in ARGMAX_KINDS and n >= 10240:
-            offsets = torch.randint(0, 1000, (n,), device="cuda")
-            ids = case.run(argmax=True, offsets=offsets)[-1]
-            want = batch[-1].argmax(-1)
-            assert torch.equal(ids, want + offsets[want]), (kind, n)
-    case = _case("add_rmsnorm", 1, 576, 960, torch.bfloat16, "cuda", bias=False, seed=1)
-    want = case.run()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = case.run()
-    graph.replay()
-    torch.cuda.synchronize()
-    assert all(torch.equal(a, b) for a, b in zip(out, want))
+@pytest.mark.parametrize("kind, k, n", GPU_SHAPES, ids=[f"{kd}_{n}x{k}" for kd, k, n in GPU_SHAPES])
+def test_shapes_bf16_on_gpu_are_batch_invariant(kind, k, n):
+    """Every SmolLM2-135M / EAGLE3 / Llama-3.1-8B projection in bf16, compiled: the references' roundings, h
+    bit-exact, and every M from 1 to 256 (a window sliding with M over a batch of 256) bitwise the rows of the
+    whole batch; the lm_heads' argmax (with d2t-style offsets) equal to torch.argmax of the kernel's y."""
+    case = _case(kind, 256, k, n, torch.bfloat16, "cuda", bias=False, seed=k + n, k1=k // 2)
+    full = case.run()
+    _check(case, full, torch.bfloat16)
+    for m in range(1, 257):
+        start = (m * 37) % (257 - m)
+        for a, b in zip(case.sub(slice(start, start + m)).run(), full):
+            assert torch.equal(a, b[start : start + m]), (kind, k, n, m, start)
+    if kind in ARGMAX_KINDS and n >= 10240:
+        offsets = torch.randint(0, 1000, (n,), device="cuda")
+        ids = case.run(argmax=True, offsets=offsets)[-1]
+        want = full[-1].argmax(-1)
+        assert torch.equal(ids, want + offsets[want]), (kind, n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_replays_in_a_cuda_graph():
+    """Both paths (the norm fused at M = 1, the rows normalised first at M = 200) inside a captured graph."""
+    for m in (1, 200):
+        case = _case("add_rmsnorm", m, 576, 960, torch.bfloat16, "cuda", bias=False, seed=1)
+        want = case.run()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = case.run()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(out, want))
