@@ -148,6 +148,7 @@ class SpecDecoder:
         self.prefill_runner, self.prefill_cache = None, None
         self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
         self.ks_used: Counter = Counter()  # rounds per k
+        self.speculating = [True] * batch_size  # host mirror of the `speculate` buffer (set at begin)
         device_draft = draft if draft is not None and draft.on_device else None
         if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
             if graphs.batch_size < batch_size:
@@ -246,17 +247,28 @@ class SpecDecoder:
                 cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
         return Prefill(out, tokens, valid, embeds if given else None)
 
-    def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
+    def begin(
+        self,
+        state: SpecState,
+        pre: Prefill,
+        first: Tensor,
+        rows: Optional[slice] = None,
+        speculate: Optional[list[bool]] = None,
+    ) -> None:
         """After the target's prefill: the round state of these rows (lengths, last = the first token,
-        live) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh batch of
-        exactly these prompts, rows 0..n-1; the rows after them are padding)."""
+        live, speculate) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh
+        batch of exactly these prompts, rows 0..n-1; the rows after them are padding). speculate: per
+        row, whether its drafts may be accepted (None: all; a row that may not emits what k = 0 would)."""
         n = first.shape[0]
         sl = rows if rows is not None else slice(0, n)
         self._last_end = None  # a prefill is no host gap between rounds
         lens = pre.valid.sum(1)  # [n]
+        flags = [True] * n if speculate is None else list(speculate)
+        self.speculating[sl] = flags
         self.buffers["last"][sl] = first
         self.buffers["lengths"][sl] = lens
         self.buffers["live"][sl] = True
+        self.buffers["speculate"][sl] = torch.tensor(flags)
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
