@@ -266,22 +266,6 @@ def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
 
 
 # ------------------------------------------------------------------------------------------ adaptive k
-def test_adaptive_k_picks_the_k_that_maximises_tokens_per_second():
-    from engine.adaptive_k import AdaptiveK
-
-    costs = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 8: {0: 1.0, 1: 2.0, 2: 2.9, 3: 3.8}}  # seconds per round
-    policy = AdaptiveK(costs, 3, prior=0.8)
-    assert policy.choose(1) == 3  # cheap drafts: (1 + .8 + .64 + .51) / 1.3 is the best
-    assert policy.choose(5) == 0 and policy.choose(64) == 0  # bucket 8 (and above): verify costs too much
-    assert policy.table() == {1: 3, 8: 0}
-    for _ in range(400):  # the draft stops being accepted at all
-        policy.observe([0, 0, 0], 3)
-    assert policy.rates[0] < 0.05 and policy.choose(1) == 0
-    for _ in range(400):  # accepted again: the positions k = 0 did not draft still hold their estimate
-        policy.observe([1, 1], 1)
-    assert policy.choose(1) == 1 and policy.rates[1] < 0.1
-
-
 def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     """Rounds of a batch of 1 draft 3 tokens and rounds of 4 rows none (the table), through the round
     runner (debug backend: every k captured) and its eager fallback; the output is the target's."""
@@ -307,6 +291,34 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     assert got == base
     assert set(gen.ks_used) == {0, 3}
     assert gs.stats()[round_name(3)].replays > 0 and gs.stats()[round_name(0)].replays > 0
+    policy = gen.adaptive  # the rounds it ran replaced the table's seconds with their own (and the host's gap)
+    assert policy.cost[1, 3, False] < 1.0 and policy.cost[4, 0, False] < 1.0 and policy.host[1] > 0
+    assert policy.cost[4, 3, False] == 9.0  # never ran: still the table's
+
+
+def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
+    """k = 0 rounds do not advance the draft, so the next drafting round proposes from a stale state: its
+    rows are not observed; the round after it is (a scripted policy records what the decoder feeds it)."""
+    from engine.adaptive_k import AdaptiveK
+
+    class Scripted(AdaptiveK):
+        def __init__(self, ks):
+            super().__init__({1: {0: 1.0, 3: 1.0}}, 3)
+            self.script, self.seen = list(ks), []
+
+        def choose(self, b, mix=None):
+            return self.script.pop(0)
+
+        def observe(self, k, greedy, sampled):
+            self.seen.append((k, len(greedy) + len(sampled)))
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1,), batch=1)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    gen = spec_generator(target, plan, head, gs, k, 1, params)
+    gen.adaptive = Scripted([3, 0, 0, 3, 3] + [3] * 12)
+    prompt = _prompts(1, seed=5)
+    assert gen.generate(prompt, params)[0].tokens == Generator(target, 1).generate(prompt, params)[0].tokens
+    assert gen.adaptive.seen[:5] == [(3, 1), (0, 1), (0, 0), (3, 0), (3, 1)]
 
 
 def test_a_row_that_does_not_speculate_emits_what_k_0_would():

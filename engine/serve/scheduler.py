@@ -25,8 +25,8 @@ batch; sampled ones use their own temperature and top-p, and a request with a `s
 own generator (the same output whatever else is in the batch). The draft always proposes greedily
 (its q is one-hot), so rejection sampling stays lossless for every row whatever its temperature.
 A request with `speculative=False` keeps none of the drafts (its slot's `speculate` flag, written at
-join): it gets what the server without a draft would give it. Each request counts its verify rounds,
-draft tokens and accepted ones (its usage).
+join): it gets what the server without a draft would give it, and adaptive k counts it as a row a
+draft buys nothing. Each request counts its verify rounds, draft tokens and accepted ones (its usage).
 """
 
 from __future__ import annotations
@@ -155,6 +155,7 @@ class Scheduler:
         )
         self._live_changed = True  # slots left since the last round: their live flags go to the device
         self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
+        self._greedy_rows: list[bool] = []  # with it: which of those rows are greedy (adaptive k's mix)
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
         self.waiting: deque[GenerationRequest] = deque()
         self._cv = threading.Condition()
@@ -359,6 +360,7 @@ class Scheduler:
         slots' requests change."""
         if self._sampling is None:
             reqs = self.slots[: self._round_rows()]
+            self._greedy_rows = [r is None or r.temperature <= 0 for r in reqs]
             self._sampling = RowSampling.per_row(
                 [r.temperature if r else 0.0 for r in reqs],
                 [r.top_p if r else 1.0 for r in reqs],
@@ -379,7 +381,8 @@ class Scheduler:
             self.dec.push_live(self.state)
             self._live_changed = False
         rows = self._round_rows()
-        r = self.dec.round(self.state, self._row_sampling(), rows=rows)
+        sampling = self._row_sampling()
+        r = self.dec.round(self.state, sampling, rows=rows, greedy_rows=self._greedy_rows)
         stats.rounds += 1
         stats.round_s += time.perf_counter() - t0
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
