@@ -72,6 +72,16 @@ CONFIGS = {
         "model.max_seq_len=256",
         "serve.max_batch_size=4",
     ),
+    # k = 3 every round (no adaptive k): a request's draft tokens are known
+    "eagle3_k3": (
+        "+experiment=serve_eagle3_bcg",
+        *BASE,
+        *EAGLE3,
+        "graph=debug",
+        "model.max_seq_len=256",
+        "serve.max_batch_size=2",
+        "serve.adaptive_k=false",
+    ),
     # one slot, one waiting request: queue-full and disconnect tests; long generations
     "tight": ("+experiment=serve", *BASE, "serve.max_batch_size=1", "serve.max_queue=1"),
 }
@@ -149,6 +159,14 @@ def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) ->
     params = SamplingParams(max_new_tokens=max_tokens)
     draft = make_draft(plan, head, loaded.model, 1, cfg.draft.num_steps, cfg=cfg.draft)
     gen = Generator(loaded.model, 1, draft, cfg.draft.num_steps if plan is not None else 0)
+    return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
+
+
+def no_draft_reference(served: Served, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What the same target emits without a draft, one prompt at a time."""
+    cfg, env = served.cfg, served.plan.env
+    loaded = load_model(cfg.model, env.weights_dir, env.device, env.dtype)
+    gen, params = Generator(loaded.model, 1), SamplingParams(max_new_tokens=max_tokens)
     return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
 
 
@@ -392,6 +410,44 @@ def test_models_health_and_metrics(servers):
     assert m["specpipe_graph_replays_total{phase=prefill}"] > 0  # a join prefills through a staging row's graphs
     for phase in ("round_k3", "round_k3_sampled"):  # none ran eagerly
         assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
+
+
+def test_a_request_turns_speculation_off_and_its_usage_and_metrics_say_so(servers):
+    """`"speculative": false` (the openai client's extra_body): no draft token kept, the output of the
+    server without a draft; every response's usage carries its speculation figures (the streamed one in
+    its final chunk) and /metrics adds them up."""
+    s, tok = servers("eagle3_k3"), ByteTokenizer()
+    want = [tok.decode(r) for r in no_draft_reference(s, [tok.encode(PROMPTS[0]), tok.encode_chat(PROMPTS[1])], N)]
+    before = s.metrics()
+    on = complete(s, PROMPTS[0])
+    off = complete(s, PROMPTS[0], extra_body={"speculative": False})
+    chunks = list(
+        chat(s, PROMPTS[1], stream=True, stream_options={"include_usage": True}, extra_body={"speculative": False})
+    )
+    after = s.metrics()
+    assert on.choices[0].text == off.choices[0].text == want[0]  # lossless either way
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[1]
+
+    spec_on, spec_off, spec_stream = on.usage.speculation, off.usage.speculation, chunks[-1].usage.speculation
+    rounds = spec_on["verify_rounds"]
+    assert rounds > 0 and spec_on["draft_tokens"] == 3 * rounds and spec_on["mean_k"] == 3.0  # k = 3 every round
+    assert spec_on["accept_length"] == (spec_on["accepted_tokens"] + rounds) / rounds
+    assert on.usage.completion_tokens <= 1 + rounds + spec_on["accepted_tokens"]  # the prefill's token, then rounds
+    for spec, usage in ((spec_off, off.usage), (spec_stream, chunks[-1].usage)):
+        assert spec["draft_tokens"] == spec["accepted_tokens"] == 0 and spec["mean_k"] == 0.0
+        assert spec["accept_length"] == 1.0 and usage.completion_tokens == 1 + spec["verify_rounds"]
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    specs = (spec_on, spec_off, spec_stream)
+    assert delta("specpipe_draft_tokens_proposed_total") == sum(x["draft_tokens"] for x in specs)
+    assert delta("specpipe_draft_tokens_accepted_total") == sum(x["accepted_tokens"] for x in specs)
+    assert delta("specpipe_requests_not_speculative_total") == 2
+    assert delta("specpipe_request_accept_length_count") == 3
+    assert delta("specpipe_request_accept_length_sum") == pytest.approx(sum(x["accept_length"] for x in specs))
+    assert delta("specpipe_request_draft_tokens_per_round_sum") == pytest.approx(3.0)
+    assert delta("specpipe_request_draft_tokens_per_round_bucket{le=0.0}") == 2  # the two that turned it off
 
 
 # ------------------------------------------------------------------------------------------ load
