@@ -472,6 +472,29 @@ def test_bounded_load_has_no_failed_request(servers):
     assert res.failures == 0, res.errors
     assert res.requests >= 4 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
     assert res.tokens == 16 * res.requests  # ignore_eos: exactly max_tokens each
+    row = res.row()  # the streamed usages' speculation, added up
+    assert res.verify_rounds >= 15 * res.requests / 4 and row["accept_length"] >= 1.0 and row["k_mean"] >= 0
+
+
+def test_serve_levels_ratio_table(tmp_path):
+    """benchmarks/serve_levels.sh's table: draft / no draft per level and temperature from the --json rows,
+    a level measured on one side only left out."""
+    lt = benchmark_module("load_test")
+
+    def rows(side: str, n: int, t: float, tok_s: float, **extra):
+        path = tmp_path / f"{side}_n{n}_t{t}.json"
+        path.write_text(json.dumps([{"clients": n, "temperature": t, "tokens_per_s": tok_s, "failures": 0, **extra}]))
+
+    rows("draft", 1, 0.0, 300.0, accept_length=2.5, k_mean=4.0)
+    rows("none", 1, 0.0, 200.0)
+    rows("draft", 8, 1.0, 900.0, accept_length=1.2, k_mean=0.5)
+    rows("none", 8, 1.0, 1000.0)
+    rows("draft", 32, 0.0, 1.0)  # no baseline: not in the table
+    lines = lt.ratio_table(str(tmp_path)).splitlines()
+    assert len(lines) == 3 and lines[0].split()[:2] == ["clients", "temp"]
+    assert lines[1].split()[:5] == ["1", "0", "300.0", "200.0", "1.50x"] and "2.50" in lines[1]
+    assert lines[2].split()[:5] == ["8", "1", "900.0", "1000.0", "0.90x"]
+    assert "no level measured" in lt.ratio_table(str(tmp_path / "empty"))
 
 
 def test_load_test_waits_for_a_ready_server_and_names_a_dead_one(servers):
