@@ -11,8 +11,12 @@ question.jsonl (`--prompts`, first turns) or a small built-in set. One row per c
 
 tokens/s is completion tokens (the server's `usage`) over the level's wall time; latency is per
 request, send to last byte. `--stream` measures time to first token from the SSE stream instead
-of usage counts (tokens are then counted from the final usage chunk). Only asyncio and httpx: it
-runs wherever the server's clients would.
+of usage counts (tokens are then counted from the final usage chunk). Where the usage carries
+`speculation` (this project's server), the level's accept length (tokens per verify round) and mean
+k are added up from it. Only asyncio and httpx: it runs wherever the server's clients would.
+
+`--ratios DIR` prints draft / no draft per level and temperature from the `--json` files
+benchmarks/serve_levels.sh writes there (`draft_*.json` against `none_*.json`).
 
 Reliability runs (docs/performance.md, "Reliability"): `--requests N` ends a level after N requests
 (a long run: `--requests 2000`) instead of, or before, `--duration`; `--server-pid PID` prints the
@@ -50,6 +54,7 @@ PROMPTS = [
 class LevelResult:
     clients: int
     duration_s: float
+    temperature: Optional[float] = None
     latencies: list[float] = field(default_factory=list)
     ttfts: list[float] = field(default_factory=list)
     tokens: int = 0
@@ -57,6 +62,9 @@ class LevelResult:
     errors: list[str] = field(default_factory=list)
     failure_kinds: Counter = field(default_factory=Counter)  # "HTTP 503", "ReadTimeout", ...: how many
     rss_mb: Optional[float] = None  # the server's resident memory after the level (--server-pid)
+    verify_rounds: int = 0  # usage.speculation, summed over requests
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
 
     @property
     def requests(self) -> int:
@@ -78,9 +86,19 @@ class LevelResult:
             self.errors.append(message[:300])
         self.failure_kinds[kind] += 1
 
+    def count(self, usage: dict) -> None:
+        """A finished request's usage: its completion tokens and speculation figures."""
+        self.tokens += usage["completion_tokens"]
+        spec = usage.get("speculation") or {}
+        self.verify_rounds += spec.get("verify_rounds", 0)
+        self.draft_tokens += spec.get("draft_tokens", 0)
+        self.accepted_tokens += spec.get("accepted_tokens", 0)
+
     def row(self) -> dict:
+        n = self.verify_rounds
         return {
             "clients": self.clients,
+            "temperature": self.temperature,
             "requests": self.requests,
             "failures": self.failures,
             "tokens_per_s": round(self.tokens_per_s, 1),
@@ -90,6 +108,8 @@ class LevelResult:
             "ttft_p50_s": round(self.pct(50, self.ttfts), 3) if self.ttfts else None,
             "failure_kinds": dict(self.failure_kinds),
             "server_rss_mb": round(self.rss_mb, 1) if self.rss_mb is not None else None,
+            "accept_length": round((self.accepted_tokens + n) / n, 3) if n else None,
+            "k_mean": round(self.draft_tokens / n, 3) if n else None,
         }
 
 
@@ -110,7 +130,7 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
     t0 = time.perf_counter()
     try:
         if body.get("stream"):
-            tokens, first = 0, None
+            usage, first = None, None
             async with client.stream("POST", url, json=body) as r:
                 if r.status_code != 200:
                     raise HTTPFailure(r.status_code, (await r.aread()).decode(errors="replace"))
@@ -124,16 +144,16 @@ async def _one(client: httpx.AsyncClient, url: str, body: dict, res: LevelResult
                     if first is None and (choice.get("text") or (choice.get("delta") or {}).get("content")):
                         first = time.perf_counter() - t0  # the first text (chat's first chunk is the role)
                     if chunk.get("usage"):
-                        tokens = chunk["usage"]["completion_tokens"]
+                        usage = chunk["usage"]
             if first is not None:
                 res.ttfts.append(first)
         else:
             r = await client.post(url, json=body)
             if r.status_code != 200:
                 raise HTTPFailure(r.status_code, r.text)
-            tokens = r.json()["usage"]["completion_tokens"]
+            usage = r.json()["usage"]
         res.latencies.append(time.perf_counter() - t0)
-        res.tokens += tokens
+        res.count(usage or {"completion_tokens": 0})
     except Exception as e:  # counted by kind, the run goes on
         res.fail(getattr(e, "kind", type(e).__name__), repr(e))
 
@@ -155,7 +175,7 @@ async def run_level(
     """`clients` loops sending completions until `duration_s` is up (or `max_requests` were sent);
     in-flight requests finish."""
     url = base_url.rstrip("/") + ("/v1/chat/completions" if chat else "/v1/completions")
-    res = LevelResult(clients, duration_s)
+    res = LevelResult(clients, duration_s, temperature)
     deadline = time.perf_counter() + duration_s
     sent = 0
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
@@ -233,7 +253,39 @@ def table(results: list[LevelResult]) -> str:
         )
         if x["ttft_p50_s"] is not None:
             line += f" {x['ttft_p50_s']:>10.3f}"
+        if x["k_mean"] is not None:
+            line += f" {x['accept_length']:>10.2f} {x['k_mean']:>6.2f}"
         lines.append(line)
+    if any(r.verify_rounds for r in results):
+        lines[0] += f" {'accept len':>10} {'k mean':>6}"
+    return "\n".join(lines)
+
+
+def ratio_table(folder: str) -> str:
+    """Draft / no draft tokens/s per level and temperature, from `draft_*.json` and `none_*.json` rows
+    (`--json` files of the same levels against a server with and without its draft)."""
+    rows: dict[tuple[str, int, float], dict] = {}
+    for path in sorted(Path(folder).glob("*.json")):
+        side = path.name.split("_")[0]
+        for x in json.loads(path.read_text()):
+            rows[side, x["clients"], x["temperature"]] = x
+    keys = sorted({(n, t) for side, n, t in rows if side == "draft" and ("none", n, t) in rows})
+    if not keys:
+        return f"--ratios {folder}: no level measured both with (draft_*.json) and without (none_*.json) a draft"
+    head = (
+        f"{'clients':>7} {'temp':>5} {'draft tok/s':>11} {'no draft':>9} {'ratio':>6} "
+        f"{'accept len':>10} {'k mean':>6} {'failures':>9}"
+    )
+    lines = [head]
+    for n, t in keys:
+        d, b = rows["draft", n, t], rows["none", n, t]
+        ratio = d["tokens_per_s"] / b["tokens_per_s"] if b["tokens_per_s"] else float("nan")
+        acc, k = d.get("accept_length"), d.get("k_mean")
+        lines.append(
+            f"{n:>7} {t:>5g} {d['tokens_per_s']:>11.1f} {b['tokens_per_s']:>9.1f} {ratio:>5.2f}x "
+            f"{acc if acc is not None else float('nan'):>10.2f} {k if k is not None else float('nan'):>6.2f} "
+            f"{d['failures']:>4} / {b['failures']:<3}"
+        )
     return "\n".join(lines)
 
 
@@ -264,12 +316,21 @@ def main(argv: Optional[list[str]] = None) -> int:
     ap.add_argument("--json", default=None, help="also write the rows to this file")
     ap.add_argument("--label", default="", help="a label printed above the table (e.g. the server's config)")
     ap.add_argument(
+        "--ratios",
+        default=None,
+        metavar="DIR",
+        help="print draft / no draft per level and temperature from DIR's --json files, and exit",
+    )
+    ap.add_argument(
         "--wait-s",
         type=float,
         default=0.0,
         help="first wait up to this long for GET /health to answer 200 (a server just started)",
     )
     a = ap.parse_args(argv)
+    if a.ratios:
+        print(ratio_table(a.ratios))
+        return 0
     if a.wait_s > 0:
         wait_ready(a.url, a.wait_s)
     model, prompts = a.model or served_model(a.url), load_prompts(a.prompts)

@@ -1,19 +1,34 @@
 #!/usr/bin/env bash
-# The serve load test per concurrency level, with the slots sized to the level (slots = clients): for
-# each N in $LEVELS, a server
-# with N slots on port 8100 (EXTRA: more overrides, e.g. draft=none), the bounded load test of
-# benchmarks/load_test.py for $DURATION s, then Ctrl-C (the server drains and logs to MLflow).
-#   bash benchmarks/serve_levels.sh NAME [OVERRIDES...]      rows appended to $OUT/serve_levels.log
+# The server with and without its draft, per concurrency level and temperature, in one run; then the ratio
+# table (draft / no draft tokens/s per level and temperature). For each N in $LEVELS: a server with N slots
+# (slots = clients) on port 8100, `+experiment=serve_eagle3_bcg` plus OVERRIDES, then the same with
+# draft=none; against each, the bounded load test of benchmarks/load_test.py (N streaming chat clients,
+# MT-bench, 128 tokens, $DURATION s) at every temperature in $TEMPS (0: greedy; 1.0: the request default,
+# serve.default_temperature); then Ctrl-C (the server drains and logs to MLflow).
+#   bash benchmarks/serve_levels.sh NAME [OVERRIDES...]
+#   LEVELS="1 8 32 64" TEMPS="0 1.0" DURATION=15 OUT=outputs/device PYTHON=python3 (the defaults)
+# Rows go to $OUT/serve_levels/NAME/{draft,none}_n<N>_t<T>.json and the tables to $OUT/serve_levels.log; the
+# ratio table covers every level in that folder, so a run split over calls (LEVELS="1 8", then "32 64")
+# ends with the whole table. Needs only what the server needs, and httpx (the offline GPU host's wheels).
 set -u
 name=$1; shift
-OUT=${OUT:-outputs/device}; mkdir -p "$OUT"
-for n in ${LEVELS:-1 8 32}; do
-  python -m pipeline +experiment=serve_eagle3_bcg "$@" serve.max_batch_size=$n serve.port=8100 \
-    tracking.run_name=${name}_$n > /tmp/serve_${name}_$n.log 2>&1 &
-  pid=$!
-  python benchmarks/load_test.py --url http://127.0.0.1:8100 --wait-s 300 --clients $n --duration ${DURATION:-15} \
-    --max-tokens 128 --chat --ignore-eos --stream --prompts engine/data/mt_bench/question.jsonl \
-    --label "$name N=$n" 2>&1 | tee -a "$OUT/serve_levels.log"
-  kill -INT $pid; wait $pid
-  grep -E "^\[serve\] stopped" /tmp/serve_${name}_$n.log | cut -c1-220 | tee -a "$OUT/serve_levels.log"
+py=${PYTHON:-python3}
+OUT=${OUT:-outputs/device}; dir=$OUT/serve_levels/$name; mkdir -p "$dir"
+for n in ${LEVELS:-1 8 32 64}; do
+  for side in draft none; do
+    baseline=""; [ "$side" = none ] && baseline=draft=none  # last: it wins over a draft in OVERRIDES
+    $py -m pipeline +experiment=serve_eagle3_bcg "$@" $baseline serve.max_batch_size=$n serve.port=8100 \
+      tracking.run_name=${name}_${side}_$n > /tmp/serve_${name}_${side}_$n.log 2>&1 &
+    pid=$!
+    for t in ${TEMPS:-0 1.0}; do
+      $py benchmarks/load_test.py --url http://127.0.0.1:8100 --wait-s 600 --clients $n \
+        --duration ${DURATION:-15} --max-tokens 128 --chat --ignore-eos --stream --temperature $t \
+        --prompts engine/data/mt_bench/question.jsonl --json "$dir/${side}_n${n}_t${t}.json" \
+        --label "$name $side N=$n T=$t" 2>&1 | tee -a "$OUT/serve_levels.log"
+    done
+    kill -INT $pid; wait $pid
+    grep -E "^\[serve\] (adaptive k|stopped)" /tmp/serve_${name}_${side}_$n.log | cut -c1-300 | tee -a "$OUT/serve_levels.log"
+  done
 done
+echo "$name: draft / no draft" | tee -a "$OUT/serve_levels.log"
+$py benchmarks/load_test.py --ratios "$dir" | tee -a "$OUT/serve_levels.log"

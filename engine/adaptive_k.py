@@ -1,66 +1,152 @@
-"""k that follows the load: the draft tokens of each round, from the measured cost of a round at each
-capture size and the running acceptance.
+"""k that follows the load: each round's draft tokens from what a round costs and what it yields.
 
-A round of k drafts over a bucket of B rows costs t(B, k) (measured once, after capture, by replaying
-each round graph: `measure_round_costs`) and emits E(k) = 1 + r_0 + ... + r_{k-1} tokens per row,
-r_i the share of rounds whose draft token i is accepted (acceptance is a prefix, so r_i falls with i).
-Per row and second a round then yields E(k) / t(B, k): the policy picks the k that maximises it for
-the bucket the live rows fall in. k = 0 (plain decoding) wins where drafting does not pay: a large
-batch whose verify of B x (k + 1) tokens costs more than the tokens it buys.
+A round of k drafts over a bucket of B rows (the smallest capture size >= the live rows) takes
+t(B, k, v) + h(B) seconds, v the round's variant (sampled when a row samples: its accept differs), h
+the host's time between rounds. Row j emits 1 + R_j(k) tokens, R(k) = r_0 + ... + r_{k-1}, r_i =
+c_0 c_1 ... c_i with c_i the rate at which draft i is accepted once 0..i-1 were, kept apart for greedy
+and sampled rows; a row that does not speculate (its request opted out) emits 1 whatever k. Each round
+takes the k with the most tokens per second over its rows, so k = 0 (plain decoding) wherever drafting
+does not pay at this batch size and temperature mix.
 
-The rates start from a prior (`prior ** (i + 1)`) and follow the rounds (an exponential average per
-position, over the positions the round drafted); positions a smaller k did not draft keep their last
-estimate, so the policy can go back to a larger k when acceptance rises.
-
-    costs      {B: {k: seconds}}   per capture size and k
-    choose(b)  -> k for a round over b rows (the smallest capture size >= b; the largest above all)
-    observe(accepted, k)           a round's accepted drafts per live row
-    table()    -> {B: k}           what it would choose now, per capture size (logged)
+Costs: t starts from the capture-time table (`measure_round_costs`: replays over dead rows, the greedy
+and sampled variants) and follows each served round's own time (launch to tokens on the host, at real
+kv lengths), h follows the gap since the previous round; both are exponential averages.
+Acceptance: c_i follows the rows that reached draft i (an exponential average from `prior`, weight
+`alpha` a row). Recovery:
+every `explore_every` rounds of a bucket, `explore_rounds` rounds draft one more token than the best
+k, so a position the policy stopped drafting is measured again and k climbs back when it pays. Rows
+whose draft missed the last round (k = 0 rounds do not advance it: its first proposal is stale) and
+rows that do not speculate teach nothing about acceptance.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 import torch
 
+Costs = dict[int, dict[int, float]]  # {B: {k: seconds}}: one round variant's cost per capture size and k
+
+
+@dataclass(frozen=True)
+class Mix:
+    """A round's live rows by what a draft buys them."""
+
+    greedy: int = 0  # greedy rows that speculate
+    sampled: int = 0  # sampled rows that speculate
+    plain: int = 0  # rows that do not speculate: one token a round whatever k
+    sampled_round: bool = False  # some row samples: the round's sampled variant runs
+
+    @property
+    def rows(self) -> int:
+        return self.greedy + self.sampled + self.plain
+
 
 class AdaptiveK:
-    def __init__(self, costs: dict[int, dict[int, float]], k_max: int, prior: float = 0.7, alpha: float = 0.02):
+    def __init__(
+        self,
+        costs: Costs,
+        k_max: int,
+        prior: float = 0.7,
+        alpha: float = 0.02,
+        sampled_costs: Optional[Costs] = None,  # the sampled variant's (None: the greedy costs)
+        beta: float = 0.1,  # weight of a served round's time in its cost estimate
+        explore_every: int = 32,
+        explore_rounds: int = 2,
+    ):
         if not costs or any(not per_k for per_k in costs.values()):
             raise ValueError("adaptive k needs a measured round cost per capture size and k")
-        self.costs, self.k_max, self.alpha = costs, k_max, alpha
-        self.rates = [prior ** (i + 1) for i in range(k_max)]
+        self.k_max, self.alpha, self.beta = k_max, alpha, beta
+        self.explore_every, self.explore_rounds = explore_every, explore_rounds
         self.sizes = sorted(costs)
+        self._ks = {b: sorted(per_k) for b, per_k in costs.items()}
+        sampled_costs = sampled_costs or costs
+        self.cost = {(b, k, s): c[b][k] for s, c in ((False, costs), (True, sampled_costs)) for b in c for k in c[b]}
+        self.host = dict.fromkeys(self.sizes, 0.0)  # h(B)
+        self.rates = {False: [prior] * k_max, True: [prior] * k_max}  # c_i per kind (sampled?)
+        self.rounds: Counter = Counter()  # rounds chosen per bucket (the exploration clock)
+        self._explore_left = dict.fromkeys(self.sizes, 0)
 
     def bucket(self, b: int) -> int:
         return next((s for s in self.sizes if s >= b), self.sizes[-1])
 
-    def expected_tokens(self, k: int) -> float:
-        return 1.0 + sum(self.rates[:k])
+    def ks(self, b: int) -> list[int]:
+        return self._ks[self.bucket(b)]
 
-    def choose(self, b: int) -> int:
-        per_k = self.costs[self.bucket(b)]
-        return max(per_k, key=lambda k: (self.expected_tokens(k) / per_k[k], -k))  # ties: the smaller k
+    def expected_drafts(self, sampled: bool) -> list[float]:
+        """[R(0), ..., R(k_max)]: the draft tokens a speculating row keeps per round of k drafts."""
+        out, reach = [0.0], 1.0
+        for c in self.rates[sampled]:
+            reach *= c
+            out.append(out[-1] + reach)
+        return out
 
-    def observe(self, accepted: list[int], k: int) -> None:
-        for a in accepted:
+    def best(self, b: int, mix: Optional[Mix] = None) -> int:
+        """The k with the most tokens per second for a round over b rows (None: b greedy rows); ties: the smaller."""
+        mix, bucket = mix or Mix(greedy=b), self.bucket(b)
+        greedy, sampled, host = self.expected_drafts(False), self.expected_drafts(True), self.host[bucket]
+
+        def tokens_per_s(k: int) -> float:
+            tokens = mix.rows + mix.greedy * greedy[k] + mix.sampled * sampled[k]
+            return tokens / (self.cost[bucket, k, mix.sampled_round] + host)
+
+        return max(self.ks(b), key=lambda k: (tokens_per_s(k), -k))
+
+    def choose(self, b: int, mix: Optional[Mix] = None) -> int:
+        """The round's k: the best, or in an exploration run the next larger one."""
+        mix, bucket, ks = mix or Mix(greedy=b), self.bucket(b), self.ks(b)
+        k = self.best(b, mix)
+        self.rounds[bucket] += 1
+        if self.rounds[bucket] % self.explore_every == 0:
+            self._explore_left[bucket] = self.explore_rounds
+        if self._explore_left[bucket] and mix.greedy + mix.sampled and k < ks[-1]:
+            self._explore_left[bucket] -= 1
+            return ks[ks.index(k) + 1]
+        return k
+
+    def observe(self, k: int, greedy: list[int], sampled: list[int]) -> None:
+        """A round of k drafts: the draft tokens accepted by each speculating row whose draft was current.
+        Position i's rows (those that reached it) count as that many steps of the average, at their mean."""
+        for kind, accepted in ((False, greedy), (True, sampled)):
+            rates, stopped, reach = self.rates[kind], [0] * (k + 1), len(accepted)
+            for a in accepted:
+                stopped[a] += 1  # rows whose first rejection is at a (k: none)
             for i in range(k):
-                self.rates[i] += self.alpha * ((a > i) - self.rates[i])
+                if not reach:
+                    break
+                kept = reach - stopped[i]  # rows that reached i and kept it
+                rates[i] += (1 - (1 - self.alpha) ** reach) * (kept / reach - rates[i])
+                reach = kept
 
-    def table(self) -> dict[int, int]:
-        return {size: self.choose(size) for size in self.sizes}
+    def observe_cost(self, b: int, k: int, sampled_round: bool, round_s: float, host_s: Optional[float]) -> None:
+        """A served round's time (launch to tokens on the host) and the host's gap before it (None: the
+        first round after a prefill)."""
+        bucket = self.bucket(b)
+        key = (bucket, k, sampled_round)
+        self.cost[key] += self.beta * (round_s - self.cost[key])
+        if host_s is not None:
+            self.host[bucket] += self.beta * (host_s - self.host[bucket])
+
+    def table(self, sampled: bool = False) -> dict[int, int]:
+        """What it would choose now per capture size, for rows that all speculate and are all greedy
+        (or all sampled)."""
+        return {
+            size: self.best(size, Mix(sampled=size, sampled_round=True) if sampled else Mix(greedy=size))
+            for size in self.sizes
+        }
 
 
 def measure_round_costs(
     run: Callable[[int, int], None], sizes: list[int], ks: list[int], device: torch.device, repeats: int = 5
-) -> dict[int, dict[int, float]]:
+) -> Costs:
     """{B: {k: seconds}}: the median of `repeats` timed calls of run(B, k) (one round over B rows with
     k drafts, on rows that are not live: every write goes to the dummy slot), after one untimed."""
     cuda = device.type == "cuda"
-    costs: dict[int, dict[int, float]] = {}
+    costs: Costs = {}
     for size in sizes:
         costs[size] = {}
         for k in ks:

@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.adaptive_k import AdaptiveK, measure_round_costs
+from engine.adaptive_k import AdaptiveK, Mix, measure_round_costs
 from engine.drafts.base import Draft, FeatureKind, SpecState
 from engine.errors import ConfigError
 from engine.graphs.graph_set import GraphSet, round_name
@@ -148,6 +148,9 @@ class SpecDecoder:
         self.prefill_runner, self.prefill_cache = None, None
         self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
         self.ks_used: Counter = Counter()  # rounds per k
+        self.speculating = [True] * batch_size  # host mirror of the `speculate` buffer (set at begin)
+        self._behind = [False] * batch_size  # rows whose draft missed a round (k = 0): its next proposal is stale
+        self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         device_draft = draft if draft is not None and draft.on_device else None
         if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
             if graphs.batch_size < batch_size:
@@ -246,17 +249,28 @@ class SpecDecoder:
                 cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
         return Prefill(out, tokens, valid, embeds if given else None)
 
-    def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
+    def begin(
+        self,
+        state: SpecState,
+        pre: Prefill,
+        first: Tensor,
+        rows: Optional[slice] = None,
+        speculate: Optional[list[bool]] = None,
+    ) -> None:
         """After the target's prefill: the round state of these rows (lengths, last = the first token,
-        live) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh batch of
-        exactly these prompts, rows 0..n-1; the rows after them are padding)."""
+        live, speculate) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh
+        batch of exactly these prompts, rows 0..n-1; the rows after them are padding). speculate: per
+        row, whether its drafts may be accepted (None: all; a row that may not emits what k = 0 would)."""
         n = first.shape[0]
         sl = rows if rows is not None else slice(0, n)
-        self._last_end = None  # a prefill is no host gap between rounds
+        self._last_end = self._t_end = None  # a prefill is no host gap between rounds
         lens = pre.valid.sum(1)  # [n]
+        flags = [True] * n if speculate is None else list(speculate)
+        self.speculating[sl], self._behind[sl] = flags, [False] * n
         self.buffers["last"][sl] = first
         self.buffers["lengths"][sl] = lens
         self.buffers["live"][sl] = True
+        self.buffers["speculate"][sl] = torch.tensor(flags)
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
@@ -310,15 +324,30 @@ class SpecDecoder:
         return env["out"][:, : k + 2]
 
     @torch.inference_mode()
-    def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7) -> AdaptiveK:
+    def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7, sampled: bool = False) -> AdaptiveK:
         """Measure a round of every k in 0..k over each capture size (rows that are not live: every
-        write goes to the dummy slot), then pick each round's k from those costs (engine/adaptive_k.py)."""
+        write goes to the dummy slot), greedy and with `sampled` the sampled variant too, then pick each
+        round's k from those costs and what served rounds cost (engine/adaptive_k.py)."""
         ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
-        greedy = RowSampling.uniform(SamplingParams())
         self.buffers["live"].fill_(False)
-        costs = measure_round_costs(lambda b, k: self.run_round(b, greedy, 1, k=k), sizes, ks, self.device)
-        self.adaptive = AdaptiveK(costs, self.k, prior)
+        variants = [RowSampling.uniform(SamplingParams())]
+        if sampled:
+            rng = torch.Generator(device=self.device).manual_seed(0)
+            variants.append(RowSampling.uniform(SamplingParams(temperature=1.0), rng))
+        costs = [
+            measure_round_costs(lambda b, k, s=s: self.run_round(b, s, 1, k=k), sizes, ks, self.device)
+            for s in variants
+        ]
+        self.adaptive = AdaptiveK(costs[0], self.k, prior, sampled_costs=costs[-1] if sampled else None)
         return self.adaptive
+
+    def _mix(self, state: SpecState, sampling: RowSampling, b: int, greedy_rows: Optional[list[bool]]) -> Mix:
+        """The round's live rows by kind (adaptive k): greedy_rows per row, or every row as `sampling` says."""
+        greedy = [sampling.all_greedy] * b if greedy_rows is None else greedy_rows
+        live = [i for i in range(b) if state.live[i]]
+        spec = [i for i in live if self.speculating[i]]
+        g = sum(greedy[i] for i in spec)
+        return Mix(g, len(spec) - g, len(live) - len(spec), not sampling.all_greedy)
 
     def round(
         self,
@@ -326,13 +355,18 @@ class SpecDecoder:
         sampling: SamplingParams | RowSampling,
         generator: Optional[torch.Generator] = None,
         rows: Optional[int] = None,
+        greedy_rows: Optional[list[bool]] = None,
     ) -> RoundResult:
         """One round over the first `rows` rows of `state` (default: all): propose k, verify k + 1, accept,
         draft extend, advance the live rows' history and lengths (host mirror). k is the generator's, or
-        with adaptive k the policy's for this many rows. The round's one sync: its `out` to the host."""
-        b, clock = rows or len(state.lengths), self.clock
-        k = self.k if self.adaptive is None else self.adaptive.choose(b)
+        with adaptive k the policy's for these rows (greedy_rows: which are greedy, when `sampling` is per
+        row). The round's one sync: its `out` to the host."""
+        t0, b, clock = time.perf_counter(), rows or len(state.lengths), self.clock
         sampling = as_rows(sampling, generator).head(b)
+        k, mix = self.k, None
+        if self.adaptive is not None:
+            mix = self._mix(state, sampling, b, greedy_rows)
+            k = self.adaptive.choose(b, mix)
         marks: list[tuple[str, object]] = [("draft", clock.mark())]
         if self._last_end is not None:  # the stream waited for the host since the last round
             clock.span("host", self._last_end, marks[0][1])
@@ -366,8 +400,20 @@ class SpecDecoder:
                 state.lengths[i] += len(new[i])
         self.ks_used[k] += 1
         if self.adaptive is not None:
-            self.adaptive.observe([a for a, live in zip(acc, state.live) if live], k)
+            host_s = t0 - self._t_end if self._t_end is not None else None
+            self._observe(state, b, k, mix, greedy_rows, acc, now - t0, host_s)
+        self._t_end = now
+        if self.device_draft is not None:  # a k = 0 round leaves the draft behind; a drafting round catches up
+            self._behind[:b] = [k == 0 and live for live in state.live[:b]]
         return RoundResult(acc, new, now, k)
+
+    def _observe(self, state, b, k, mix, greedy_rows, acc, round_s, host_s) -> None:
+        """What adaptive k learns from a round: its time, and the acceptance of the rows that speculated
+        on a current draft."""
+        self.adaptive.observe_cost(b, k, mix.sampled_round, round_s, host_s)
+        kinds = [not mix.sampled_round] * b if greedy_rows is None else greedy_rows
+        seen = [i for i in range(b) if state.live[i] and self.speculating[i] and not self._behind[i]]
+        self.adaptive.observe(k, [acc[i] for i in seen if kinds[i]], [acc[i] for i in seen if not kinds[i]])
 
 
 class Generator(SpecDecoder):

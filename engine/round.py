@@ -7,6 +7,8 @@ costs one device->host copy: `out`, read by the host to emit tokens.
     last     [B]        int64  each row's last emitted token (not yet in the target cache)
     lengths  [B]        int64  tokens in the target cache (= the position of `last`)
     live     [B]        bool   rows still generating; others ride along writing only the dummy slot
+    speculate [B]       bool   rows whose drafts may be accepted (written at join); the others accept
+                               none and emit what a k = 0 round would (a request that opted out)
     draft    [B, K]     int64  the round's draft tokens (the first k): the chain writes them (device
                                drafts), or the host copies them in (n-gram, oracle)
     out      [B, K + 2] int64  [a, the emitted tokens]: d_1..d_a then the bonus at index a (first k + 2)
@@ -22,7 +24,8 @@ Phases (engine/program.py: each is its own graph replay, so a clock can time the
     draft    the k-step chain (device drafts): draft.propose_steps -> draft
     verify   tokens [b, k+1] = [last, draft] at positions lengths + 0..k, valid = live -> the target's
              forward (scoped under "t."); accept on the device: greedy (argmax, cumprod of matches)
-             or rejection sampling (an eager break: rows draw from their own generators) -> out
+             or rejection sampling (an eager break: rows draw from their own generators), none for
+             rows that do not speculate -> out
     extend   draft.commit_steps over the k + 1 verified positions (features, emitted, accepted), then
              lengths += a + 1 and last = bonus for live rows
 
@@ -59,6 +62,7 @@ def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
         "last": row((), torch.long, 0),
         "lengths": row((), torch.long, 0),
         "live": row((), torch.bool, False),
+        "speculate": row((), torch.bool, None),
         "draft": row((k,), torch.long, 0),
         "out": row((k + 2,), torch.long, None),
     }
@@ -86,15 +90,16 @@ def _accept(k: int, sampled: bool, kernels: bool):
     be). kernels: one launch (kernels/accept.py) for the greedy rule, else plain torch."""
 
     def fn(env: dict) -> None:
-        draft, out = env["draft"][:, :k], env["out"]  # [b, k], [b, K+2]
+        draft, out, speculate = env["draft"][:, :k], env["out"], env["speculate"]  # [b, k], [b, K+2], [b]
         sampling = env.get("sampling")
         if kernels and not sampled:
-            accepted, bonus = accept_kernel(env["t.ids"], draft, out)
+            accepted, bonus = accept_kernel(env["t.ids"], draft, out, speculate)
         else:
             if sampled:  # [b, k+1, vocab] logits; one-hot q: the chain is greedy (at capture: no sampling yet)
-                accepted, bonus = verify(env["t.logits"], draft, None, sampling or SamplingParams())
+                params = sampling or SamplingParams()
+                accepted, bonus = verify(env["t.logits"], draft, None, params, speculate=speculate)
             else:
-                accepted, bonus = accept_greedy(env["t.ids"], draft)  # [b], [b]
+                accepted, bonus = accept_greedy(env["t.ids"], draft, speculate)  # [b], [b]
             write_out_reference(draft, accepted, bonus, out)
         env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1 : k + 2]
 

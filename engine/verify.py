@@ -17,6 +17,9 @@ proposes.
 Per row (`engine.sampling.RowSampling`, serve: every request its own setting): greedy rows take the
 greedy rule, the others rejection sampling with their own temperature / top-p / generator; a
 batch of only greedy rows runs the greedy rule alone (no probabilities, no random numbers).
+
+speculate [b] bool (None: all): a row that does not speculate accepts none and its bonus is what a
+k = 0 round emits (greedy: the argmax at position 0; sampled: a draw from p_0, its q masked to 0).
 """
 
 from __future__ import annotations
@@ -31,8 +34,8 @@ from engine.sampling import RowSampling, SamplingParams, as_rows, probs_from_log
 from kernels.accept import accept_greedy_reference as accept_greedy  # the greedy rule (plain torch)
 
 
-def verify_greedy(logits: Tensor, draft: Tensor) -> tuple[Tensor, Tensor]:
-    return accept_greedy(logits.argmax(-1), draft)
+def verify_greedy(logits: Tensor, draft: Tensor, speculate: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
+    return accept_greedy(logits.argmax(-1), draft, speculate)
 
 
 def verify_sampling(
@@ -41,6 +44,7 @@ def verify_sampling(
     q: Optional[Tensor],
     params: SamplingParams | RowSampling,
     generator: Optional[torch.Generator] = None,
+    speculate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     s = as_rows(params, generator)
     b, k1, vocab = logits.shape
@@ -55,6 +59,9 @@ def verify_sampling(
     q_d = q.gather(-1, draft[..., None])[..., 0].float()
     u = s.rand(b, k, logits.device)
     accepted = (u * q_d < p_d).int().cumprod(1).sum(1)  # [b]
+    if speculate is not None:  # rows that do not speculate keep none; q_0 = 0 leaves p_0 as the residual
+        accepted = accepted * speculate
+        q = q * speculate[:, None, None]
 
     rows = torch.arange(b, device=logits.device)
     p_a = p[rows, accepted]  # [b, vocab]
@@ -71,13 +78,14 @@ def verify(
     q: Optional[Tensor],
     params: SamplingParams | RowSampling,
     generator: Optional[torch.Generator] = None,
+    speculate: Optional[Tensor] = None,
 ) -> tuple[Tensor, Tensor]:
     s = as_rows(params, generator)
     if s.all_greedy:
-        return verify_greedy(logits, draft)
-    accepted, bonus = verify_sampling(logits, draft, q, s)
+        return verify_greedy(logits, draft, speculate)
+    accepted, bonus = verify_sampling(logits, draft, q, s, speculate=speculate)
     if isinstance(s.greedy, Tensor):  # a mixed batch: greedy rows keep the greedy rule exactly
-        g_accepted, g_bonus = verify_greedy(logits, draft)
+        g_accepted, g_bonus = verify_greedy(logits, draft, speculate)
         accepted = torch.where(s.greedy, g_accepted.to(accepted.dtype), accepted)
         bonus = torch.where(s.greedy, g_bonus, bonus)
     return accepted, bonus

@@ -386,7 +386,8 @@ class EvalStage(Stage):
         )
         gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
         if e.adaptive_k and plan is not None:
-            table = gen.enable_adaptive_k(graphs.sizes if graphs is not None else [e.batch_size]).table()
+            sizes = graphs.sizes if graphs is not None else [e.batch_size]
+            table = gen.enable_adaptive_k(sizes, sampled=e.temperature > 0).table(sampled=e.temperature > 0)
             metrics.update({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
         if plan is None or not plan.spec.needs_baseline:  # the oracle replays the baseline: no warmup
             self._warmup(gen, data, target, rng, e)

@@ -148,10 +148,14 @@ class ServeStage(Stage):
         draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
         if s.adaptive_k and k > 0:
-            table = decoder.enable_adaptive_k(graphs.sizes if graphs is not None else [s.max_batch_size]).table()
-            print(f"[serve] adaptive k (rows -> draft tokens at the start): {table}", flush=True)
+            sizes = graphs.sizes if graphs is not None else [s.max_batch_size]
+            policy = decoder.enable_adaptive_k(sizes, sampled=True)  # requests may sample: both variants
+            table, sampled = policy.table(), policy.table(sampled=True)
+            line = f"[serve] adaptive k at the start (rows -> draft tokens): greedy {table}, sampled {sampled}"
+            print(line, flush=True)
             if env.tracker is not None:
                 env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
+                env.tracker.log_metrics({f"adaptive_k_sampled.b{size}": float(kk) for size, kk in sampled.items()})
         scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
         limits = ApiLimits(
             model_name(cfg),

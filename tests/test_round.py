@@ -133,6 +133,11 @@ def test_accept_and_advance_kernels_equal_their_references(k):
     emitted = torch.cat([drafts[:, :k], rbonus[:, None]], 1)
     emitted[torch.arange(b), ra] = rbonus
     assert torch.equal(out[:, 1 : k + 2], emitted) and (out[:, k + 2 :] == -7).all()  # nothing past k + 2
+    speculate = (torch.arange(b) % 4 != 1).to(device)  # rows that do not speculate: a = 0, bonus = target[0]
+    sa, sbonus = accept_kernel(target, drafts[:, :k], out, speculate)
+    ra, rbonus = accept_greedy(target, drafts[:, :k], speculate)
+    assert torch.equal(sa, ra) and torch.equal(sbonus, rbonus) and (sa[~speculate] == 0).all()
+    assert torch.equal(sbonus[~speculate], target[~speculate, 0]) and torch.equal(sa[speculate], a[speculate])
     lengths = torch.randint(5, 50, (b,), generator=g).to(device)
     last = torch.randint(0, 9, (b,), generator=g).to(device)
     live = (torch.arange(b) % 3 != 0).to(device)
@@ -261,22 +266,6 @@ def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
 
 
 # ------------------------------------------------------------------------------------------ adaptive k
-def test_adaptive_k_picks_the_k_that_maximises_tokens_per_second():
-    from engine.adaptive_k import AdaptiveK
-
-    costs = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 8: {0: 1.0, 1: 2.0, 2: 2.9, 3: 3.8}}  # seconds per round
-    policy = AdaptiveK(costs, 3, prior=0.8)
-    assert policy.choose(1) == 3  # cheap drafts: (1 + .8 + .64 + .51) / 1.3 is the best
-    assert policy.choose(5) == 0 and policy.choose(64) == 0  # bucket 8 (and above): verify costs too much
-    assert policy.table() == {1: 3, 8: 0}
-    for _ in range(400):  # the draft stops being accepted at all
-        policy.observe([0, 0, 0], 3)
-    assert policy.rates[0] < 0.05 and policy.choose(1) == 0
-    for _ in range(400):  # accepted again: the positions k = 0 did not draft still hold their estimate
-        policy.observe([1, 1], 1)
-    assert policy.choose(1) == 1 and policy.rates[1] < 0.1
-
-
 def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     """Rounds of a batch of 1 draft 3 tokens and rounds of 4 rows none (the table), through the round
     runner (debug backend: every k captured) and its eager fallback; the output is the target's."""
@@ -302,6 +291,86 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     assert got == base
     assert set(gen.ks_used) == {0, 3}
     assert gs.stats()[round_name(3)].replays > 0 and gs.stats()[round_name(0)].replays > 0
+    policy = gen.adaptive  # the rounds it ran replaced the table's seconds with their own (and the host's gap)
+    assert policy.cost[1, 3, False] < 1.0 and policy.cost[4, 0, False] < 1.0 and policy.host[1] > 0
+    assert policy.cost[4, 3, False] == 9.0  # never ran: still the table's
+
+
+def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
+    """k = 0 rounds do not advance the draft, so the next drafting round proposes from a stale state: its
+    rows are not observed; the round after it is (a scripted policy records what the decoder feeds it)."""
+    from engine.adaptive_k import AdaptiveK
+
+    class Scripted(AdaptiveK):
+        def __init__(self, ks):
+            super().__init__({1: {0: 1.0, 3: 1.0}}, 3)
+            self.script, self.seen = list(ks), []
+
+        def choose(self, b, mix=None):
+            return self.script.pop(0)
+
+        def observe(self, k, greedy, sampled):
+            self.seen.append((k, len(greedy) + len(sampled)))
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1,), batch=1)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    gen = spec_generator(target, plan, head, gs, k, 1, params)
+    gen.adaptive = Scripted([3, 0, 0, 3, 3] + [3] * 12)
+    prompt = _prompts(1, seed=5)
+    assert gen.generate(prompt, params)[0].tokens == Generator(target, 1).generate(prompt, params)[0].tokens
+    assert gen.adaptive.seen[:5] == [(3, 1), (0, 1), (0, 0), (3, 0), (3, 1)]
+
+
+def test_a_row_that_does_not_speculate_emits_what_k_0_would():
+    """Through the scheduler, with the oracle draft (it proposes the target's own greedy continuation, so
+    a speculating row keeps every draft): the row whose request turned speculation off keeps none and
+    its output is the no-draft output, in a greedy batch (the accept kernel where it runs) and beside a
+    sampled row (the sampled round's accept)."""
+    import threading
+
+    from engine.drafts.lookup.drafts import OracleDraft
+    from engine.generate import SpecDecoder
+    from engine.serve.scheduler import GenerationRequest, Scheduler
+
+    _, target = pair()
+    prompts, n = _prompts(2, seed=23), 10
+    base = [
+        Generator(target, 1).generate([p], SamplingParams(max_new_tokens=n + 6, ignore_eos=True))[0].tokens
+        for p in prompts
+    ]
+    for temperature in (0.0, 1.0):
+        draft = OracleDraft([b[1:] for b in base], [len(p) + 1 for p in prompts])  # references after the first token
+        sched = Scheduler(SpecDecoder(target, 2, draft, 3), 2, 8)
+        done = threading.Semaphore(0)
+        sink = lambda ev, done=done: ev.finish_reason and done.release()  # noqa: E731
+        off = GenerationRequest(prompts[0], n, sink, speculative=False)
+        on = GenerationRequest(prompts[1], n, sink, temperature=temperature, seed=3)
+        for r in (off, on):
+            sched.submit(r)
+        sched.start()
+        assert done.acquire(timeout=60) and done.acquire(timeout=60)
+        sched.close()
+        assert off.output == base[0][:n] and set(off.accepts) == {0} and off.draft_tokens == 0
+        assert len(off.accepts) == n - 1  # one token a round, as without a draft
+        if temperature == 0:
+            assert on.output == base[1][:n] and on.accepts[0] == 3 and on.draft_tokens == 3 * len(on.accepts)
+        assert sched.stats.draft_tokens == on.draft_tokens and sched.stats.accepted_tokens == sum(on.accepts)
+
+
+def test_a_sampled_row_that_does_not_speculate_draws_from_p0():
+    """verify with speculate False: nothing accepted and the bonus distributed as p_0 itself (the
+    drafted token included, which a rejection's residual would exclude); speculating rows accept."""
+    g = torch.Generator().manual_seed(4)
+    n, vocab = 20000, 6
+    logits = (torch.randn(1, 3, vocab, generator=g) * 1.5).expand(n, 3, vocab)
+    draft = logits[:, :2].argmax(-1)  # the likeliest tokens: a speculating row accepts them often
+    rows = RowSampling.uniform(SamplingParams(temperature=1.0), torch.Generator().manual_seed(5))
+    speculate = torch.arange(n) % 2 == 0
+    a, bonus = verify(logits, draft, None, rows, speculate=speculate)
+    assert (a[~speculate] == 0).all() and a[speculate].float().mean() > 0.3
+    p0 = torch.softmax(logits[0, 0], -1)
+    freq = torch.bincount(bonus[~speculate], minlength=vocab).float() / (n // 2)
+    assert (freq - p0).abs().max() < 0.02, (freq, p0)
 
 
 def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():

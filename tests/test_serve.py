@@ -72,6 +72,16 @@ CONFIGS = {
         "model.max_seq_len=256",
         "serve.max_batch_size=4",
     ),
+    # k = 3 every round (no adaptive k): a request's draft tokens are known
+    "eagle3_k3": (
+        "+experiment=serve_eagle3_bcg",
+        *BASE,
+        *EAGLE3,
+        "graph=debug",
+        "model.max_seq_len=256",
+        "serve.max_batch_size=2",
+        "serve.adaptive_k=false",
+    ),
     # one slot, one waiting request: queue-full and disconnect tests; long generations
     "tight": ("+experiment=serve", *BASE, "serve.max_batch_size=1", "serve.max_queue=1"),
 }
@@ -149,6 +159,14 @@ def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) ->
     params = SamplingParams(max_new_tokens=max_tokens)
     draft = make_draft(plan, head, loaded.model, 1, cfg.draft.num_steps, cfg=cfg.draft)
     gen = Generator(loaded.model, 1, draft, cfg.draft.num_steps if plan is not None else 0)
+    return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
+
+
+def no_draft_reference(served: Served, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """What the same target emits without a draft, one prompt at a time."""
+    cfg, env = served.cfg, served.plan.env
+    loaded = load_model(cfg.model, env.weights_dir, env.device, env.dtype)
+    gen, params = Generator(loaded.model, 1), SamplingParams(max_new_tokens=max_tokens)
     return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
 
 
@@ -394,6 +412,44 @@ def test_models_health_and_metrics(servers):
         assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
 
 
+def test_a_request_turns_speculation_off_and_its_usage_and_metrics_say_so(servers):
+    """`"speculative": false` (the openai client's extra_body): no draft token kept, the output of the
+    server without a draft; every response's usage carries its speculation figures (the streamed one in
+    its final chunk) and /metrics adds them up."""
+    s, tok = servers("eagle3_k3"), ByteTokenizer()
+    want = [tok.decode(r) for r in no_draft_reference(s, [tok.encode(PROMPTS[0]), tok.encode_chat(PROMPTS[1])], N)]
+    before = s.metrics()
+    on = complete(s, PROMPTS[0])
+    off = complete(s, PROMPTS[0], extra_body={"speculative": False})
+    chunks = list(
+        chat(s, PROMPTS[1], stream=True, stream_options={"include_usage": True}, extra_body={"speculative": False})
+    )
+    after = s.metrics()
+    assert on.choices[0].text == off.choices[0].text == want[0]  # lossless either way
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want[1]
+
+    spec_on, spec_off, spec_stream = on.usage.speculation, off.usage.speculation, chunks[-1].usage.speculation
+    rounds = spec_on["verify_rounds"]
+    assert rounds > 0 and spec_on["draft_tokens"] == 3 * rounds and spec_on["mean_k"] == 3.0  # k = 3 every round
+    assert spec_on["accept_length"] == (spec_on["accepted_tokens"] + rounds) / rounds
+    assert on.usage.completion_tokens <= 1 + rounds + spec_on["accepted_tokens"]  # the prefill's token, then rounds
+    for spec, usage in ((spec_off, off.usage), (spec_stream, chunks[-1].usage)):
+        assert spec["draft_tokens"] == spec["accepted_tokens"] == 0 and spec["mean_k"] == 0.0
+        assert spec["accept_length"] == 1.0 and usage.completion_tokens == 1 + spec["verify_rounds"]
+
+    def delta(key: str) -> float:
+        return after.get(key, 0) - before.get(key, 0)
+
+    specs = (spec_on, spec_off, spec_stream)
+    assert delta("specpipe_draft_tokens_proposed_total") == sum(x["draft_tokens"] for x in specs)
+    assert delta("specpipe_draft_tokens_accepted_total") == sum(x["accepted_tokens"] for x in specs)
+    assert delta("specpipe_requests_not_speculative_total") == 2
+    assert delta("specpipe_request_accept_length_count") == 3
+    assert delta("specpipe_request_accept_length_sum") == pytest.approx(sum(x["accept_length"] for x in specs))
+    assert delta("specpipe_request_draft_tokens_per_round_sum") == pytest.approx(3.0)
+    assert delta("specpipe_request_draft_tokens_per_round_bucket{le=0.0}") == 2  # the two that turned it off
+
+
 # ------------------------------------------------------------------------------------------ load
 def test_bounded_load_has_no_failed_request(servers):
     import asyncio
@@ -416,6 +472,29 @@ def test_bounded_load_has_no_failed_request(servers):
     assert res.failures == 0, res.errors
     assert res.requests >= 4 and res.pct(50) <= res.pct(99) and len(res.ttfts) == res.requests
     assert res.tokens == 16 * res.requests  # ignore_eos: exactly max_tokens each
+    row = res.row()  # the streamed usages' speculation, added up
+    assert res.verify_rounds >= 15 * res.requests / 4 and row["accept_length"] >= 1.0 and row["k_mean"] >= 0
+
+
+def test_serve_levels_ratio_table(tmp_path):
+    """benchmarks/serve_levels.sh's table: draft / no draft per level and temperature from the --json rows,
+    a level measured on one side only left out."""
+    lt = benchmark_module("load_test")
+
+    def rows(side: str, n: int, t: float, tok_s: float, **extra):
+        path = tmp_path / f"{side}_n{n}_t{t}.json"
+        path.write_text(json.dumps([{"clients": n, "temperature": t, "tokens_per_s": tok_s, "failures": 0, **extra}]))
+
+    rows("draft", 1, 0.0, 300.0, accept_length=2.5, k_mean=4.0)
+    rows("none", 1, 0.0, 200.0)
+    rows("draft", 8, 1.0, 900.0, accept_length=1.2, k_mean=0.5)
+    rows("none", 8, 1.0, 1000.0)
+    rows("draft", 32, 0.0, 1.0)  # no baseline: not in the table
+    lines = lt.ratio_table(str(tmp_path)).splitlines()
+    assert len(lines) == 3 and lines[0].split()[:2] == ["clients", "temp"]
+    assert lines[1].split()[:5] == ["1", "0", "300.0", "200.0", "1.50x"] and "2.50" in lines[1]
+    assert lines[2].split()[:5] == ["8", "1", "900.0", "1000.0", "0.90x"]
+    assert "no level measured" in lt.ratio_table(str(tmp_path / "empty"))
 
 
 def test_load_test_waits_for_a_ready_server_and_names_a_dead_one(servers):

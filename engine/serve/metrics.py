@@ -10,10 +10,14 @@ HTTP layer observes per request.
     specpipe_rounds_total, specpipe_verify_rows_total   draft-and-verify rounds; live rows they verified
     specpipe_rounds_by_draft_tokens_total{k}, specpipe_draft_tokens   rounds per k; the last round's k
     specpipe_accept_length                           tokens per verify round and row, bonus included
+    specpipe_draft_tokens_proposed_total, specpipe_draft_tokens_accepted_total   over speculating rows
+    specpipe_requests_not_speculative_total          requests that turned speculation off
     specpipe_accept_rate{position}                   fraction of row rounds whose draft token i was kept
     specpipe_graph_replays_total{phase}, specpipe_graph_fallbacks_total{phase}   (fallback: ran eagerly)
     specpipe_queue_depth, specpipe_running_requests, specpipe_slots
     specpipe_request_latency_seconds, specpipe_time_to_first_token_seconds   histograms
+    specpipe_request_accept_length, specpipe_request_draft_tokens_per_round   histograms, per request
+                                                     that ran a verify round (its usage.speculation)
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ from engine.graphs.graph_set import GraphSet
 from engine.serve.scheduler import Scheduler
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
+ACCEPT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, float("inf"))  # tokens per round
+K_BUCKETS = (0, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, float("inf"))  # draft tokens per round
 
 
 class _EngineCollector(Collector):
@@ -61,6 +67,15 @@ class _EngineCollector(Collector):
             "specpipe_accept_length",
             "Tokens emitted per verify round and row, bonus included",
             value=st.accept_length if st.row_rounds else 0.0,
+        )
+        yield CounterMetricFamily(
+            "specpipe_draft_tokens_proposed", "Draft tokens proposed to speculating rows", value=st.draft_tokens
+        )
+        yield CounterMetricFamily("specpipe_draft_tokens_accepted", "Draft tokens accepted", value=st.accepted_tokens)
+        yield CounterMetricFamily(
+            "specpipe_requests_not_speculative",
+            "Submitted requests that turned speculation off (speculative: false)",
+            value=st.not_speculative,
         )
         rate = GaugeMetricFamily(
             "specpipe_accept_rate",
@@ -106,6 +121,18 @@ class ServeMetrics:
             "specpipe_time_to_first_token_seconds",
             "Arrival to first token",
             buckets=LATENCY_BUCKETS,
+            registry=self.registry,
+        )
+        self.accept_length = Histogram(
+            "specpipe_request_accept_length",
+            "A request's tokens per verify round, bonus included",
+            buckets=ACCEPT_BUCKETS,
+            registry=self.registry,
+        )
+        self.mean_k = Histogram(
+            "specpipe_request_draft_tokens_per_round",
+            "A request's draft tokens proposed per verify round (0: no draft, or speculation off)",
+            buckets=K_BUCKETS,
             registry=self.registry,
         )
 

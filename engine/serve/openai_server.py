@@ -3,7 +3,9 @@
     POST /v1/completions         prompt: a string (or one-element list, or token ids)
     POST /v1/chat/completions    messages through the tokenizer's chat template
         both: max_tokens (chat also max_completion_tokens), temperature, top_p, stop, seed, stream
-        (server-sent events `data: {chunk}\\n\\n` ending with `data: [DONE]`), stream_options.include_usage
+        (server-sent events `data: {chunk}\\n\\n` ending with `data: [DONE]`), stream_options.include_usage,
+        speculative (false: no draft token kept); `usage.speculation`: the request's verify rounds,
+        draft tokens proposed and accepted, accept length and mean k (sglang's meta_info spec_*)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
 Threads: the ASGI app runs on uvicorn's event loop; all torch work runs on the scheduler's engine
@@ -80,6 +82,7 @@ class _Params:
     seed: Optional[int]
     stop: tuple[str, ...]
     ignore_eos: bool
+    speculative: bool
 
 
 class _Flight:
@@ -97,6 +100,7 @@ class _Flight:
             p.top_p,
             p.seed,
             frozenset() if p.ignore_eos else tokenizer.eos_token_ids,
+            p.speculative,
         )
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
@@ -119,7 +123,7 @@ class _Flight:
     @property
     def usage(self) -> dict:
         n, m = len(self.req.prompt), len(self.req.output)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m, "speculation": speculation(self.req)}
 
     async def deltas(
         self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
@@ -165,6 +169,20 @@ class _Flight:
         finally:  # finished, or the client is gone (the response task was cancelled)
             if self.req.finish_reason is None:
                 self.scheduler.cancel(self.req)
+
+
+def speculation(req: GenerationRequest) -> dict:
+    """A request's speculation figures: verify rounds (after the prefill's first token), draft tokens
+    proposed to it and accepted, tokens per round (bonus included) and draft tokens per round; the last
+    two null before any round."""
+    rounds, accepted = len(req.accepts), sum(req.accepts)
+    return {
+        "verify_rounds": rounds,
+        "draft_tokens": req.draft_tokens,
+        "accepted_tokens": accepted,
+        "accept_length": (accepted + rounds) / rounds if rounds else None,
+        "mean_k": req.draft_tokens / rounds if rounds else None,
+    }
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -234,6 +252,7 @@ class OpenAIApp:
             body.seed,
             tuple(stop),
             body.ignore_eos,
+            body.speculative,
         )
 
     def _completion_prompt(self, body: CompletionRequest) -> list[int]:
@@ -322,6 +341,10 @@ class OpenAIApp:
         self.metrics.latency.observe(now - flight.t0)
         if flight.t_first is not None:
             self.metrics.ttft.observe(flight.t_first - flight.t0)
+        spec = speculation(flight.req)
+        if spec["verify_rounds"]:
+            self.metrics.accept_length.observe(spec["accept_length"])
+            self.metrics.mean_k.observe(spec["mean_k"])
 
     # -- routes -----------------------------------------------------------------------------------
     def _build(self) -> FastAPI:

@@ -84,6 +84,7 @@ class SamplingRequest(_Body):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (fixed-length benchmarks)
+    speculative: bool = True  # ours: false keeps no draft token (the output of the server without a draft)
 
 
 class CompletionRequest(SamplingRequest):

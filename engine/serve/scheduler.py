@@ -24,6 +24,9 @@ Sampling is per request (`engine.sampling.RowSampling`): greedy requests are exa
 batch; sampled ones use their own temperature and top-p, and a request with a `seed` draws from its
 own generator (the same output whatever else is in the batch). The draft always proposes greedily
 (its q is one-hot), so rejection sampling stays lossless for every row whatever its temperature.
+A request with `speculative=False` keeps none of the drafts (its slot's `speculate` flag, written at
+join): it gets what the server without a draft would give it, and adaptive k counts it as a row a
+draft buys nothing. Each request counts its verify rounds, draft tokens and accepted ones (its usage).
 """
 
 from __future__ import annotations
@@ -72,10 +75,12 @@ class GenerationRequest:
     top_p: float = 1.0
     seed: Optional[int] = None
     stop_ids: frozenset[int] = frozenset()
+    speculative: bool = True  # False: no draft token is kept (the output of a server without a draft)
     id: int = field(default_factory=lambda: next(_ids))
     # -- the engine's bookkeeping ------------------------------------------------------------------
     output: list[int] = field(default_factory=list)
     accepts: list[int] = field(default_factory=list)  # per round: draft tokens accepted
+    draft_tokens: int = 0  # draft tokens proposed to it, summed over its rounds (0 when not speculative)
     finish_reason: Optional[str] = None
     cancelled: Optional[str] = None  # the finish reason of a cancel: "abort" (client gone), "stop" (a stop string)
     slot: Optional[int] = None
@@ -95,7 +100,9 @@ class ServeStats:
     generated_tokens: int = 0
     rounds: int = 0
     row_rounds: int = 0  # live rows verified, summed over rounds
+    draft_tokens: int = 0  # draft tokens proposed to speculating rows, summed over row rounds
     accepted_tokens: int = 0  # draft tokens accepted, summed over row rounds
+    not_speculative: int = 0  # submitted requests that turned speculation off
     accepted_at: list[int] = field(default_factory=list)  # [k]: row rounds whose draft token i was accepted
     drafted_at: list[int] = field(default_factory=list)  # [k]: row rounds that drafted token i (adaptive k: not all)
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per draft tokens (adaptive k)
@@ -148,6 +155,7 @@ class Scheduler:
         )
         self._live_changed = True  # slots left since the last round: their live flags go to the device
         self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
+        self._greedy_rows: list[bool] = []  # with it: which of those rows are greedy (adaptive k's mix)
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
         self.waiting: deque[GenerationRequest] = deque()
         self._cv = threading.Condition()
@@ -198,6 +206,7 @@ class Scheduler:
             if self.stats.in_flight == 0:
                 self.stats.busy_since = req.t_submit
             self.stats.submitted += 1
+            self.stats.not_speculative += not req.speculative
             self.stats.prompt_tokens += len(req.prompt)
             if self.stats.first_submit is None:
                 self.stats.first_submit = req.t_submit
@@ -334,7 +343,7 @@ class Scheduler:
         first = sample(pre.out.logits[:, -1], sampling)  # [m]
         for j, req in enumerate(reqs):
             st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
-        self.dec.begin(st, pre, first, rows=rows)  # the slots' round state and the draft's prefill
+        self.dec.begin(st, pre, first, rows=rows, speculate=[r.speculative for r in reqs])  # + the draft's prefill
         toks = first.tolist()  # the join's one sync
         for j, (req, tok) in enumerate(zip(reqs, toks)):
             st.history[start + j].append(tok)
@@ -351,6 +360,7 @@ class Scheduler:
         slots' requests change."""
         if self._sampling is None:
             reqs = self.slots[: self._round_rows()]
+            self._greedy_rows = [r is None or r.temperature <= 0 for r in reqs]
             self._sampling = RowSampling.per_row(
                 [r.temperature if r else 0.0 for r in reqs],
                 [r.top_p if r else 1.0 for r in reqs],
@@ -371,7 +381,8 @@ class Scheduler:
             self.dec.push_live(self.state)
             self._live_changed = False
         rows = self._round_rows()
-        r = self.dec.round(self.state, self._row_sampling(), rows=rows)
+        sampling = self._row_sampling()
+        r = self.dec.round(self.state, sampling, rows=rows, greedy_rows=self._greedy_rows)
         stats.rounds += 1
         stats.round_s += time.perf_counter() - t0
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
@@ -379,11 +390,13 @@ class Scheduler:
         for i, req in enumerate(self.slots[:rows]):
             if req is None:
                 continue
-            a = r.accepted[i]
+            a, k = r.accepted[i], r.k if req.speculative else 0
             req.accepts.append(a)
+            req.draft_tokens += k
             stats.row_rounds += 1
+            stats.draft_tokens += k
             stats.accepted_tokens += a
-            for p in range(r.k):
+            for p in range(k):
                 stats.drafted_at[p] += 1
             for p in range(a):
                 stats.accepted_at[p] += 1
