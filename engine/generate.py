@@ -13,8 +13,11 @@ Rollback after a partial acceptance is free: validity is by position (a query at
 ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
 plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
 
-`SpecDecoder` holds the parts every caller shares: the prefill forward, the draft prefill and one
-round (propose -> verify -> commit -> advance the host state) over a batch of rows. Two callers drive it:
+`SpecDecoder` holds the parts every caller shares: the prefill forward, the rows' start (their sampling
+settings into the round's state buffers, the first token, the draft prefill) and one round (propose ->
+verify -> commit -> advance the host state) over a batch of rows. Each row samples with its own
+temperature, top-p and seed (engine/sampling.py; temperature 0: greedy), and a row may opt out of
+speculation (its output is then plain decoding's). Two callers drive it:
 
     Generator.generate   eval: a batch of prompts from prefill to the last token (below)
     engine.serve.scheduler     serve: a fixed set of slots that requests join and leave between rounds
@@ -41,7 +44,7 @@ from engine.model import ForwardOutput, LlamaModel
 from engine.phase_clock import PhaseClock
 from engine.program import run_steps
 from engine.round import round_buffers, round_program
-from engine.sampling import RowSampling, SamplingParams, as_rows, sample
+from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
 
 
 @dataclass
@@ -172,6 +175,7 @@ class SpecDecoder:
             self.buffers = round_buffers(self.k, device_draft, batch_size, self.device)
             self.policies = ("none", "none")
         self.device_draft = device_draft
+        self.sampled = [False] * batch_size  # host mirror: which rows sample (a round of any: the sampled program)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
         self._programs: dict[tuple[int, int, bool], list] = {}  # (rows, k, sampled) -> the eager round program
@@ -246,10 +250,35 @@ class SpecDecoder:
                 cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
         return Prefill(out, tokens, valid, embeds if given else None)
 
-    def begin(self, state: SpecState, pre: Prefill, first: Tensor, rows: Optional[slice] = None) -> None:
+    def start(self, state: SpecState, pre: Prefill, settings: RowSettings, rows: Optional[slice] = None) -> Tensor:
+        """After the target's prefill: the rows' settings into the round's state buffers, their first token
+        drawn from the prefill's logits (x_L at position L, stream BONUS: what a round without drafts draws
+        there), then `begin`. rows as in `begin`. -> the first tokens [n] (on the device)."""
+        n = len(settings.seed)
+        sl = rows if rows is not None else slice(0, n)
+        settings.write(self.buffers, sl)
+        self.sampled[sl] = settings.sampled
+        if not any(settings.sampled):  # greedy rows: the argmax (one launch)
+            first = pre.out.logits[:, -1].argmax(-1)  # [n]
+            self.begin(state, pre, first, rows)
+            return first
+        draws = Draws(self.buffers["temperature"][sl], self.buffers["top_p"][sl], self.buffers["seed"][sl])
+        first = draw(pre.out.logits, draws, pre.valid.sum(1), BONUS, kernels=self.model.fused)[:, 0]  # [n]
+        self.begin(state, pre, first, rows, draws)
+        return first
+
+    def begin(
+        self,
+        state: SpecState,
+        pre: Prefill,
+        first: Tensor,
+        rows: Optional[slice] = None,
+        draws: Optional[Draws] = None,
+    ) -> None:
         """After the target's prefill: the round state of these rows (lengths, last = the first token,
-        live) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh batch of
-        exactly these prompts, rows 0..n-1; the rows after them are padding)."""
+        live) and the draft's prefill (draws: the rows' sampling when some of them sample). rows: where in
+        the batch the prompts sit (None: a fresh batch of exactly these prompts, rows 0..n-1; the rows
+        after them are padding)."""
         n = first.shape[0]
         sl = rows if rows is not None else slice(0, n)
         self._last_end = None  # a prefill is no host gap between rounds
@@ -260,7 +289,8 @@ class SpecDecoder:
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
-            self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first, rows=rows)
+            feats = _features(pre.out, self.kind)
+            self.draft.begin(state, feats, pre.tokens, pre.valid, pre.embeds, first, rows=rows, draws=draws)
 
     def push_live(self, state: SpecState) -> None:
         """The host's live flags (rows that finished or left) to the device, for the next round."""
@@ -286,19 +316,19 @@ class SpecDecoder:
     def run_round(
         self,
         b: int,
-        sampling: RowSampling,
         kv_len: int,
+        sampled: bool = False,
         draft_tokens: Optional[Tensor] = None,
         on_phase=None,
         state: Optional[SpecState] = None,
         k: Optional[int] = None,
     ) -> Tensor:
         """One round of k drafts (default: the generator's) over rows 0..b-1 of the state buffers, on the
-        device; -> out [b, k+2] (a view of the state buffer, valid until the next round). draft_tokens
-        [b, k]: a host draft's proposal; state: the host mirror, for eager steps that read it."""
+        device; -> out [b, k+2] (a view of the state buffer, valid until the next round). sampled: the
+        program whose rows each follow their own sampling (else every row greedy); draft_tokens [b, k]: a
+        host draft's proposal; state: the host mirror, for eager steps that read it."""
         k = self.k if k is None else k
-        sampled = not sampling.all_greedy
-        host = {"kv_len": kv_len, "sampling": sampling, "state": state}
+        host = {"kv_len": kv_len, "state": state}
         if draft_tokens is not None:
             self.buffers["draft"][:b, :k].copy_(draft_tokens)
         runner = self.runners.get((k, sampled))
@@ -314,25 +344,19 @@ class SpecDecoder:
         """Measure a round of every k in 0..k over each capture size (rows that are not live: every
         write goes to the dummy slot), then pick each round's k from those costs (engine/adaptive_k.py)."""
         ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
-        greedy = RowSampling.uniform(SamplingParams())
         self.buffers["live"].fill_(False)
-        costs = measure_round_costs(lambda b, k: self.run_round(b, greedy, 1, k=k), sizes, ks, self.device)
+        costs = measure_round_costs(lambda b, k: self.run_round(b, 1, k=k), sizes, ks, self.device)
         self.adaptive = AdaptiveK(costs, self.k, prior)
         return self.adaptive
 
-    def round(
-        self,
-        state: SpecState,
-        sampling: SamplingParams | RowSampling,
-        generator: Optional[torch.Generator] = None,
-        rows: Optional[int] = None,
-    ) -> RoundResult:
+    def round(self, state: SpecState, rows: Optional[int] = None) -> RoundResult:
         """One round over the first `rows` rows of `state` (default: all): propose k, verify k + 1, accept,
         draft extend, advance the live rows' history and lengths (host mirror). k is the generator's, or
-        with adaptive k the policy's for this many rows. The round's one sync: its `out` to the host."""
+        with adaptive k the policy's for this many rows; the sampled program when a live row samples. The
+        round's one sync: its `out` to the host."""
         b, clock = rows or len(state.lengths), self.clock
         k = self.k if self.adaptive is None else self.adaptive.choose(b)
-        sampling = as_rows(sampling, generator).head(b)
+        sampled = any(s and live for s, live in zip(self.sampled[:b], state.live[:b]))
         marks: list[tuple[str, object]] = [("draft", clock.mark())]
         if self._last_end is not None:  # the stream waited for the host since the last round
             clock.span("host", self._last_end, marks[0][1])
@@ -345,7 +369,7 @@ class SpecDecoder:
             if self.phase_hook is not None:
                 self.phase_hook(phase)
 
-        out = self.run_round(b, sampling, max(state.lengths[:b]), draft_tokens, on_phase=on_phase, state=state, k=k)
+        out = self.run_round(b, max(state.lengths[:b]), sampled, draft_tokens, on_phase=on_phase, state=state, k=k)
         host_out = self._out_host.view(-1)[: b * (k + 2)].view(b, k + 2)  # contiguous, pinned
         host_out.copy_(out, non_blocking=True)
         end = self._last_end = clock.mark()
@@ -383,6 +407,7 @@ class Generator(SpecDecoder):
         prompt_embeds: Optional[list[Optional[Tensor]]] = None,  # per prompt [len, hidden], or None
         row_ids: Optional[list[int]] = None,  # each prompt's index in the whole set (the oracle reads it)
         sync_every: int = 1,  # without a draft: steps between host looks (_decode_on_device when > 1)
+        seeds: Optional[list[int]] = None,  # each row's seed (None: drawn from `generator` when sampling)
     ) -> list[SequenceResult]:
         b, k = len(prompts), self.k
         if not 0 < b <= self.batch_size:
@@ -392,7 +417,9 @@ class Generator(SpecDecoder):
             raise ValueError("empty prompt")
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
         stop = frozenset() if params.ignore_eos else stop_ids
-        sampling = RowSampling.uniform(params, generator)
+        if seeds is None:
+            seeds = [0] * b if params.greedy else seeds_from(generator, b)
+        settings = RowSettings.uniform(params, seeds)
         state = SpecState(
             [list(p) for p in prompts],
             list(lens),
@@ -403,10 +430,9 @@ class Generator(SpecDecoder):
 
         t0 = time.perf_counter()
         pre = self.prefill(prompts, prompt_embeds)
-        last = sample(pre.out.logits[:, -1], sampling)  # [b]
-        self.begin(state, pre, last)
+        last = self.start(state, pre, settings)  # [b]
         if k == 0 and sync_every > 1:
-            return self._decode_on_device(lens, sampling, params.max_new_tokens, stop, sync_every, t0)
+            return self._decode_on_device(lens, not params.greedy, params.max_new_tokens, stop, sync_every, t0)
 
         outs: list[list[int]] = [[] for _ in range(b)]
         accepts: list[list[int]] = [[] for _ in range(b)]
@@ -434,7 +460,7 @@ class Generator(SpecDecoder):
             state.history[i].append(t)
         while any(state.live):
             was_live = list(state.live)
-            r = self.round(state, sampling)
+            r = self.round(state)
             if emit(r.emitted, r.time):
                 self.push_live(state)
             for i in range(b):
@@ -454,7 +480,7 @@ class Generator(SpecDecoder):
         ]
 
     def _decode_on_device(
-        self, lens: list[int], sampling: RowSampling, max_new: int, stop: frozenset[int], sync_every: int, t0: float
+        self, lens: list[int], sampled: bool, max_new: int, stop: frozenset[int], sync_every: int, t0: float
     ) -> list[SequenceResult]:
         """Plain decoding with the bookkeeping on the device, for large batches (self-distillation).
 
@@ -483,7 +509,7 @@ class Generator(SpecDecoder):
             t_step = self.clock.mark()
             for _ in range(min(sync_every, max_new - 1 - step)):
                 was = live.clone()
-                self.run_round(b, sampling, longest + step)  # last <- each live row's token
+                self.run_round(b, longest + step, sampled)  # last <- each live row's token
                 out[rows, torch.where(was, count, max_new)] = last
                 count += was
                 live &= ~torch.isin(last, stop_ids) & (count < max_new)

@@ -143,7 +143,7 @@ class ServeStage(Stage):
 
         target: LoadedModel = inputs["target"]
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
-        rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
+        rng = torch.Generator().manual_seed(cfg.seed)  # the seeds of requests without one (host-side)
         k = draft_tokens(cfg)
         draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)

@@ -58,7 +58,7 @@ def chi_square_ok(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3
     """Pearson's test of counts [V] against probs [V] (bins expected below 5 merged into one; a count where
     p is 0 fails outright): (not rejected at alpha, the statistic, the critical value). scipy's chi2
     quantile when scipy imports, else Wilson-Hilferty's approximation of it."""
-    counts, probs = counts.double(), probs.double()
+    counts, probs = counts.detach().double(), probs.detach().double()
     if counts[probs == 0].sum() > 0:
         return False, float("inf"), 0.0
     n = counts.sum()
@@ -139,7 +139,7 @@ def test_sample_kernel_equals_its_reference(indexed):
     nucleus keeps whole), q of the sampled rows to fp32 rounding, greedy rows' q untouched; indexed:
     one t-index per row, ids mapped by offsets."""
     g = torch.Generator().manual_seed(1)
-    b, t, v = 6, 3, 1500
+    b, t, v = 6, 2, 1100
     logits = (torch.randn(b, t, v, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
     temp, top_p, seed = (x.to(DEVICE) for x in _rows(g, *SETTINGS))
     pos0 = torch.randint(0, 500, (b,), generator=g).to(DEVICE)
@@ -163,10 +163,10 @@ def test_accept_kernel_equals_its_reference(q_kind):
     and without top-p against a q near p (so both acceptances and rejections happen), q over a draft
     vocabulary (vocab_map), the target's, or one-hot (host drafts)."""
     g = torch.Generator().manual_seed(2)
-    b, k, v = 8, 3, 1500
+    b, k, v = 6, 3, 1100
     logits = (torch.randn(b, k + 1, v, generator=g) * 2).to(torch.bfloat16)
-    temp, top_p, seed = _rows(g, [0.0, 0.7, 1.0, 0.7, 1.3, 0.0, 1.0, 0.9], [1.0, 0.9, 1.0, 0.5, 0.95, 0.9, 1.0, 0.8])
-    speculate = torch.tensor([True] * 6 + [False, True])
+    temp, top_p, seed = _rows(g, [0.0, 0.7, 1.0, 0.7, 1.0, 0.9], [1.0, 0.9, 1.0, 0.5, 1.0, 0.8])
+    speculate = torch.tensor([True] * 4 + [False, True])
     inv_t = 1 / temp.clamp_min(0.5)
     near = torch.softmax(logits[:, :k].float() * inv_t[:, None, None] + torch.randn(b, k, v, generator=g) * 0.3, -1)
     draft = torch.multinomial(near.view(-1, v), 1, generator=g).view(b, k)
@@ -175,7 +175,7 @@ def test_accept_kernel_equals_its_reference(q_kind):
     if q_kind == "full_vocab":
         q = near
     elif q_kind == "draft_vocab":  # the draft's vocabulary: the drafts and a random 1000 of the rest
-        used = torch.unique(torch.cat([draft.view(-1), torch.randperm(v, generator=g)[:1000]]))
+        used = torch.unique(torch.cat([draft.view(-1), torch.randperm(v, generator=g)[:700]]))
         vocab_map = torch.full((v,), -1, dtype=torch.int32)
         vocab_map[used] = torch.arange(len(used), dtype=torch.int32)
         q = near[..., used] / near[..., used].sum(-1, keepdim=True)
@@ -185,7 +185,7 @@ def test_accept_kernel_equals_its_reference(q_kind):
     a, bonus = accept(*args, speculate.to(DEVICE), outs[0])
     ra, rbonus = accept_reference(*args, speculate.to(DEVICE), outs[1])
     assert torch.equal(outs[0], outs[1]) and torch.equal(bonus, rbonus) and torch.equal(a, ra)
-    assert a[0] == k and a[6] == 0  # greedy row 0, the opted-out row 6
+    assert a[0] == k and a[4] == 0  # greedy row 0, the opted-out row 4
     if q_kind != "one_hot":
         sampled = a[temp.to(DEVICE) > 0]
         assert (sampled > 0).any() and (sampled < k).any()  # accepts and rejections
