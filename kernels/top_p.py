@@ -15,6 +15,8 @@ Here one program searches a row's threshold over the bit patterns of non-negativ
 the floats): each pass reads the row once and sums the mass at or above 8 candidate thresholds, cutting
 the interval ninefold, so about 10 passes pin the exact float. The mass function is monotone, so the
 search returns the same set as the sort wherever no two partial sums straddle top_p by float rounding.
+The search (`_search`) also runs on logits directly: kernels/sample.py searches each row's unnormalised
+weights exp((z - max z) / T) against top_p times their sum, so no probability row is ever written.
 """
 
 from __future__ import annotations
