@@ -153,11 +153,12 @@ def test_sampled_rounds_through_the_debug_runner_equal_eager(algorithm):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash"])
 @pytest.mark.parametrize("policy", [("full", "full"), ("full", "breakable")])  # graph=full, graph=bcg
 def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, policy):
-    """bf16 on the fused kernels with the Triton attention: the captured sampled rounds (no break) emit the
-    debug runner's tokens and acceptances, batch 3 in a bucket of 4, and replay without a fallback."""
+    """bf16 on the fused kernels with the Triton attention, every device draft: the captured sampled rounds
+    (no break) emit the debug runner's tokens and acceptances, batch 3 in a bucket of 4, and replay without
+    a fallback."""
     from test_model import pair
 
     _, target = pair(max_seq_len=64)
@@ -167,9 +168,10 @@ def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, pol
     target.use_fused_kernels()
     params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=24, ignore_eos=True)
     prompts, seeds = [[5, 6, 7, 8], [1, 2, 3], [9, 4, 4, 4, 2]], [3, 4, 5]
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3, aux_layer_ids=AUX)
+    aux = AUX if algorithm in ("eagle3", "dflash") else None
+    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3, aux_layer_ids=aux)
     plan = plan_draft(cfg, target.args)
-    target.set_aux_layers(plan.aux.input_of)
+    target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, torch.device("cuda"), torch.bfloat16)
     out = {}
     for name, (tp, dp) in {"debug": ("debug", "debug"), "captured": policy}.items():

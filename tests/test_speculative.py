@@ -199,7 +199,7 @@ def test_a_round_without_drafts_samples_from_p_with_top_p():
     assert 0.5 * (freq - want / want.sum()).abs().sum() < 0.015
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash", "ngram"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash", "ngram"])
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
     """Token frequencies at positions 1..3 over many sequences: with a draft = without one (each row's
     proposals drawn from the draft's q, rejection sampling against it; the n-gram draft's q one-hot)."""
