@@ -13,8 +13,11 @@ Rollback after a partial acceptance is free: validity is by position (a query at
 ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
 plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
 
-`SpecDecoder` holds the parts every caller shares: the prefill forward, the draft prefill and one
-round (propose -> verify -> commit -> advance the host state) over a batch of rows. Two callers drive it:
+`SpecDecoder` holds the parts every caller shares: the prefill forward, the rows' start (their sampling
+settings into the round's state buffers, the first token, the draft prefill) and one round (propose ->
+verify -> commit -> advance the host state) over a batch of rows. Each row samples with its own
+temperature, top-p and seed (engine/sampling.py; temperature 0: greedy), and a row may opt out of
+speculation (its output is then plain decoding's). Two callers drive it:
 
     Generator.generate   eval: a batch of prompts from prefill to the last token (below)
     engine.serve.scheduler     serve: a fixed set of slots that requests join and leave between rounds
@@ -41,7 +44,7 @@ from engine.model import ForwardOutput, LlamaModel
 from engine.phase_clock import PhaseClock
 from engine.program import run_steps
 from engine.round import round_buffers, round_program
-from engine.sampling import RowSampling, SamplingParams, as_rows, sample
+from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
 
 
 @dataclass
@@ -148,9 +151,6 @@ class SpecDecoder:
         self.prefill_runner, self.prefill_cache = None, None
         self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
         self.ks_used: Counter = Counter()  # rounds per k
-        self.speculating = [True] * batch_size  # host mirror of the `speculate` buffer (set at begin)
-        self._behind = [False] * batch_size  # rows whose draft missed a round (k = 0): its next proposal is stale
-        self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         device_draft = draft if draft is not None and draft.on_device else None
         if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
             if graphs.batch_size < batch_size:
@@ -175,6 +175,10 @@ class SpecDecoder:
             self.buffers = round_buffers(self.k, device_draft, batch_size, self.device)
             self.policies = ("none", "none")
         self.device_draft = device_draft
+        self.sampled = [False] * batch_size  # host mirror: which rows sample (a round of any: the sampled program)
+        self.speculating = [True] * batch_size  # host mirror of the `speculate` buffer (written at start)
+        self._behind = [False] * batch_size  # rows whose draft missed a round (k = 0): its next proposal is stale
+        self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
         self._programs: dict[tuple[int, int, bool], list] = {}  # (rows, k, sampled) -> the eager round program
@@ -249,32 +253,48 @@ class SpecDecoder:
                 cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
         return Prefill(out, tokens, valid, embeds if given else None)
 
+    def start(self, state: SpecState, pre: Prefill, settings: RowSettings, rows: Optional[slice] = None) -> Tensor:
+        """After the target's prefill: the rows' settings into the round's state buffers, their first token
+        drawn from the prefill's logits (x_L at position L, stream BONUS: what a round without drafts draws
+        there), then `begin`. rows as in `begin`. -> the first tokens [n] (on the device)."""
+        n = len(settings.seed)
+        sl = rows if rows is not None else slice(0, n)
+        settings.write(self.buffers, sl)
+        self.sampled[sl], self.speculating[sl] = settings.sampled, list(settings.speculate)
+        if not any(settings.sampled):  # greedy rows: the argmax (one launch)
+            first = pre.out.logits[:, -1].argmax(-1)  # [n]
+            self.begin(state, pre, first, rows)
+            return first
+        draws = Draws(self.buffers["temperature"][sl], self.buffers["top_p"][sl], self.buffers["seed"][sl])
+        first = draw(pre.out.logits, draws, pre.valid.sum(1), BONUS, kernels=self.model.fused)[:, 0]  # [n]
+        self.begin(state, pre, first, rows, draws)
+        return first
+
     def begin(
         self,
         state: SpecState,
         pre: Prefill,
         first: Tensor,
         rows: Optional[slice] = None,
-        speculate: Optional[list[bool]] = None,
+        draws: Optional[Draws] = None,
     ) -> None:
         """After the target's prefill: the round state of these rows (lengths, last = the first token,
-        live, speculate) and the draft's prefill. rows: where in the batch the prompts sit (None: a fresh
-        batch of exactly these prompts, rows 0..n-1; the rows after them are padding). speculate: per
-        row, whether its drafts may be accepted (None: all; a row that may not emits what k = 0 would)."""
+        live) and the draft's prefill (draws: the rows' sampling when some of them sample). rows: where in
+        the batch the prompts sit (None: a fresh batch of exactly these prompts, rows 0..n-1; the rows
+        after them are padding)."""
         n = first.shape[0]
         sl = rows if rows is not None else slice(0, n)
         self._last_end = self._t_end = None  # a prefill is no host gap between rounds
+        self._behind[sl] = [False] * n
         lens = pre.valid.sum(1)  # [n]
-        flags = [True] * n if speculate is None else list(speculate)
-        self.speculating[sl], self._behind[sl] = flags, [False] * n
         self.buffers["last"][sl] = first
         self.buffers["lengths"][sl] = lens
         self.buffers["live"][sl] = True
-        self.buffers["speculate"][sl] = torch.tensor(flags)
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
-            self.draft.begin(state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first, rows=rows)
+            feats = _features(pre.out, self.kind)
+            self.draft.begin(state, feats, pre.tokens, pre.valid, pre.embeds, first, rows=rows, draws=draws)
 
     def push_live(self, state: SpecState) -> None:
         """The host's live flags (rows that finished or left) to the device, for the next round."""
@@ -300,19 +320,19 @@ class SpecDecoder:
     def run_round(
         self,
         b: int,
-        sampling: RowSampling,
         kv_len: int,
+        sampled: bool = False,
         draft_tokens: Optional[Tensor] = None,
         on_phase=None,
         state: Optional[SpecState] = None,
         k: Optional[int] = None,
     ) -> Tensor:
         """One round of k drafts (default: the generator's) over rows 0..b-1 of the state buffers, on the
-        device; -> out [b, k+2] (a view of the state buffer, valid until the next round). draft_tokens
-        [b, k]: a host draft's proposal; state: the host mirror, for eager steps that read it."""
+        device; -> out [b, k+2] (a view of the state buffer, valid until the next round). sampled: the
+        program whose rows each follow their own sampling (else every row greedy); draft_tokens [b, k]: a
+        host draft's proposal; state: the host mirror, for eager steps that read it."""
         k = self.k if k is None else k
-        sampled = not sampling.all_greedy
-        host = {"kv_len": kv_len, "sampling": sampling, "state": state}
+        host = {"kv_len": kv_len, "state": state}
         if draft_tokens is not None:
             self.buffers["draft"][:b, :k].copy_(draft_tokens)
         runner = self.runners.get((k, sampled))
@@ -330,42 +350,29 @@ class SpecDecoder:
         round's k from those costs and what served rounds cost (engine/adaptive_k.py)."""
         ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
         self.buffers["live"].fill_(False)
-        variants = [RowSampling.uniform(SamplingParams())]
-        if sampled:
-            rng = torch.Generator(device=self.device).manual_seed(0)
-            variants.append(RowSampling.uniform(SamplingParams(temperature=1.0), rng))
         costs = [
-            measure_round_costs(lambda b, k, s=s: self.run_round(b, s, 1, k=k), sizes, ks, self.device)
-            for s in variants
+            measure_round_costs(lambda b, k, s=s: self.run_round(b, 1, s, k=k), sizes, ks, self.device)
+            for s in ((False, True) if sampled else (False,))
         ]
         self.adaptive = AdaptiveK(costs[0], self.k, prior, sampled_costs=costs[-1] if sampled else None)
         return self.adaptive
 
-    def _mix(self, state: SpecState, sampling: RowSampling, b: int, greedy_rows: Optional[list[bool]]) -> Mix:
-        """The round's live rows by kind (adaptive k): greedy_rows per row, or every row as `sampling` says."""
-        greedy = [sampling.all_greedy] * b if greedy_rows is None else greedy_rows
-        live = [i for i in range(b) if state.live[i]]
-        spec = [i for i in live if self.speculating[i]]
-        g = sum(greedy[i] for i in spec)
-        return Mix(g, len(spec) - g, len(live) - len(spec), not sampling.all_greedy)
+    def _mix(self, state: SpecState, b: int, sampled_round: bool) -> Mix:
+        """The round's live rows by what a draft buys them (adaptive k)."""
+        spec = [i for i in range(b) if state.live[i] and self.speculating[i]]
+        g = sum(not self.sampled[i] for i in spec)
+        return Mix(g, len(spec) - g, sum(state.live[:b]) - len(spec), sampled_round)
 
-    def round(
-        self,
-        state: SpecState,
-        sampling: SamplingParams | RowSampling,
-        generator: Optional[torch.Generator] = None,
-        rows: Optional[int] = None,
-        greedy_rows: Optional[list[bool]] = None,
-    ) -> RoundResult:
+    def round(self, state: SpecState, rows: Optional[int] = None) -> RoundResult:
         """One round over the first `rows` rows of `state` (default: all): propose k, verify k + 1, accept,
         draft extend, advance the live rows' history and lengths (host mirror). k is the generator's, or
-        with adaptive k the policy's for these rows (greedy_rows: which are greedy, when `sampling` is per
-        row). The round's one sync: its `out` to the host."""
+        with adaptive k the policy's for these rows and their mix; the sampled program when a live row
+        samples. The round's one sync: its `out` to the host."""
         t0, b, clock = time.perf_counter(), rows or len(state.lengths), self.clock
-        sampling = as_rows(sampling, generator).head(b)
+        sampled = any(s and live for s, live in zip(self.sampled[:b], state.live[:b]))
         k, mix = self.k, None
         if self.adaptive is not None:
-            mix = self._mix(state, sampling, b, greedy_rows)
+            mix = self._mix(state, b, sampled)
             k = self.adaptive.choose(b, mix)
         marks: list[tuple[str, object]] = [("draft", clock.mark())]
         if self._last_end is not None:  # the stream waited for the host since the last round
@@ -379,7 +386,7 @@ class SpecDecoder:
             if self.phase_hook is not None:
                 self.phase_hook(phase)
 
-        out = self.run_round(b, sampling, max(state.lengths[:b]), draft_tokens, on_phase=on_phase, state=state, k=k)
+        out = self.run_round(b, max(state.lengths[:b]), sampled, draft_tokens, on_phase=on_phase, state=state, k=k)
         host_out = self._out_host.view(-1)[: b * (k + 2)].view(b, k + 2)  # contiguous, pinned
         host_out.copy_(out, non_blocking=True)
         end = self._last_end = clock.mark()
@@ -400,20 +407,20 @@ class SpecDecoder:
                 state.lengths[i] += len(new[i])
         self.ks_used[k] += 1
         if self.adaptive is not None:
-            host_s = t0 - self._t_end if self._t_end is not None else None
-            self._observe(state, b, k, mix, greedy_rows, acc, now - t0, host_s)
+            self._observe(state, b, k, mix, acc, now - t0, t0 - self._t_end if self._t_end is not None else None)
         self._t_end = now
         if self.device_draft is not None:  # a k = 0 round leaves the draft behind; a drafting round catches up
             self._behind[:b] = [k == 0 and live for live in state.live[:b]]
         return RoundResult(acc, new, now, k)
 
-    def _observe(self, state, b, k, mix, greedy_rows, acc, round_s, host_s) -> None:
+    def _observe(self, state: SpecState, b: int, k: int, mix: Mix, acc: list[int], round_s: float, host_s) -> None:
         """What adaptive k learns from a round: its time, and the acceptance of the rows that speculated
         on a current draft."""
         self.adaptive.observe_cost(b, k, mix.sampled_round, round_s, host_s)
-        kinds = [not mix.sampled_round] * b if greedy_rows is None else greedy_rows
         seen = [i for i in range(b) if state.live[i] and self.speculating[i] and not self._behind[i]]
-        self.adaptive.observe(k, [acc[i] for i in seen if kinds[i]], [acc[i] for i in seen if not kinds[i]])
+        self.adaptive.observe(
+            k, [acc[i] for i in seen if not self.sampled[i]], [acc[i] for i in seen if self.sampled[i]]
+        )
 
 
 class Generator(SpecDecoder):
@@ -429,6 +436,7 @@ class Generator(SpecDecoder):
         prompt_embeds: Optional[list[Optional[Tensor]]] = None,  # per prompt [len, hidden], or None
         row_ids: Optional[list[int]] = None,  # each prompt's index in the whole set (the oracle reads it)
         sync_every: int = 1,  # without a draft: steps between host looks (_decode_on_device when > 1)
+        seeds: Optional[list[int]] = None,  # each row's seed (None: drawn from `generator` when sampling)
     ) -> list[SequenceResult]:
         b, k = len(prompts), self.k
         if not 0 < b <= self.batch_size:
@@ -438,7 +446,9 @@ class Generator(SpecDecoder):
             raise ValueError("empty prompt")
         check_capacity(lens, params.max_new_tokens, self.model.max_seq_len, k)
         stop = frozenset() if params.ignore_eos else stop_ids
-        sampling = RowSampling.uniform(params, generator)
+        if seeds is None:
+            seeds = [0] * b if params.greedy else seeds_from(generator, b)
+        settings = RowSettings.uniform(params, seeds)
         state = SpecState(
             [list(p) for p in prompts],
             list(lens),
@@ -449,10 +459,9 @@ class Generator(SpecDecoder):
 
         t0 = time.perf_counter()
         pre = self.prefill(prompts, prompt_embeds)
-        last = sample(pre.out.logits[:, -1], sampling)  # [b]
-        self.begin(state, pre, last)
+        last = self.start(state, pre, settings)  # [b]
         if k == 0 and sync_every > 1:
-            return self._decode_on_device(lens, sampling, params.max_new_tokens, stop, sync_every, t0)
+            return self._decode_on_device(lens, not params.greedy, params.max_new_tokens, stop, sync_every, t0)
 
         outs: list[list[int]] = [[] for _ in range(b)]
         accepts: list[list[int]] = [[] for _ in range(b)]
@@ -480,7 +489,7 @@ class Generator(SpecDecoder):
             state.history[i].append(t)
         while any(state.live):
             was_live = list(state.live)
-            r = self.round(state, sampling)
+            r = self.round(state)
             if emit(r.emitted, r.time):
                 self.push_live(state)
             for i in range(b):
@@ -500,7 +509,7 @@ class Generator(SpecDecoder):
         ]
 
     def _decode_on_device(
-        self, lens: list[int], sampling: RowSampling, max_new: int, stop: frozenset[int], sync_every: int, t0: float
+        self, lens: list[int], sampled: bool, max_new: int, stop: frozenset[int], sync_every: int, t0: float
     ) -> list[SequenceResult]:
         """Plain decoding with the bookkeeping on the device, for large batches (self-distillation).
 
@@ -529,7 +538,7 @@ class Generator(SpecDecoder):
             t_step = self.clock.mark()
             for _ in range(min(sync_every, max_new - 1 - step)):
                 was = live.clone()
-                self.run_round(b, sampling, longest + step)  # last <- each live row's token
+                self.run_round(b, longest + step, sampled)  # last <- each live row's token
                 out[rows, torch.where(was, count, max_new)] = last
                 count += was
                 live &= ~torch.isin(last, stop_ids) & (count < max_new)

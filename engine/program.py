@@ -2,7 +2,7 @@
 
 A `Step` reads and writes named tensors in `env`. Graph backends (engine/graphs/backends.py) capture
 runs of steps as CUDA graphs; a step marked `is_break` runs eagerly between them (attention over a
-live kv_len, a draw from a per-row generator), and a change of `phase` starts a new graph, so each
+live kv_len, a host hook), and a change of `phase` starts a new graph, so each
 phase of a round (draft, verify, extend) is its own replay that a clock can time.
 
     run_steps(steps, env)            eager, in order
@@ -13,7 +13,7 @@ phase of a round (draft, verify, extend) is its own replay that a clock can time
     merge_runs(steps)                consecutive non-break steps of one phase as one step (fewer
                                      Python calls per eager round; a capture sees the same kernels)
 
-Host values (`HOST_KEYS`: the live kv_len, the round's sampling settings) are not tensors: a replay
+Host values (`HOST_KEYS`: the live kv_len, the host's mirror of the batch) are not tensors: a replay
 refreshes them from the call, and a scoped program sees the round's kv_len plus its own offset.
 """
 
@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-HOST_KEYS = ("kv_len", "sampling", "state")  # per-call values a break reads; never captured
+HOST_KEYS = ("kv_len", "state")  # per-call values a break reads; never captured
 
 
 @dataclass

@@ -1,21 +1,17 @@
-"""Token sampling: greedy, or temperature with nucleus (top-p) filtering, per batch or per row.
+"""How rows pick tokens: greedy, or temperature with nucleus (top-p) filtering, each row its own setting and seed.
 
-    logits [batch, vocab] -> tokens [batch] int64
+    SamplingParams   one setting for a whole prompt set (eval)
+    RowSettings      per row: temperature (0: greedy), top_p, seed, speculate. The host writes them into a
+                     round's state buffers when rows start (engine/generate.py, `SpecDecoder.start`); the
+                     round's kernels read them there, so a captured sampled round needs no host input
+    Draws            those buffers' rows, as a device program passes them to `draw`
+    draw(...)        tokens from logits [b, t, V] (kernels/sample.py: the exponential race over Philox noise
+                     of (seed, position, stream, vocabulary index)), by the kernels or their reference
 
-Sampling draws with the exponential-race trick (argmax of p / E, E ~ Exp(1)), which equals a draw
-from p, needs no host sync, and takes an explicit `torch.Generator` so runs are reproducible.
-
-Two ways to say how a batch samples:
-
-    SamplingParams   one setting for every row (eval: one prompt set, one setting)
-    RowSampling      the per-row form the draft-and-verify round uses. `RowSampling.uniform(params)`
-                     keeps scalars (bit-identical to the batch-wide path); `RowSampling.per_row(...)`
-                     gives each row its own temperature / top-p / generator (serve: every request its
-                     own). Greedy rows (temperature 0) stay exactly greedy: the argmax, never a draw.
-
-Random numbers of a row come from that row's own generator when it has one (a request with a
-`seed`), else from the batch's shared generator. A seeded row therefore draws the same numbers
-whatever else is in the batch.
+Random numbers are a function of (row seed, absolute position, stream, vocabulary index) only: a seeded
+row draws the same tokens whatever batch it is in (kernels/sample.py says why reusing positions across
+rounds is unbiased). Seeds: `row_seed(base, i)` (eval: the run's seed and the prompt's index, so the
+output does not depend on eval.batch_size), `seeds_from(generator, n)`, or a request's own (`as_seed`).
 """
 
 from __future__ import annotations
@@ -26,7 +22,10 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from kernels.top_p import top_p_filter
+from kernels.sample import BONUS, DRAFT, sample, sample_reference
+
+__all__ = ["BONUS", "DRAFT", "Draws", "RowSettings", "SamplingParams", "as_seed", "draw", "row_seed", "seeds_from"]
+_SEED_BUFFERS = ("temperature", "top_p", "seed", "speculate")  # the round's state buffers RowSettings fills
 
 
 @dataclass(frozen=True)
@@ -41,142 +40,90 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
+def as_seed(x: int) -> int:
+    """Any integer as a signed 64-bit seed (its low 64 bits): the Philox key of kernels/sample.py."""
+    x &= (1 << 64) - 1
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & ((1 << 64) - 1)
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & ((1 << 64) - 1)
+    return x ^ (x >> 31)
+
+
+def row_seed(base: int, index: int) -> int:
+    """Row `index`'s seed under a run's `base` seed (splitmix64 of both: nearby values, unrelated keys)."""
+    return as_seed(_splitmix64(_splitmix64(base & ((1 << 64) - 1)) ^ index))
+
+
+def seeds_from(generator: Optional[torch.Generator], n: int) -> list[int]:
+    """n seeds drawn from a generator (advancing it); None: from torch's default generator."""
+    device = generator.device if generator is not None else "cpu"
+    return torch.randint(-(2**63), 2**63 - 1, (n,), generator=generator, device=device).tolist()
+
+
 @dataclass(frozen=True)
-class RowSampling:
-    """How each row of a batch picks tokens. Scalars apply to every row; tensors are per row."""
+class RowSettings:
+    """Each row's sampling, on the host: written into a round's state buffers when the rows start."""
 
-    temperature: float | Tensor  # scalar, or [b, 1] float32 (greedy rows hold 1.0: never divided by 0)
-    top_p: float | Tensor  # scalar, or [b, 1] float32
-    greedy: bool | Tensor  # every row greedy (bool), or [b] bool
-    any_sampled: bool  # host-side: some row draws (no device sync to find out)
-    any_top_p: bool  # host-side: some row filters by top-p
-    generator: Optional[torch.Generator] = None  # shared by rows without their own
-    row_generators: tuple[tuple[int, torch.Generator], ...] = ()  # (row, generator) of seeded rows
+    temperature: Sequence[float]  # 0 (or less): greedy
+    top_p: Sequence[float]
+    seed: Sequence[int]
+    speculate: Sequence[bool]  # False: the row takes no draft token (its output is plain decoding's)
 
     @classmethod
-    def uniform(cls, params: SamplingParams, generator: Optional[torch.Generator] = None) -> "RowSampling":
-        return cls(
-            params.temperature,
-            params.top_p,
-            params.greedy,
-            not params.greedy,
-            not params.greedy and params.top_p < 1.0,
-            generator,
-        )
-
-    @classmethod
-    def per_row(
-        cls,
-        temperature: Sequence[float],
-        top_p: Sequence[float],
-        generators: Sequence[Optional[torch.Generator]],
-        device,
-        shared: Optional[torch.Generator] = None,
-    ) -> "RowSampling":
-        greedy = [t <= 0.0 for t in temperature]
-        temps = [1.0 if g else t for t, g in zip(temperature, greedy)]
-        tops = [1.0 if g else p for p, g in zip(top_p, greedy)]
-        return cls(
-            torch.tensor(temps, dtype=torch.float32, device=device)[:, None],
-            torch.tensor(tops, dtype=torch.float32, device=device)[:, None],
-            torch.tensor(greedy, dtype=torch.bool, device=device),
-            any_sampled=not all(greedy),
-            any_top_p=any(p < 1.0 for p in tops),
-            generator=shared,
-            row_generators=tuple(
-                (i, g) for i, (g, gr) in enumerate(zip(generators, greedy)) if g is not None and not gr
-            ),
-        )
+    def uniform(cls, params: SamplingParams, seeds: Sequence[int], speculate: bool = True) -> "RowSettings":
+        n = len(seeds)
+        return cls([params.temperature] * n, [params.top_p] * n, list(seeds), [speculate] * n)
 
     @property
-    def all_greedy(self) -> bool:
-        return not self.any_sampled
+    def sampled(self) -> list[bool]:
+        return [t > 0 for t in self.temperature]
 
-    def head(self, b: int) -> "RowSampling":
-        """The settings of the first b rows (a round over fewer rows than the batch holds)."""
-        if not isinstance(self.greedy, Tensor) or self.greedy.shape[0] == b:
-            return self
-        greedy = self.greedy[:b]
-        gens = tuple((i, g) for i, g in self.row_generators if i < b)
-        any_sampled = bool((~greedy).any())  # a host sync, once per change of the batch's rows
-        return RowSampling(
-            self.temperature[:b],
-            self.top_p[:b],
-            greedy,
-            any_sampled,
-            any_sampled and bool((self.top_p[:b] < 1.0).any()),
-            self.generator,
-            gens,
+    def write(self, buffers: dict[str, Tensor], rows: slice) -> None:
+        """Into the round's per-row buffers temperature [B], top_p [B], seed [B], speculate [B], at `rows`."""
+        values = (
+            [max(t, 0.0) for t in self.temperature],
+            list(self.top_p),
+            [as_seed(s) for s in self.seed],
+            list(self.speculate),
         )
-
-    def repeat_rows(self, n: int) -> "RowSampling":
-        """Each row's setting n times ([b] -> [b * n]): for [b, n, vocab] logits viewed as [b * n, vocab]."""
-        rep = lambda x: x.repeat_interleave(n, 0) if isinstance(x, Tensor) else x  # noqa: E731
-        return RowSampling(
-            rep(self.temperature),
-            rep(self.top_p),
-            rep(self.greedy),
-            self.any_sampled,
-            self.any_top_p,
-            self.generator,
-            (),
-        )
-
-    # -- random numbers: shared generator, then each seeded row redrawn from its own ---------------
-    def rand(self, b: int, k: int, device) -> Tensor:
-        """[b, k] uniform in [0, 1)."""
-        u = torch.rand(b, k, device=device, generator=self.generator)
-        for i, g in self.row_generators:
-            u[i] = torch.rand(k, device=device, generator=g)
-        return u
-
-    def race(self, probs: Tensor) -> Tensor:
-        """One draw per row of [b, vocab] probabilities (exponential race: no host sync)."""
-        e = torch.empty_like(probs).exponential_(1.0, generator=self.generator)
-        for i, g in self.row_generators:
-            e[i].exponential_(1.0, generator=g)
-        return (probs / e).argmax(-1)
+        for name, vals in zip(_SEED_BUFFERS, values):
+            buf = buffers[name]
+            buf[rows] = torch.tensor(vals, dtype=buf.dtype).to(buf.device, non_blocking=True)
 
 
-def probs_from_logits(
-    logits: Tensor, temperature: float | Tensor, top_p: float | Tensor, any_top_p: Optional[bool] = None
+@dataclass(frozen=True)
+class Draws:
+    """The per-row sampling state a device program reads: views of the round's buffers, [b] each."""
+
+    temperature: Tensor  # fp32, 0: greedy
+    top_p: Tensor  # fp32
+    seed: Tensor  # int64
+
+    @classmethod
+    def of(cls, env: dict) -> "Draws":
+        return cls(env["temperature"], env["top_p"], env["seed"])
+
+
+def draw(
+    logits: Tensor,
+    draws: Draws,
+    pos0: Tensor,
+    stream: int,
+    *,
+    kernels: bool,
+    offset: int = 0,
+    index: Optional[Tensor] = None,
+    q_out: Optional[Tensor] = None,
+    offsets: Optional[Tensor] = None,
 ) -> Tensor:
-    """[batch, vocab] logits -> [batch, vocab] float32 probabilities after temperature and top-p.
-
-    temperature / top_p: scalars, or [batch, 1] per row. any_top_p: whether a row filters (host-side,
-    so per-row top-p needs no sync to decide); None: decided from a scalar top_p."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if any_top_p is None:
-        any_top_p = isinstance(top_p, Tensor) or top_p < 1.0
-    if any_top_p:  # the smallest set of the likeliest tokens whose mass reaches top_p (kernels/top_p.py)
-        probs = top_p_filter(probs, top_p)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def as_rows(params: SamplingParams | RowSampling, generator: Optional[torch.Generator] = None) -> RowSampling:
-    return params if isinstance(params, RowSampling) else RowSampling.uniform(params, generator)
-
-
-def sample(logits: Tensor, params: SamplingParams | RowSampling, generator: Optional[torch.Generator] = None) -> Tensor:
-    """logits [batch, vocab] -> next tokens [batch]."""
-    s = as_rows(params, generator)
-    greedy = logits.argmax(dim=-1)
-    if s.all_greedy:
-        return greedy
-    drawn = s.race(probs_from_logits(logits, s.temperature, s.top_p, s.any_top_p))
-    return drawn if isinstance(s.greedy, bool) else torch.where(s.greedy, greedy, drawn)
-
-
-def draft_draw(
-    logits: Tensor, params: SamplingParams, generator: Optional[torch.Generator] = None
-) -> tuple[Tensor, Optional[Tensor]]:
-    """A draft's proposal from its logits [..., vocab] -> (ids [...], probs [..., vocab] or None).
-
-    Greedy: the argmax, no probs (verification treats the draft as one-hot). Else a draw from the
-    draft's own temperature / top-p distribution q, returned with q for rejection sampling."""
-    if params.greedy:
-        return logits.argmax(-1), None
-    q = probs_from_logits(logits, params.temperature, params.top_p)  # [..., vocab]
-    race = torch.empty_like(q).exponential_(1.0, generator=generator)
-    return (q / race).argmax(-1), q
+    """logits [b, t, V] -> ids [b, t] (index [b]: [b, 1]) drawn at positions pos0 + offset (+ the t-index):
+    kernels/sample.py's `sample` (kernels=True: the Triton kernels, else the plain-torch reference). Greedy
+    rows take the argmax exactly; q_out [b, t or 1, V] receives the sampled rows' distribution (a draft's
+    q); offsets map draft ids to target ids (d2t)."""
+    fn = sample if kernels else sample_reference
+    t, p, s = draws.temperature, draws.top_p, draws.seed
+    return fn(logits, t, p, s, pos0, stream, offset=offset, index=index, q_out=q_out, offsets=offsets)

@@ -5,7 +5,7 @@
         draft  [b, k]   int64   the draft tokens (any row stride)
         out    [b, k+2] int64   written: [a, d_1..d_a, bonus, d_{a+2}..d_k, bonus]: a = the number of
                                 leading draft tokens equal to the target's, the bonus = target[a]
-        speculate [b]   bool    rows that may accept (None: all); the others take a = 0, bonus = target[0]
+        speculate [b] bool      False: a = 0 (the row opted out: its bonus is a plain decode step's)
         accepted [b] = out[:, 0] (a view), bonus [b]
     advance(lengths, last, live, accepted, bonus)
         lengths += a + 1 and last = bonus, for live rows only (in place)
@@ -36,7 +36,7 @@ if triton is not None:
         t = tl.load(TARGET + row * s_t + i, mask=i <= K, other=-1)
         d = tl.load(DRAFT + row * s_d + i, mask=i < K, other=-2)
         a = tl.min(tl.where((d != t) | (i >= K), i, K), 0)  # the first mismatch; k when all match
-        if HAS_SPEC:  # a row that does not speculate keeps none
+        if HAS_SPEC:  # an opted-out row accepts nothing
             a = tl.where(tl.load(SPEC + row) != 0, a, 0)
         bonus = tl.sum(tl.where(i == a, t, 0), 0)
         # emitted: the drafts, the bonus at a and at k (past a the tokens are never read as output, but a
@@ -59,7 +59,7 @@ if triton is not None:
 
 def accept_greedy_reference(target: Tensor, draft: Tensor, speculate: Optional[Tensor] = None) -> tuple[Tensor, Tensor]:
     """target [b, k+1]: the target's argmax at each verified position; draft [b, k] -> (a [b], bonus [b]):
-    the longest prefix of the draft the target agrees with (none where speculate [b] is False), and the
+    the longest prefix of the draft the target agrees with (none where speculate is False), and the
     target's token after it."""
     if draft.shape[1] == 0:  # plain decoding: the argmax, nothing to accept (fewer launches per step)
         bonus = target[:, 0]  # [b]
@@ -91,7 +91,7 @@ def accept_greedy(
         out,
         out.stride(0),
         bonus,
-        bonus if speculate is None else speculate.view(torch.uint8),
+        speculate.view(torch.uint8) if speculate is not None else bonus,
         K=k,
         KP=triton.next_power_of_2(k + 1),
         HAS_SPEC=speculate is not None,
@@ -102,7 +102,7 @@ def accept_greedy(
 
 def write_out_reference(draft: Tensor, accepted: Tensor, bonus: Tensor, out: Tensor) -> None:
     """out [b, k+2] = [a, d_1..d_k with the bonus at a, the bonus]: the row `_accept_kernel` writes,
-    from an acceptance decided elsewhere (plain torch, rejection sampling)."""
+    from an acceptance decided elsewhere (plain torch, kernels/sample.py's reference)."""
     k = draft.shape[1]
     emitted = torch.cat([draft, bonus[:, None]], 1)  # [b, k+1]: d_1..d_k, bonus
     emitted[torch.arange(draft.shape[0], device=draft.device), accepted] = bonus

@@ -15,6 +15,8 @@ Here one program searches a row's threshold over the bit patterns of non-negativ
 the floats): each pass reads the row once and sums the mass at or above 8 candidate thresholds, cutting
 the interval ninefold, so about 10 passes pin the exact float. The mass function is monotone, so the
 search returns the same set as the sort wherever no two partial sums straddle top_p by float rounding.
+The search (`_search`) also runs on logits directly: kernels/sample.py searches each row's unnormalised
+weights exp((z - max z) / T) against top_p times their sum, so no probability row is ever written.
 """
 
 from __future__ import annotations
@@ -41,6 +43,43 @@ def top_p_filter_reference(probs: Tensor, top_p: float | Tensor) -> Tensor:
 if triton is not None:
 
     @triton.jit
+    def _mass_at(ROW, n_cols, taus, zmax, inv_t, FROM_LOGITS: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr):
+        """[K] the row's mass at or above each threshold in taus: of its probabilities, or (FROM_LOGITS) of
+        its weights w = exp((z - zmax) * inv_t) read from logits z."""
+        mass = tl.zeros((K,), dtype=tl.float32)
+        for start in range(0, n_cols, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            if FROM_LOGITS:
+                z = tl.load(ROW + cols, mask=cols < n_cols, other=float("-inf")).to(tl.float32)
+                x = tl.exp((z - zmax) * inv_t)
+            else:
+                x = tl.load(ROW + cols, mask=cols < n_cols, other=0.0)
+            mass += tl.sum(tl.where(x[:, None] >= taus[None, :], x[:, None], 0.0), 0)
+        return mass
+
+    @triton.jit
+    def _search(
+        ROW, n_cols, hi, target, lo_mass, zmax, inv_t, FROM_LOGITS: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """(lo, the mass at lo): lo the largest bit pattern of a non-negative fp32 threshold whose mass reaches
+        `target`, searched in [0, hi) (hi: just above the largest value; 1: no search, lo = 0 with lo_mass).
+        Invariant: mass(lo) >= target (but for lo = 0 when the row's mass falls short) and mass(hi) < target,
+        over the int64 bit patterns of non-negative fp32 (ordered as the floats are)."""
+        lo = tl.zeros((), dtype=tl.int64)
+        hi = lo + hi  # loop-carried int64 / fp32 scalars whatever the caller passed
+        lo_mass = tl.zeros((), dtype=tl.float32) + lo_mass
+        k = tl.arange(0, K)
+        while hi - lo > 1:
+            mids = lo + (hi - lo) * (k + 1) // (K + 1)  # [K] ascending candidates in (lo, hi)
+            taus = mids.to(tl.int32).to(tl.float32, bitcast=True)
+            mass = _mass_at(ROW, n_cols, taus, zmax, inv_t, FROM_LOGITS, K, BLOCK)
+            ok = tl.sum((mass >= target).to(tl.int32), 0)  # mass falls with the threshold: a prefix reaches it
+            lo_mass = tl.where(ok > 0, tl.sum(tl.where(k == ok - 1, mass, 0.0), 0), lo_mass)
+            lo = tl.where(ok > 0, tl.sum(tl.where(k == ok - 1, mids, 0), 0), lo)
+            hi = tl.where(ok < K, tl.sum(tl.where(k == ok, mids, 0), 0), hi)
+        return lo, lo_mass
+
+    @triton.jit
     def _top_p_threshold_kernel(
         P, TOP_P, OUT, n_cols, top_p, PER_ROW: tl.constexpr, K: tl.constexpr, BLOCK: tl.constexpr
     ):
@@ -52,23 +91,9 @@ if triton is not None:
         for start in range(0, n_cols, BLOCK):
             cols = start + tl.arange(0, BLOCK)
             top = tl.maximum(top, tl.max(tl.load(p_row + cols, mask=cols < n_cols, other=0.0), 0))
-        # Invariant: mass(lo) >= top_p (but for lo = 0 when the row's mass falls short) and mass(hi) < top_p,
-        # over the int64 bit patterns of non-negative fp32 (ordered as the floats are).
-        lo = tl.zeros((), dtype=tl.int64)
         hi = top.to(tl.int32, bitcast=True).to(tl.int64) + 1  # just above the largest probability: no mass
         hi = tl.where(top_p < 1.0, hi, 1)  # top_p >= 1 keeps every token, whatever the sum's rounding
-        k = tl.arange(0, K)
-        while hi - lo > 1:
-            mids = lo + (hi - lo) * (k + 1) // (K + 1)  # [K] ascending candidates in (lo, hi)
-            taus = mids.to(tl.int32).to(tl.float32, bitcast=True)
-            mass = tl.zeros((K,), dtype=tl.float32)
-            for start in range(0, n_cols, BLOCK):
-                cols = start + tl.arange(0, BLOCK)
-                x = tl.load(p_row + cols, mask=cols < n_cols, other=0.0)
-                mass += tl.sum(tl.where(x[:, None] >= taus[None, :], x[:, None], 0.0), 0)
-            ok = tl.sum((mass >= top_p).to(tl.int32), 0)  # mass falls with the threshold: a prefix reaches top_p
-            lo = tl.where(ok > 0, tl.sum(tl.where(k == ok - 1, mids, 0), 0), lo)
-            hi = tl.where(ok < K, tl.sum(tl.where(k == ok, mids, 0), 0), hi)
+        lo, _ = _search(p_row, n_cols, hi, top_p, 1.0, 0.0, 1.0, False, K, BLOCK)
         tl.store(OUT + row, lo.to(tl.int32).to(tl.float32, bitcast=True))
 
 

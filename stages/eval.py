@@ -44,7 +44,7 @@ from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel, load_tokenizer
 from engine.peers import GREEDY_PEERS, PEERS
 from engine.prompts import Prompt, check_dataset, load_prompts
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, row_seed
 from engine.tokenizer import Tokenizer
 from stages.base import Stage, StageEnv, register_stage
 
@@ -188,11 +188,12 @@ def generate_all(
     data: EvalPrompts,
     params: SamplingParams,
     target: LoadedModel,
-    rng: torch.Generator,
+    seed: int,
     batch_size: int,
     desc: str,
 ) -> tuple[list[EvalRecord], float]:
-    """Every prompt through `gen` in batches; returns the records and the generation wall time. Ctrl-C
+    """Every prompt through `gen` in batches (prompt i samples with `row_seed(seed, i)`: its output does
+    not depend on the batch size); returns the records and the generation wall time. Ctrl-C
     or an error leaves the records finished so far on the exception (`partial_records`, with the pass's
     name) for the stage to keep."""
     tok, records, wall = target.tokenizer, [], 0.0
@@ -202,9 +203,9 @@ def generate_all(
             batch = data.encoded[i : i + batch_size]
             embeds = data.embeds[i : i + batch_size] if data.embeds is not None else None
             t0 = time.perf_counter()
-            results = gen.generate(
-                batch, params, tok.eos_token_ids, rng, prompt_embeds=embeds, row_ids=list(range(i, i + len(batch)))
-            )
+            ids = list(range(i, i + len(batch)))
+            seeds = [row_seed(seed, j) for j in ids]
+            results = gen.generate(batch, params, tok.eos_token_ids, prompt_embeds=embeds, row_ids=ids, seeds=seeds)
             wall += time.perf_counter() - t0
             for p, x, r in zip(data.prompts[i : i + batch_size], batch, results):
                 records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
@@ -356,16 +357,15 @@ class EvalStage(Stage):
         e = cfg.eval
         data = encode_prompts(cfg, target)
         params = sampling_params(e)
-        rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
 
         metrics: dict[str, float] = {}
         baseline: Optional[list[EvalRecord]] = None
         graphs = inputs.get("graphs")
         if baseline_on(cfg):
             base_gen = Generator(target.model, e.batch_size, graphs=graphs)
-            self._warmup(base_gen, data, target, rng, e)
+            self._warmup(base_gen, data, target, e)
             base_gen.reset_stats()
-            baseline, wall = generate_all(base_gen, data, params, target, rng, e.batch_size, "baseline")
+            baseline, wall = generate_all(base_gen, data, params, target, cfg.seed, e.batch_size, "baseline")
             metrics["baseline_tokens_per_s"] = throughput_metrics(baseline, wall)["tokens_per_s"]
             steps = base_gen.stats
             metrics["baseline_step_ms"] = 1e3 * steps.verify_s / max(steps.rounds, 1)
@@ -390,13 +390,13 @@ class EvalStage(Stage):
             table = gen.enable_adaptive_k(sizes, sampled=e.temperature > 0).table(sampled=e.temperature > 0)
             metrics.update({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
         if plan is None or not plan.spec.needs_baseline:  # the oracle replays the baseline: no warmup
-            self._warmup(gen, data, target, rng, e)
+            self._warmup(gen, data, target, e)
         gen.reset_stats()
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         counts0 = graphs.metrics() if graphs is not None else {}
         records, wall = generate_all(
-            gen, data, params, target, rng, e.batch_size, "eval" if plan is None else f"eval[{plan.algorithm}]"
+            gen, data, params, target, cfg.seed, e.batch_size, "eval" if plan is None else f"eval[{plan.algorithm}]"
         )
 
         metrics.update(throughput_metrics(records, wall))
@@ -431,15 +431,15 @@ class EvalStage(Stage):
         return {"eval_results": {"metrics": metrics, "records": records, "baseline": baseline}}
 
     @staticmethod
-    def _warmup(gen: Generator, data: EvalPrompts, target: LoadedModel, rng, e) -> None:
+    def _warmup(gen: Generator, data: EvalPrompts, target: LoadedModel, e) -> None:
         if e.warmup:
             n = min(e.batch_size, len(data.encoded))
-            gen.generate(
+            gen.generate(  # the run's own sampling: its kernels are compiled before the clock starts
                 data.encoded[:n],
-                SamplingParams(max_new_tokens=4),
+                SamplingParams(e.temperature, e.top_p, max_new_tokens=4),
                 target.tokenizer.eos_token_ids,
-                rng,
                 prompt_embeds=data.embeds[:n] if data.embeds is not None else None,
+                seeds=list(range(n)),
             )
 
     @staticmethod

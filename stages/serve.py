@@ -8,8 +8,9 @@ eval) and the HTTP app (engine/serve/openai_server.py, under uvicorn: engine/ser
 on `serve.host:serve.port` until Ctrl-C, which drains (new requests get 503 with Retry-After, in-flight
 ones finish; a second Ctrl-C aborts them) before the stage returns and the MLflow run closes normally.
 
-The draft proposes greedily whatever the request's temperature (lossless either way, see
-engine/serve/scheduler.py); the oracle draft replays an eval baseline's outputs and has no place here.
+Each request samples with its own temperature, top-p and seed (the draft under them too, lossless: see
+engine/serve/scheduler.py), and may opt out of speculation; the oracle draft replays an eval baseline's
+outputs and has no place here.
 
 Logs at the end: `requests`, `requests_<finish_reason>`, `prompt_tokens`, `generated_tokens`,
 `tokens_per_s` (generated over `busy_s`, the time with at least one request in flight: idle time between
@@ -143,7 +144,7 @@ class ServeStage(Stage):
 
         target: LoadedModel = inputs["target"]
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
-        rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
+        rng = torch.Generator().manual_seed(cfg.seed)  # the seeds of requests without one (host-side)
         k = draft_tokens(cfg)
         draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)

@@ -9,7 +9,7 @@ from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 from engine.generate import Generator
 from engine.model import LlamaModel, ModelArgs
-from engine.sampling import SamplingParams, probs_from_logits, sample
+from engine.sampling import BONUS, Draws, SamplingParams, draw
 
 
 def pair(hf_cls=LlamaForCausalLM, hf_cfg=None, max_seq_len=128, seed=0):
@@ -172,9 +172,10 @@ def test_sampling_is_seeded_and_respects_top_p():
     c = Generator(ours, 1).generate(prompt, params, generator=torch.Generator().manual_seed(1))[0].tokens
     assert a == b and a != c
 
-    logits = torch.tensor([[4.0, 3.0, 0.0, -1.0]])
-    probs = probs_from_logits(logits, 1.0, 0.8)  # p = .71, .26, ... : the top two reach 0.8
-    assert probs[0, 2:].sum() == 0 and torch.allclose(probs.sum(), torch.tensor(1.0))
-    draws = sample(logits.expand(2000, 4), SamplingParams(temperature=1.0, top_p=0.8), torch.Generator().manual_seed(0))
-    freq = torch.bincount(draws, minlength=4).float() / 2000
-    assert freq[2:].sum() == 0 and abs(freq[0] - probs[0, 0]) < 0.04
+    logits = torch.tensor([4.0, 3.0, 0.0, -1.0])
+    p = torch.softmax(logits, -1)  # .71, .26, ...: the top two reach 0.8
+    n = 2000  # a row per seed
+    rows = Draws(torch.ones(n), torch.full((n,), 0.8), torch.arange(n))
+    draws = draw(logits.expand(n, 1, 4), rows, torch.zeros(n, dtype=torch.long), BONUS, kernels=False)[:, 0]
+    freq = torch.bincount(draws, minlength=4).float() / n
+    assert freq[2:].sum() == 0 and abs(freq[0] - p[0] / p[:2].sum()) < 0.04

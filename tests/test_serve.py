@@ -630,7 +630,7 @@ def test_text_stream_holds_partial_characters_and_stop_strings():
 def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
     import torch
 
-    from engine.sampling import RowSampling
+    from engine.sampling import Draws
     from engine.verify import verify, verify_greedy
 
     g = torch.Generator().manual_seed(0)
@@ -640,22 +640,18 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
     draft[0, :2] = logits[0, :2].argmax(-1)  # row 0 accepts two greedily
     want_acc, want_bonus = verify_greedy(logits, draft)
 
-    def once(shared_seed):
-        s = RowSampling.per_row(
-            [0.0, 1.0, 0.0, 0.7],
-            [1.0, 0.9, 1.0, 1.0],
-            [None, torch.Generator().manual_seed(5), None, None],
-            "cpu",
-            torch.Generator().manual_seed(shared_seed),
+    def once(other_seed):  # row 1 keeps seed 5, row 3's seed changes
+        rows = Draws(
+            torch.tensor([0.0, 1.0, 0.0, 0.7]), torch.tensor([1.0, 0.9, 1.0, 1.0]), torch.tensor([0, 5, 0, other_seed])
         )
-        return verify(logits, draft, None, s)
+        return verify(logits, draft, None, rows, torch.full((b,), 7))
 
     runs = [once(seed) for seed in range(6)]
     for acc, bonus in runs:
         assert acc[[0, 2]].tolist() == want_acc[[0, 2]].tolist() and acc[0] == 2
         assert bonus[[0, 2]].tolist() == want_bonus[[0, 2]].tolist()
-        assert (acc[1], bonus[1]) == (runs[0][0][1], runs[0][1][1])  # the seeded row ignores the shared draws
-    assert len({int(bonus[3]) for _, bonus in runs}) > 1  # the unseeded sampled row does not
+        assert (acc[1], bonus[1]) == (runs[0][0][1], runs[0][1][1])  # row 1 draws from its own seed alone
+    assert len({int(bonus[3]) for _, bonus in runs}) > 1  # row 3 with other seeds draws otherwise
 
 
 def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():

@@ -10,8 +10,8 @@ from test_model import _prompts, pair
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.program import Step
-from engine.sampling import SamplingParams
-from engine.verify import verify_sampling
+from engine.sampling import Draws, SamplingParams
+from engine.verify import verify
 from pipeline.config import DraftConfig
 
 AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
@@ -95,7 +95,9 @@ def tap(draft, phase: str, fn) -> None:
     setattr(
         draft,
         f"{phase}_steps",
-        lambda cache, k: inner(cache, k) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)],
+        lambda cache, k, **kw: (
+            inner(cache, k, **kw) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)]
+        ),
     )
 
 
@@ -157,9 +159,14 @@ def test_draft_state_consistent_after_partial_acceptance(target):
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
 
 
+def rows(n: int, temperature: float = 1.0, top_p: float = 1.0) -> Draws:
+    """n sampled rows, seeds 0..n-1."""
+    return Draws(torch.full((n,), temperature), torch.full((n,), top_p), torch.arange(n))
+
+
 def test_rejection_sampling_rule_is_exact():
-    """verify_sampling on synthetic p, q: the emitted first token is distributed as p, for a draft q
-    that differs from p; the naive always-accept rule fails the same bound."""
+    """verify on synthetic p, q: the emitted first token is distributed as p, for a draft q that
+    differs from p; the naive always-accept rule fails the same bound."""
     torch.manual_seed(0)
     n, vocab = 40000, 6
     p_logits = torch.randn(vocab) * 1.5
@@ -167,8 +174,7 @@ def test_rejection_sampling_rule_is_exact():
     g = torch.Generator().manual_seed(1)
     draft = torch.multinomial(q, n, replacement=True, generator=g)[:, None]  # [n, 1]
     logits = p_logits.expand(n, 2, vocab).clone()
-    params = SamplingParams(temperature=1.0)
-    accepted, bonus = verify_sampling(logits, draft, q.expand(n, 1, vocab), params, g)
+    accepted, bonus = verify(logits, draft, q.expand(n, 1, vocab), rows(n), torch.zeros(n, dtype=torch.long))
     first = torch.where(accepted > 0, draft[:, 0], bonus)
     freq = torch.bincount(first, minlength=vocab).float() / n
     p = torch.softmax(p_logits, -1)
@@ -183,10 +189,8 @@ def test_a_round_without_drafts_samples_from_p_with_top_p():
     n, vocab = 40000, 6
     p_logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -3.0])
     logits = p_logits.expand(n, 1, vocab).clone()
-    params = SamplingParams(temperature=0.7, top_p=0.8)
-    accepted, bonus = verify_sampling(
-        logits, torch.empty(n, 0, dtype=torch.long), None, params, torch.Generator().manual_seed(2)
-    )
+    draft, lengths = torch.empty(n, 0, dtype=torch.long), torch.zeros(n, dtype=torch.long)
+    accepted, bonus = verify(logits, draft, None, rows(n, 0.7, 0.8), lengths)
     p = torch.softmax(p_logits / 0.7, -1)
     keep = (torch.cumsum(p, -1) - p) < 0.8  # the smallest prefix of the sorted p reaching 0.8
     want = torch.where(keep, p, torch.zeros_like(p))
@@ -195,10 +199,10 @@ def test_a_round_without_drafts_samples_from_p_with_top_p():
     assert 0.5 * (freq - want / want.sum()).abs().sum() < 0.015
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash", "ngram"])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash", "ngram"])
 def test_sampling_with_a_draft_matches_sampling_without(algorithm):
-    """Token frequencies at positions 1..3 over many sequences: with a draft = without one (rejection
-    sampling against the draft's greedy proposals, q one-hot)."""
+    """Token frequencies at positions 1..3 over many sequences: with a draft = without one (each row's
+    proposals drawn from the draft's q, rejection sampling against it; the n-gram draft's q one-hot)."""
     from engine.model import LlamaModel, ModelArgs, init_normal_
 
     args = ModelArgs(

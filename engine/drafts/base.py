@@ -15,9 +15,12 @@ Two kinds of draft:
     device drafts  (`DeviceDraft`: EAGLE3, EAGLE, multi-layer EAGLE, DFlash) are programs inside the
                    round (engine/round.py): `propose_steps` (the k-step chain) and `commit_steps` (the
                    extend) over the round's env, their state in buffers of `batch_size` rows
-                   (`state_specs`, `buf`) that a captured round replays over. Proposals are greedy
-                   (argmax): the chain needs no random numbers, and rejection sampling against a
-                   one-hot q stays lossless. `propose` / `commit` run the same steps eagerly, alone.
+                   (`state_specs`, `buf`) that a captured round replays over. Greedy rounds propose the
+                   argmax; in a sampled round (`sampled=True`) each sampled row draws every proposal
+                   from the draft's own q (its temperature and top-p on the draft's logits, EAGLE3's
+                   draft vocabulary mapped by d2t) and keeps q in `d_q` [B, K, Vd] for the rejection
+                   sampling of the verify; greedy rows still take the argmax. `propose` / `commit` run
+                   the greedy steps eagerly, alone.
 
 `begin` is the draft's prefill after the target's. With `rows=slice(i, j)` it prefills rows i..j-1 of a
 batch of `batch_size` rows and leaves every other row's draft state (KV cache, carried hidden
@@ -27,8 +30,11 @@ target features declare which (`FeatureKind`): `aux` (EAGLE3: concatenated aux l
 (EAGLE: the final normed hidden state); `none` for weightless drafts (n-gram, oracle).
 
 The round env a device draft's steps read (engine/round.py): lengths [b], live [b], last [b] (x_L),
-kv_len (host: the longest live length), the draft's own buffers' rows; propose writes draft [b, k];
-commit reads emitted [b, k+1], accepted [b] and the verify's features (t.aux or t.hidden).
+kv_len (host: the longest live length), the draft's own buffers' rows, and in a sampled round each row's
+temperature, top_p and seed [b] (`engine.sampling.Draws`); propose writes draft [b, k] (and d_q);
+commit reads emitted [b, k+1], accepted [b] and the verify's features (t.aux or t.hidden). A proposal for
+position P draws with (seed, P, DRAFT) (kernels/sample.py): d_i at lengths + i, the next round's d_1 at
+lengths + a + 2 (the extend), the first one at the prompt's length + 1 (`begin`).
 
 Each algorithm is one folder (engine/drafts/<name>/) that exports an `Algorithm` record: its plan
 function (config files only), its head class (the `DraftHead` protocol), the factory of its per-run
@@ -47,12 +53,13 @@ from torch import Tensor
 
 from engine import aux_layers
 from engine.drafts.config import DraftKeys
-from engine.graphs.runner import allocate
+from engine.graphs.runner import InputSpec, allocate
 from engine.program import Step, run_steps
 
 if TYPE_CHECKING:
     from engine.drafts.checkpoint import HeadCheckpoint
     from engine.model import LlamaModel, ModelArgs
+    from engine.sampling import Draws
 
 
 class FeatureKind(str, enum.Enum):
@@ -120,10 +127,12 @@ class Draft:
         input_embeds: Optional[Tensor],
         first: Tensor,
         rows: Optional[slice] = None,
+        draws: Optional["Draws"] = None,
     ) -> None:
         """Draft prefill. prompt_tokens/valid [n, T]; feats [n, T, F]; input_embeds [n, T, H] (the
         target's, reused for prompt positions); first [n]: the target's first emitted token.
-        rows: the batch rows these n prompts occupy (None: they are the whole batch)."""
+        rows: the batch rows these n prompts occupy (None: they are the whole batch). draws: the rows'
+        sampling when some of them sample (their first proposal is drawn, its q kept), else None."""
 
     def propose(self, state: SpecState, k: int) -> Proposal:
         raise NotImplementedError
@@ -132,7 +141,9 @@ class Draft:
 class DeviceDraft(Draft):
     """A draft whose round work is device programs over state buffers of `batch_size` rows.
 
-    Subclasses set `head` and define `state_specs`, `propose_steps`, `commit_steps` and `begin`.
+    Subclasses set `head` and define `own_specs`, `propose_steps`, `commit_steps` and `begin`.
+    `offsets` (d2t) and `vocab_map` (a target id's draft id, -1 outside) are set for heads with a draft
+    vocabulary of their own (EAGLE3), None for heads over the target's.
     """
 
     on_device = True
@@ -144,7 +155,14 @@ class DeviceDraft(Draft):
         if head.target_ref and head.target_ref[0].fused and not head.fused:
             head.use_fused_kernels()  # the target's fused kernels for the draft's layers too
         self.cache = head.new_cache(batch_size)
-        self.buf: dict[str, Tensor] = allocate(self.state_specs(k), batch_size, next(head.parameters()).device)
+        device = next(head.parameters()).device
+        self.offsets = self.vocab_map = None
+        if not head.shares_lm_head:  # a draft vocabulary: target id = draft id + d2t[draft id]
+            self.offsets = head.d2t
+            ids = torch.arange(head.d2t.shape[0], device=device)
+            self.vocab_map = torch.full((head.args.vocab_size,), -1, dtype=torch.int32, device=device)
+            self.vocab_map[ids + head.d2t] = ids.to(torch.int32)
+        self.buf: dict[str, Tensor] = allocate(self.state_specs(k), batch_size, device)
 
     @property
     def attention_kernel(self) -> bool:
@@ -154,13 +172,19 @@ class DeviceDraft(Draft):
         return self.head.graph_meta()
 
     def state_specs(self, k: int) -> dict:
-        """name -> engine.graphs.runner.InputSpec (per row, state) of the draft's own buffers."""
+        """name -> engine.graphs.runner.InputSpec (per row, state) of the draft's buffers: its own, and
+        d_q [K, Vd] fp32 (a sampled round's proposal distributions, read by the verify's accept)."""
+        vocab = self.head.lm_head.weight.shape[0]
+        return {**self.own_specs(k), "d_q": InputSpec((k, vocab), torch.float32, None, per_row=True, state=True)}
+
+    def own_specs(self, k: int) -> dict:
+        """The algorithm's own state buffers (name -> InputSpec)."""
         return {}
 
-    def propose_steps(self, cache, k: int) -> list:
+    def propose_steps(self, cache, k: int, sampled: bool = False) -> list:
         raise NotImplementedError
 
-    def commit_steps(self, cache, k: int) -> list:
+    def commit_steps(self, cache, k: int, sampled: bool = False) -> list:
         raise NotImplementedError
 
     # -- alone, eagerly (tests, tools): the same steps over an env built from the host state ----------
@@ -261,13 +285,18 @@ class DraftHead(Protocol):
 class FeatureHead(DraftHead, Protocol):
     """A one-step head that the EAGLE-family loop (engine/drafts/common/feature.py) chains: EAGLE3, EAGLE."""
 
-    def program(self, cache, *, embeds_input: bool = False) -> list[Step]:
+    def program(self, cache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
         """One draft forward as steps: pre (segment), attention (break), post (segment).
 
         env in:  tokens [b, t], hidden [b, t, F or H], positions [b, t], valid [b, t], kv_len,
                  input_embeds [b, t, H] (embeds_input)
-        env out: out_hidden [b, t, H], ids [b, t] (greedy, target ids), logits [b, t, V] (unfused only)
+        env out: out_hidden [b, t, H], ids [b, t] (greedy, target ids; not with `sampled` on the fused
+                 path), logits [b, t, V] (`sampled`, or the unfused path)
         """
+        ...
+
+    def logits(self, h: Tensor) -> Tensor:
+        """out_hidden [..., H] -> the draft's logits [..., V] (what `post` forms from it)."""
         ...
 
     def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
@@ -275,8 +304,9 @@ class FeatureHead(DraftHead, Protocol):
         q [b, heads, t, head_dim] (RoPE'd; k/v written into `cache` at the rows' slots)."""
         ...
 
-    def post(self, env: dict) -> None:
-        """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t], logits [b, t, V]."""
+    def post(self, env: dict, sampled: bool = False) -> None:
+        """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t] and / or
+        logits [b, t, V] (as `program` says)."""
         ...
 
 

@@ -6,7 +6,7 @@ A backend knows nothing of buckets, padding or slicing: that is the runner's job
                runner's padding, slicing and can-run logic, and tells a capture bug from a runner bug
     full       every step captured (attention over a static kv_len): one CUDA graph per phase
     breakable  each run of steps between breaks is one CUDA graph; breaks (SDPA attention over the
-               live kv_len, a draw from a per-row generator) run eagerly between replays; all graphs
+               live kv_len, a host hook) run eagerly between replays; all graphs
                of all buckets share one pool
     piecewise  the same mechanics per token-count bucket; serves prefill
 

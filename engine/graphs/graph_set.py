@@ -5,8 +5,9 @@ Phases (bucket = (rows, tokens per row)):
     round_k{k}          the whole speculative round with k draft tokens (engine/round.py) over the
                         state buffers, [B, k+1] per capture size B: draft chain, verify + accept, draft
                         extend, one graph each; k = 0 is the plain decode step (the no-draft baseline)
-    round_k{k}_sampled  the same with rejection sampling at the accept (an eager break), captured when
-                        the run samples (eval temperature > 0, a server)
+    round_k{k}_sampled  the same where rows sample (each by its own temperature, top-p and seed in the
+                        state buffers: sampled drafts, rejection sampling on the device, no break),
+                        captured when the run samples (eval temperature > 0, a server)
     prefill             the target's prefill, [R, T] per prompt-length bucket T, under every CUDA
                         policy: one graph with the Triton attention, else captured segments between
                         SDPA attention breaks (piecewise); debug under debug; FULL for drafts that

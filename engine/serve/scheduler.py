@@ -4,7 +4,8 @@
              graphs' buffers; a request holds one slot from its prefill to its last token
     join     the target prefills the prompt into its slot row (`SpecDecoder.prefill(rows=slice(i, i + 1))`:
              through the prefill graphs over the graph set's staging row, its KV then copied into the
-             slot), samples the first token, then `draft.begin(..., rows=slice(i, i + 1))` leaves every
+             slot), then `SpecDecoder.start` writes the request's sampling into the slot's state buffers,
+             draws the first token and runs `draft.begin(..., rows=slice(i, i + 1))`, which leaves every
              other row's draft state. Requests waiting together join together: one right-padded eager
              prefill over a run of contiguous free slots (`rows=slice(i, i + m)`, up to
              `max_prefill_tokens` padded tokens)
@@ -20,13 +21,15 @@ The draft keeps per-row state (KV rows, carried hidden state, next proposal) for
 replays the smallest bucket that holds its rows (requests take the lowest free slots, so a light load
 runs small rounds). Rows above the largest capture size run eagerly, counted as fallbacks.
 
-Sampling is per request (`engine.sampling.RowSampling`): greedy requests are exactly greedy in any
-batch; sampled ones use their own temperature and top-p, and a request with a `seed` draws from its
-own generator (the same output whatever else is in the batch). The draft always proposes greedily
-(its q is one-hot), so rejection sampling stays lossless for every row whatever its temperature.
-A request with `speculative=False` keeps none of the drafts (its slot's `speculate` flag, written at
-join): it gets what the server without a draft would give it, and adaptive k counts it as a row a
-draft buys nothing. Each request counts its verify rounds, draft tokens and accepted ones (its usage).
+Sampling is per request (`engine.sampling.RowSettings`, in the round's state buffers): greedy requests
+are exactly greedy in any batch; sampled ones use their own temperature and top-p, the draft samples
+its proposals from its own q under them and the verify accepts by rejection sampling (lossless). A
+request's random numbers come from its seed alone (kernels/sample.py: counter-based, by position), so
+a request with a `seed` gets the same output whatever else is in the batch; an unseeded one gets a seed
+drawn from the server's generator at its join. A request with `speculative=False` takes no draft token
+(accepted = 0 every round): its output is exactly plain decoding's.
+Each request counts its verify rounds, draft tokens and accepted ones (its usage), and adaptive k
+counts an opted-out row as one a draft buys nothing.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import torch
 
 from engine.drafts.base import SpecState
 from engine.generate import SpecDecoder
-from engine.sampling import RowSampling, sample
+from engine.sampling import RowSettings, as_seed, seeds_from
 
 log = logging.getLogger(__name__)
 
@@ -73,9 +76,9 @@ class GenerationRequest:
     sink: Callable[[TokenEvent], None]  # called on the engine thread: must not block
     temperature: float = 0.0  # 0: greedy
     top_p: float = 1.0
-    seed: Optional[int] = None
+    seed: Optional[int] = None  # None: one drawn from the server's generator at the join
     stop_ids: frozenset[int] = frozenset()
-    speculative: bool = True  # False: no draft token is kept (the output of a server without a draft)
+    speculative: bool = True  # False: no draft tokens for this request (plain decoding's output)
     id: int = field(default_factory=lambda: next(_ids))
     # -- the engine's bookkeeping ------------------------------------------------------------------
     output: list[int] = field(default_factory=list)
@@ -84,7 +87,6 @@ class GenerationRequest:
     finish_reason: Optional[str] = None
     cancelled: Optional[str] = None  # the finish reason of a cancel: "abort" (client gone), "stop" (a stop string)
     slot: Optional[int] = None
-    generator: Optional[torch.Generator] = None
     t_submit: float = 0.0
     t_first: Optional[float] = None
     t_done: Optional[float] = None
@@ -147,15 +149,13 @@ class Scheduler:
         self.dec, self.n, self.max_queue = decoder, num_slots, max_queue
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens of one joint prefill (one request: any)
         self.device, self.k = decoder.device, decoder.k
-        self.generator = generator  # shared by sampled requests without a seed
+        self.generator = generator  # draws the seeds of requests without one
         self.cache = decoder.cache.rows(num_slots)
         self.slots: list[Optional[GenerationRequest]] = [None] * num_slots
         self.state = SpecState(
             [[0] for _ in range(num_slots)], [0] * num_slots, [False] * num_slots, list(range(num_slots)), self.device
         )
         self._live_changed = True  # slots left since the last round: their live flags go to the device
-        self._sampling: Optional[RowSampling] = None  # rebuilt when the slots' requests change
-        self._greedy_rows: list[bool] = []  # with it: which of those rows are greedy (adaptive k's mix)
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
         self.waiting: deque[GenerationRequest] = deque()
         self._cv = threading.Condition()
@@ -192,8 +192,6 @@ class Scheduler:
                 f"prompt of {len(req.prompt)} tokens + max_tokens {req.max_tokens} + {self.k} "
                 f"draft tokens needs {need} KV slots, the cache has {self.dec.model.max_seq_len}"
             )
-        if req.seed is not None and req.temperature > 0:
-            req.generator = torch.Generator(device=self.device).manual_seed(req.seed)
         with self._cv:
             if self._closing:
                 raise ShuttingDown("the server is shutting down")
@@ -333,42 +331,26 @@ class Scheduler:
         t0, m, st = time.perf_counter(), len(reqs), self.state
         rows = slice(start, start + m)
         pre = self.dec.prefill([r.prompt for r in reqs], None, rows)
-        sampling = RowSampling.per_row(
+        unseeded = [r.seed is None and r.temperature > 0 for r in reqs]  # greedy rows draw nothing
+        drawn = iter(seeds_from(self.generator, sum(unseeded)))
+        settings = RowSettings(
             [r.temperature for r in reqs],
             [r.top_p for r in reqs],
-            [r.generator for r in reqs],
-            self.device,
-            self.generator,
+            [next(drawn) if u else as_seed(r.seed or 0) for r, u in zip(reqs, unseeded)],
+            [r.speculative for r in reqs],
         )
-        first = sample(pre.out.logits[:, -1], sampling)  # [m]
         for j, req in enumerate(reqs):
             st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
-        self.dec.begin(st, pre, first, rows=rows, speculate=[r.speculative for r in reqs])  # + the draft's prefill
+        first = self.dec.start(st, pre, settings, rows=rows)  # [m]: the slots' settings, round state, draft prefill
         toks = first.tolist()  # the join's one sync
         for j, (req, tok) in enumerate(zip(reqs, toks)):
             st.history[start + j].append(tok)
             self.slots[start + j], req.slot = req, start + j
-        self._sampling = None
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1
         now = time.perf_counter()
         for j, (req, tok) in enumerate(zip(reqs, toks)):
             self._emit(start + j, req, [tok], now)
-
-    def _row_sampling(self) -> RowSampling:
-        """Each slot's sampling up to the last occupied one (the rows a round spans), rebuilt when the
-        slots' requests change."""
-        if self._sampling is None:
-            reqs = self.slots[: self._round_rows()]
-            self._greedy_rows = [r is None or r.temperature <= 0 for r in reqs]
-            self._sampling = RowSampling.per_row(
-                [r.temperature if r else 0.0 for r in reqs],
-                [r.top_p if r else 1.0 for r in reqs],
-                [r.generator if r else None for r in reqs],
-                self.device,
-                self.generator,
-            )
-        return self._sampling
 
     def _round_rows(self) -> int:
         """Rows a round spans: up to the last occupied slot (requests take the lowest free slots, so
@@ -381,8 +363,7 @@ class Scheduler:
             self.dec.push_live(self.state)
             self._live_changed = False
         rows = self._round_rows()
-        sampling = self._row_sampling()
-        r = self.dec.round(self.state, sampling, rows=rows, greedy_rows=self._greedy_rows)
+        r = self.dec.round(self.state, rows=rows)
         stats.rounds += 1
         stats.round_s += time.perf_counter() - t0
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
@@ -433,7 +414,7 @@ class Scheduler:
         tokens: Optional[list[int]] = None,
     ) -> None:
         st = self.state
-        self.slots[i], self._sampling = None, None
+        self.slots[i] = None
         st.history[i], st.lengths[i], st.live[i] = [0], 0, False
         self._live_changed = True
         self._finish(req, reason, error, tokens or [])

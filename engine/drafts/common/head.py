@@ -7,7 +7,9 @@ its own, the target's lm_head (shared storage, never a copy, kept out of state_d
     program(cache)   one draft forward as steps: pre (segment) -> attention (break) -> post (segment),
                      built by engine/decoder.py's `decoder_steps` with `pre` / `post` as the one layer
     pre(env, ...)    env hidden [b, t, F or hidden], tokens [b, t], attn -> g [b, t, hidden], q [b, heads, t, d]
-    post(env)        env g, o [b, t, heads * d] -> out_hidden [b, t, hidden], ids [b, t] (+ logits)
+    post(env, sampled)  env g, o [b, t, heads * d] -> out_hidden [b, t, hidden], ids [b, t] (greedy) or
+                     logits [b, t, V] (sampled; the unfused path forms both)
+    logits(h)        out_hidden [..., hidden] -> logits [..., V] (a sampled first proposal at the prefill)
 
 `llama_config` is the Llama shape of a one-layer head of the target's width: every algorithm's
 config.json builds on it.
@@ -119,22 +121,26 @@ class HeadBase(nn.Module):
         att = self.attention
         return a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
 
-    def program(self, cache: StaticKVCache, *, embeds_input: bool = False) -> list[Step]:
+    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
         """One draft forward as steps (segment, attention break, segment) over an env dict.
 
         env in:  tokens [b, t], hidden [b, t, F or hidden], positions [b, t], valid [b, t], kv_len,
                  input_embeds [b, t, hidden] (embeds_input)
         env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), ids [b, t] (the greedy
-                 proposal, target ids), logits [b, t, draft vocab] (unfused path only: the fused one
-                 takes the argmax inside the lm_head kernel and writes no logits)
+                 proposal, target ids), logits [b, t, draft vocab] (unfused path, or `sampled`: the
+                 fused greedy path takes the argmax inside the lm_head kernel and writes no logits, the
+                 sampled one writes the logits and no ids)
         """
 
         def pre(env):  # the layer's input fusion (embeds, hidden) and q/k/v: the head's own
             self.pre(env, env["input_embeds"] if embeds_input else None, cache)
 
+        def post(env):
+            self.post(env, sampled)
+
         dtype = next(self.parameters()).dtype
         return decoder_steps(
-            [EnvLayer(self.attention, pre, self.post)],
+            [EnvLayer(self.attention, pre, post)],
             cache,
             AttnSource(self, cache.dummy_slot, dtype),
             StepNames("draft_pre", "draft_attn", "", "draft_post"),

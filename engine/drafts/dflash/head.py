@@ -196,12 +196,13 @@ class DFlashHead(HeadBase):
 
         return [Step("dflash_context", write, meta=self.graph_meta())]
 
-    def block_program(self, cache: StaticKVCache, num_drafts: int) -> list[Step]:
+    def block_program(self, cache: StaticKVCache, num_drafts: int, sampled: bool = False) -> list[Step]:
         """The block forward as segments and attention breaks, like the target's program.
 
         env in:  tokens [b, B] = [x_L, m, ..., m], positions [b, B] = L..L+B-1, valid [b, B], kv_len
         env out: ids [b, num_drafts] (the greedy drafts) at block indices 1..num_drafts, and on the
-                 unfused path the logits behind them [b, num_drafts, vocab]
+                 unfused path, or `sampled` (then without ids on the fused path), the logits behind them
+                 [b, num_drafts, vocab]
         """
         fused = self.fused
 
@@ -210,10 +211,10 @@ class DFlashHead(HeadBase):
 
         def finish(env):
             x, delta = env[STREAM][:, 1 : num_drafts + 1], env[DELTA][:, 1 : num_drafts + 1]  # [b, k, hidden]
-            if fused:  # + residual, norm, lm_head and argmax in one kernel: no logits
-                env["ids"] = add_rmsnorm_gemv(
-                    x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight, argmax=True
-                )[1]  # [b, k]
+            if fused:  # + residual, norm, lm_head and (greedy) argmax in one kernel
+                env["logits" if sampled else "ids"] = add_rmsnorm_gemv(
+                    x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight, argmax=not sampled
+                )[1]  # [b, k] or [b, k, vocab]
                 return
             env["logits"] = self.lm_head(self.norm(x + delta))  # [b, k, vocab]
             env["ids"] = env["logits"].argmax(-1)

@@ -61,7 +61,7 @@ class EagleHead(HeadBase):
         x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE
         env["g"], env[QUERY] = x, self.attention.project(x, cache, env[ATTN])
 
-    def post(self, env: dict) -> None:
+    def post(self, env: dict, sampled: bool = False) -> None:
         layer = self.layers[0]
         if self.fused:
             o, down = layer.self_attn.o_proj, layer.mlp.down_proj
@@ -75,12 +75,17 @@ class EagleHead(HeadBase):
                 swiglu=True,
             )
             h = h + gemv(act, down.weight, down.bias)  # [b, t, hidden]
-            env["out_hidden"], env["ids"] = h, gemv(h, self.lm_head.weight, argmax=True)  # no final norm in EAGLE
+            env["out_hidden"] = h
+            env["logits" if sampled else "ids"] = gemv(h, self.lm_head.weight, argmax=not sampled)  # no final norm
             return
         h = env["g"] + layer.self_attn.o_proj(env[ATTN_OUT])
         h = h + layer.mlp(layer.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(h)
         env["ids"] = env["logits"].argmax(-1)
+
+    def logits(self, h: Tensor) -> Tensor:
+        """out_hidden [..., hidden] -> logits [..., vocab]: the target's lm_head on h (no final norm)."""
+        return gemv(h, self.lm_head.weight) if self.fused else self.lm_head(h)
 
     def card_summary(self, f: dict) -> str:
         """The model card's description (stages/train_draft.py writes the card)."""

@@ -94,9 +94,9 @@ class Eagle3Head(HeadBase):
         x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2 * hidden]
         env["g"], env[QUERY] = g, m.self_attn.project(x, cache, env[ATTN])
 
-    def post(self, env: dict) -> None:
+    def post(self, env: dict, sampled: bool = False) -> None:
         m, eps = self.midlayer, self.args.rms_norm_eps
-        if self.fused:  # o_proj; + residual, norm, gate_up, SwiGLU; down; + residual, norm, lm_head, argmax
+        if self.fused:  # o_proj; + residual, norm, gate_up, SwiGLU; down; + residual, norm, lm_head (argmax)
             o = m.self_attn.o_proj
             h, act = add_rmsnorm_gemv(
                 env["g"],
@@ -108,20 +108,26 @@ class Eagle3Head(HeadBase):
                 swiglu=True,
             )
             mlp = gemv(act, m.mlp.down_proj.weight, m.mlp.down_proj.bias)
-            env["out_hidden"], env["ids"] = add_rmsnorm_gemv(
+            env["out_hidden"], env["logits" if sampled else "ids"] = add_rmsnorm_gemv(
                 h,
                 mlp,
                 self.norm.weight,
                 eps,
                 self.lm_head.weight,
-                argmax=True,
-                offsets=None if self.shares_lm_head else self.d2t,
-            )  # [b, t, hidden], [b, t] target ids
+                argmax=not sampled,
+                offsets=None if self.shares_lm_head or sampled else self.d2t,
+            )  # [b, t, hidden], [b, t] target ids or [b, t, draft vocab] logits
             return
         h = env["g"] + m.self_attn.o_proj(env[ATTN_OUT])
         h = h + m.mlp(m.post_attention_layernorm(h))
         env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
         env["ids"] = self.to_target(env["logits"].argmax(-1))
+
+    def logits(self, h: Tensor) -> Tensor:
+        """out_hidden [..., hidden] -> logits [..., draft vocab]: lm_head(norm(h))."""
+        if self.fused:
+            return add_rmsnorm_gemv(h, None, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight)[1]
+        return self.lm_head(self.norm(h))
 
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm, and the own lm_head's rows (of the draft vocabulary set

@@ -47,7 +47,8 @@ from engine.decoder import DELTA, STREAM, AttnSource, Residual, StepNames, decod
 from engine.drafts.common.head import HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.program import Step
-from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv
+from kernels.fused import add_rmsnorm
+from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "LlamaForCausalLMMultiLayerEagle"
 
@@ -103,14 +104,14 @@ class MultiLayerEagleHead(HeadBase):
     def new_cache(self, batch_size: int) -> StepCaches:
         return StepCaches([super(MultiLayerEagleHead, self).new_cache(batch_size) for _ in self.layers])
 
-    def module_program(self, i: int, caches: StepCaches, logits: str) -> list[Step]:
+    def module_program(self, i: int, caches: StepCaches, logits: str, sampled: bool = False) -> list[Step]:
         """Module i's forward as steps over its own pool `caches[i]`.
 
         env in:  tokens [b, t], hidden [b, t, H], positions [b, t], valid [b, t], kv_len,
                  logits_index [b] (logits="index")
         env out: out_hidden [b, t, H]; ids [b, 1] (the greedy token) at the last position ("last") or
-                 at logits_index ("index"), [b, t] ("all"), absent ("none"); on the unfused path also
-                 the logits behind them ([b, 1 or t, vocab])
+                 at logits_index ("index"), [b, t] ("all"), absent ("none"); on the unfused path, or
+                 `sampled` (then without ids on the fused path), the logits behind them ([b, 1 or t, vocab])
         """
         mod, cache, fused, eps = self.layers[i], caches[i], self.fused, self.args.rms_norm_eps
         dtype = next(self.parameters()).dtype
@@ -138,6 +139,10 @@ class MultiLayerEagleHead(HeadBase):
 
         def finish(env):
             h, delta = env[STREAM], env[DELTA]
+            if logits != "none" and fused and sampled:  # + residual and the norm, then the picked rows' lm_head
+                env["out_hidden"], normed = add_rmsnorm(h, delta, mod.shared_head.norm.weight, eps)
+                env["logits"] = gemv(pick(env, normed), self.lm_head.weight)  # [b, 1 or t, vocab]
+                return
             if logits != "none" and fused:  # + residual, the head's norm, lm_head and argmax in one kernel
                 env["out_hidden"], ids = add_rmsnorm_gemv(
                     h, delta, mod.shared_head.norm.weight, eps, self.lm_head.weight, argmax=True
