@@ -33,8 +33,8 @@ from kernels.runtime import triton
 if triton is not None:
     import triton.language as tl
 
-ROW_TILES = (16, 32, 64)  # rows of one program, by M's bucket; more rows take more programs
-FUSED_M = 64  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
+ROW_TILES = (16, 64)  # rows of one program: 16 up to 16 rows (decode, a verify), else 64 and more row tiles
+FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
 _PROGRAMS = 128  # the column tile narrows (down to 32) until a call has this many programs: the SMs busy
 BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
@@ -463,19 +463,16 @@ def gemv_config(
     fused: bool = False,
 ) -> GemvConfig:
     """The launch configuration for an [N, K] weight and M rows (act_tiles: activation tiles read per
-    chunk; fused: the norm in the prologue, on row tiles of at most 32). Any choice here may follow M: none
+    chunk; fused: the norm in the prologue). Any choice here may follow M: none
     changes a row's arithmetic on the GPU (MMA k-steps in order over K, the norm's lanes of BLOCK_K
     columns), as the GPU tests check at every M. Any field can be overridden (tests, tuning)."""
-    rows = rows or (min(row_tile(m), 32) if fused else row_tile(m))
+    rows = rows or row_tile(m)
     bk = BLOCK_K
-    m_tiles = triton.cdiv(max(m, 1), rows)
-    if block_n is None:
-        if m > FUSED_M:  # wide tiles re-read the activations less
-            bn = 128 if n >= 2048 else 64
+    if block_n is None:  # two configurations per weight (M <= FUSED_M, larger), both compiled by a warm-up
+        if m > FUSED_M:  # wider as N grows: the activations re-read less
+            bn = 32 if n <= 1024 else 64 if n <= 4096 else 128
         else:  # narrow until the SMs are busy (the fused norm: at most 64 wide)
-            bn = next(
-                (b for b in (128, 64) if triton.cdiv(n, b) * m_tiles >= _PROGRAMS and b <= (64 if fused else 128)), 32
-            )
+            bn = next((b for b in ((64,) if fused else (128, 64)) if triton.cdiv(n, b) >= _PROGRAMS), 32)
     else:
         bn = block_n
     assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"

@@ -215,8 +215,10 @@ if triton is not None:
     def _row_of(row, T, INDEX, s_i, INDEXED: tl.constexpr):
         """(b, t) of a program's row: rows are b * T + t, or (INDEXED) b with t = index[b]."""
         if INDEXED:
-            return row, tl.load(INDEX + row * s_i)
-        return row // T, row % T
+            b, t = row, tl.load(INDEX + row * s_i).to(tl.int32)
+        else:
+            b, t = row // T, row % T
+        return b, t
 
     @triton.jit
     def _row_stats(MAXP, IDXP, SUMP, prow, C, inv_t, CP: tl.constexpr):

@@ -211,3 +211,29 @@ def test_a_sampled_eval_does_not_depend_on_its_batch_size(outputs):
     one = tokens("eval.batch_size=1")
     assert tokens("eval.batch_size=3") == one
     assert tokens("eval.batch_size=3", "seed=1") != one
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3"])
+def test_a_draft_token_is_kept_as_often_as_rejection_sampling_allows(algorithm):
+    """Optimal acceptance, not only a lossless output: given the prefill's token v0, the first draft token is
+    kept with probability sum_v min(p(v), q(v)) (q: the EAGLE-family draft's first proposal distribution, kept
+    in d_q[:, 0] by its prefill, mapped through d2t; p: the target's), within a binomial margin over 6000
+    seeds."""
+    torch.manual_seed(0)
+    target, n, prompt = tiny_target(), 6000, [1, 2, 3]
+    draft, *_ = draft_for(target, algorithm, n, 2)
+    res = Generator(target, n, draft, 2).generate([prompt] * n, SAMPLED, seeds=list(range(n)))
+    v0 = int(torch.tensor([r.tokens[0] for r in res]).mode().values)
+    kept = torch.tensor([r.accepts[0] > 0 for r in res if r.tokens[0] == v0]).double()
+    one, *_ = draft_for(target, algorithm, 1, 2)
+    gen = Generator(target, 1, one, 2)
+    seed = next(i for i, r in enumerate(res) if r.tokens[0] == v0)  # a seed whose prefill drew v0
+    gen.generate([prompt], SamplingParams(temperature=T, top_p=TOP_P, max_new_tokens=1, ignore_eos=True), seeds=[seed])
+    q = one.buf["d_q"][0, 0].double()  # [Vd]: the first proposal's distribution after v0
+    if one.vocab_map is not None:  # a draft vocabulary: q onto target ids
+        q = torch.zeros(target.args.vocab_size, dtype=torch.float64).index_copy_(
+            0, torch.arange(q.shape[0]) + one.head.d2t.cpu(), q
+        )
+    want = torch.minimum(target_p(target, prompt + [v0]), q).sum().item()
+    margin = 4 * (want * (1 - want) / len(kept)) ** 0.5
+    assert abs(kept.mean().item() - want) < margin, (algorithm, kept.mean().item(), want, len(kept))
