@@ -1,4 +1,4 @@
-"""The decode / verify projections against cuBLAS and the DRAM floor: `python benchmarks/kernels.py`.
+"""The decode / verify projections against cuBLAS and the DRAM floor: `python benchmarks/projections.py`.
 
 For each projection of a model's layer (as the fused path calls it: norm + qkv, o, norm + gate_up + SwiGLU,
 down, norm + lm_head with the greedy argmax, and its logits) at each row count M, on random weights of
@@ -12,7 +12,7 @@ Times are per call, from CUDA-graph replays of 20 calls over rotating weight cop
 holds, as a model's layers are), the median of 7 replays. Also checked: every row of M rows bitwise equal to
 the same row computed alone (batch invariance). Writes a Markdown table to --out (default: stdout only).
 
-    python benchmarks/kernels.py --models smollm2,llama3-8b,qwen3-8b --m 1,6,48,192,256
+    python benchmarks/projections.py --models smollm2,llama3-8b,qwen3-8b --m 1,6,48,192,256
 """
 
 from __future__ import annotations
