@@ -12,6 +12,10 @@ System metrics (`tracking.system_metrics`, on by default where psutil imports): 
 `SystemMetricsMonitor` samples CPU, memory, disk, network (and GPUs through nvidia-ml-py) on a thread
 every `tracking.system_metrics_interval_s` as `system/*` metrics; leaving the block takes one last
 sample, so a run shorter than the interval still has its row.
+
+The store is opened through pipeline/store.py (created or upgraded under a lock, runs of dead processes
+reaped); each run is created with tags naming its process, and between its creation and the tracker
+holding its id no signal can land (pipeline/signals.py): a stopped run always ends KILLED.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import torch
 from engine.errors import check_values
 from pipeline.config import RunConfig, flatten, to_yaml
 from pipeline.paths import PARENT_ENV, REPO
+from pipeline.signals import deferred
+from pipeline.store import open_store, owner_tags, reap_dead_runs
 from stages.base import device_name
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -106,12 +112,10 @@ def fail_sweep_parent(tracking_uri: Optional[str], outputs: Path) -> None:
 
 class Tracker:
     def __init__(self, cfg: RunConfig, outputs: Path, device: torch.device):
-        from mlflow.tracking import MlflowClient
-
         t = cfg.tracking
         outputs.mkdir(parents=True, exist_ok=True)
         self.uri = t.tracking_uri or default_tracking_uri(outputs)
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = open_store(self.uri)
         self.cfg, self.device = cfg, device
         self.artifact_root = Path(t.artifact_root or outputs / "mlartifacts")
         self.run_id: Optional[str] = None
@@ -129,8 +133,11 @@ class Tracker:
         from mlflow.entities import RunTag
 
         cfg = self.cfg
-        run = self.client.create_run(self.experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
-        self.run_id = run.info.run_id
+        reap_dead_runs(self.client)
+        experiment = self.experiment_id(cfg.experiment_name)
+        with deferred():  # a signal lands before or after this, never between the run and its id
+            run = self.client.create_run(experiment, run_name=cfg.tracking.run_name, tags=owner_tags())
+            self.run_id = run.info.run_id
         try:
             params = flatten(cfg)
             keys = list(params)
@@ -146,8 +153,8 @@ class Tracker:
             self.log_text(to_yaml(cfg), "config.yaml")
             if self.system_metrics:
                 self._start_system_metrics()
-        except BaseException:
-            self.client.set_terminated(self.run_id, status="FAILED")
+        except BaseException as e:
+            self.client.set_terminated(self.run_id, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         print(f"[mlflow] run {self.run_id} in experiment {cfg.experiment_name!r} ({self.uri})", flush=True)
         return self
