@@ -12,6 +12,8 @@ import json
 import multiprocessing
 import os
 import random
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -25,6 +27,7 @@ from engine.errors import ConfigError
 from engine.loading import random_args
 from engine.train import checkpoints
 from pipeline.config import RandomArchConfig
+from pipeline.paths import REPO
 
 TRIALS = 24
 
@@ -127,3 +130,28 @@ def test_resuming_with_other_draft_settings_names_the_keys(outputs):
     assert "tensor midlayer.mlp.down_proj.weight: checkpoint [64, 768], this run [64, 96]" in text, text
     ctx = run(compose_cfg(*train, "train.steps=10", "draft.intermediate_size=96", "train.resume=false"))
     assert Path(ctx["draft_checkpoint"]).is_dir()  # a fresh start when asked for
+
+
+def test_a_conversion_killed_midway_leaves_nothing_the_next_one_trusts(tmp_path):
+    """A damaged cache (a cut model.safetensors) is converted again; SIGKILL during that conversion leaves
+    its temporary folder, which the next conversion removes before it writes a whole directory."""
+    from engine.loading import cache_problem, convert_gguf, gguf_cache_dir, packaged_smollm2_gguf
+
+    gguf = packaged_smollm2_gguf()
+    out = gguf_cache_dir(gguf, tmp_path)
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (out / "model.safetensors").write_bytes(b"\x10\x00")  # what a copy cut short leaves
+    script = f"from engine.loading import *; convert_gguf(packaged_smollm2_gguf(), Path({str(tmp_path)!r}))"
+    p = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    t0 = time.monotonic()
+    while not list(tmp_path.glob(f".{out.name}-*/model.safetensors")):  # mid-conversion: kill it there
+        assert p.poll() is None and time.monotonic() - t0 < 300
+        time.sleep(0.05)
+    p.kill()
+    p.wait()
+    assert "is damaged (ValueError: 2 bytes: too short for a safetensors header): converting again" in p.stdout.read()
+    assert not out.exists() and list(tmp_path.glob(f".{out.name}-*"))  # the temporary folder stays behind
+
+    assert convert_gguf(gguf, tmp_path) == out
+    assert cache_problem(out) is None and not list(tmp_path.glob(f".{out.name}-*"))
