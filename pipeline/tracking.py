@@ -20,19 +20,21 @@ holding its id no signal can land (pipeline/signals.py): a stopped run always en
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 import torch
 
-from engine.errors import check_values
+from engine.errors import ConfigError, check_values, raised
 from pipeline.config import RunConfig, flatten, to_yaml
-from pipeline.paths import PARENT_ENV, REPO
+from pipeline.paths import PARENT_ENV, REPO, outputs_problem
 from pipeline.signals import deferred
-from pipeline.store import open_store, owner_tags, reap_dead_runs
+from pipeline.store import open_store, owner_tags, reap_dead_runs, store_problem
 from stages.base import device_name
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -84,6 +86,32 @@ def system_metrics_on(t) -> bool:
         ]
     )
     return psutil_present() if t.system_metrics is None else t.system_metrics
+
+
+def tracking_errors(cfg: RunConfig, outputs: Path) -> list[ConfigError]:
+    """Plan time: a store runs cannot log to (a URI MLflow has no store for, a file that is not a
+    database, a server that does not answer), an artifact root that cannot be written, bad system
+    metrics settings. Nothing is created."""
+    t = cfg.tracking
+    if not t.enabled:
+        return []
+    errors = raised(system_metrics_on, t)
+    uri = t.tracking_uri or default_tracking_uri(outputs)
+    if (problem := store_problem(uri)) is not None:
+        errors.append(
+            ConfigError("tracking.tracking_uri", uri, problem, "sqlite:///<path>, http(s)://<server>, or tracking=off")
+        )
+    root = t.artifact_root
+    if root and urlparse(root).scheme in ("", "file") and (bad := outputs_problem(Path(urlparse(root).path))):
+        errors.append(ConfigError("tracking.artifact_root", root, f"the folder {bad}", "a writable directory"))
+    return errors
+
+
+def redacted(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its secrets (serve.api_key) masked: what MLflow may keep."""
+    if cfg.serve.api_key is None:
+        return cfg
+    return dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, api_key="***"))
 
 
 def sweep_job_tags() -> dict[str, str]:
@@ -139,7 +167,7 @@ class Tracker:
             run = self.client.create_run(experiment, run_name=cfg.tracking.run_name, tags=owner_tags())
             self.run_id = run.info.run_id
         try:
-            params = flatten(cfg)
+            params = flatten(redacted(cfg))
             keys = list(params)
             for i in range(0, len(keys), 100):
                 self.log_params({k: params[k] for k in keys[i : i + 100]})
@@ -150,7 +178,7 @@ class Tracker:
             if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # which GPU a parallel sweep job got
                 tags["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-            self.log_text(to_yaml(cfg), "config.yaml")
+            self.log_text(to_yaml(redacted(cfg)), "config.yaml")
             if self.system_metrics:
                 self._start_system_metrics()
         except BaseException as e:
