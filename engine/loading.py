@@ -31,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -353,6 +353,23 @@ def random_args(r) -> ModelArgs:
 
 def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
     r = cfg.random
+    check_values(
+        [
+            (f"model.random.{k}", getattr(r, k), getattr(r, k) >= 1, ">= 1")
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            )
+        ]
+        + [
+            ("model.random.rms_norm_eps", r.rms_norm_eps, 0 < r.rms_norm_eps < 1, "in (0, 1)"),
+            ("model.random.rope_theta", r.rope_theta, 0 < r.rope_theta < float("inf"), "> 0 and finite"),
+            ("model.random.init_std", r.init_std, 0 <= r.init_std < float("inf"), ">= 0 and finite"),
+        ]
+    )
     if r.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(
             "model.random.vocab_size",

@@ -20,7 +20,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, PlanError
-from pipeline.compose_check import compose_problem
+from pipeline.compose_check import compose_problems
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import PARENT_ENV, outputs_dir, outputs_error
 from pipeline.signals import Interrupted, describe, first, install, received, signum_of
@@ -71,6 +71,26 @@ def main(cfg: DictConfig) -> Optional[float]:
         sys.exit(128 + signum_of(e))
 
 
+def plan_problems(overrides: Optional[list[str]]) -> list:
+    """What the plan finds wrong in the config `overrides` compose to (beside composition errors)."""
+    if overrides is None:
+        return []
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.paths import REPO
+    from pipeline.plan import build_plan
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose(config_name="config", overrides=overrides)
+    try:
+        build_plan(to_run_config(cfg))
+    except PlanError as e:
+        return e.errors
+    except ConfigError as e:
+        return [e]
+    return []
+
+
 def stop_sweep(signum: int) -> None:
     """A signal stopped a sweep (in this process, or in the job it ran): the parent run and its unfinished
     jobs KILLED, one line, exit 128 + signum."""
@@ -93,9 +113,9 @@ if __name__ == "__main__":
         sys.exit(2)
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
-        problem = compose_problem([a for a in args if not a.lstrip("+~").startswith("hydra.")])
-        if problem is not None:
-            print(f"error: invalid run configuration:\n  - {problem}", file=sys.stderr, flush=True)
+        problems, good = compose_problems([a for a in args if not a.lstrip("+~").startswith("hydra.")])
+        if problems:
+            print(f"error: {PlanError(problems + plan_problems(good))}", file=sys.stderr, flush=True)
             sys.exit(2)
     install()
     from pipeline.sweep import ACTIVE
