@@ -123,7 +123,8 @@ def open_store(uri: str):
         if db.exists() and _revision(db) != _head_revision():
             _forget(db)
             if not _used(db):  # left half-created by a process that died: nothing in it to lose
-                db.unlink()
+                for f in (db, Path(f"{db}-journal"), Path(f"{db}-wal"), Path(f"{db}-shm")):
+                    f.unlink(missing_ok=True)
                 print(f"[mlflow] {db}: a half-created store (no run in it) created afresh", flush=True)
             else:  # an older MLflow's store: upgraded below, from a copy kept until that is done
                 with contextlib.closing(sqlite3.connect(db)) as src, contextlib.closing(sqlite3.connect(backup)) as dst:
@@ -205,16 +206,18 @@ def _gone(tags: dict[str, str]) -> bool:
 
 
 def reap_dead_runs(client) -> list[str]:
-    """Mark KILLED the RUNNING runs of this host whose process is gone -> their ids (one line says so)."""
-    experiments = [e.experiment_id for e in client.search_experiments()]
-    if not experiments:
+    """Mark KILLED the RUNNING runs of this host whose process is gone -> their ids (one line says so).
+    Best effort: a store that cannot be searched is said in a line, and the run goes on."""
+    try:
+        experiments = [e.experiment_id for e in client.search_experiments()]
+        running = f"attributes.status = 'RUNNING' and tags.`{HOST}` = '{socket.gethostname()}'"
+        runs = client.search_runs(experiments, filter_string=running) if experiments else []
+        dead = [r.info.run_id for r in runs if _gone(r.data.tags)]
+        for run_id in dead:
+            client.set_terminated(run_id, status="KILLED")
+    except Exception as e:
+        print(f"[mlflow] runs left RUNNING by dead processes not checked ({type(e).__name__}: {e})", flush=True)
         return []
-    runs = client.search_runs(
-        experiments, filter_string=f"attributes.status = 'RUNNING' and tags.`{HOST}` = '{socket.gethostname()}'"
-    )
-    dead = [r.info.run_id for r in runs if _gone(r.data.tags)]
-    for run_id in dead:
-        client.set_terminated(run_id, status="KILLED")
     if dead:
         print(
             f"[mlflow] {len(dead)} run(s) left RUNNING by a process that is gone marked KILLED: {', '.join(dead)}",

@@ -189,11 +189,12 @@ class Tracker:
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
-        self._stop_system_metrics()
-        if self.run_id is not None:
-            self.client.set_terminated(self.run_id, status=status)
-        if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
-            self.client.set_terminated(os.environ[PARENT_ENV], status=status)
+        with deferred():  # a first signal now is raised once the run is marked (FINISHED: the work was done)
+            self._stop_system_metrics()
+            if self.run_id is not None:
+                self.client.set_terminated(self.run_id, status=status)
+            if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
+                self.client.set_terminated(os.environ[PARENT_ENV], status=status)
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param
