@@ -39,6 +39,14 @@ def raised(check: Callable[..., None], *args: Any) -> list[ConfigError]:
     return []
 
 
+def raise_all(errors: list[ConfigError]) -> None:
+    """Raise the one ConfigError, or ConfigErrors naming them all; return when there are none."""
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigErrors(errors)
+
+
 def check_values(rows: Iterable[tuple]) -> None:
     """rows: (key, value, ok, valid[, problem]) with problem "out of range" by default. Raises the one
     ConfigError, or ConfigErrors naming every row that is not ok; returns when all are."""

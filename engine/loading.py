@@ -9,8 +9,11 @@ GGUF files are read through transformers' GGUF support (dequantized, with q/k pe
 layout) once, and cached as an HF safetensors directory under `<weights_dir>/<stem>-<key>/`, keyed by
 the file's size and a hash of its head and tail; later loads read that directory directly. Until then
 a process parses the file once (`_gguf_parsed_once`: transformers would parse it for the config, the
-tensors and the tokenizer each, and the plan's description and tokenizer read it too). The cache
-is written into a temporary directory and renamed, so an interrupted conversion leaves nothing behind.
+tensors and the tokenizer each, and the plan's description and tokenizer read it too). One process
+converts at a time (a lock beside the directory); the cache is written into a temporary directory,
+fsynced and renamed, and the temporary folder of a conversion killed midway is removed by the next
+one. A cached directory is checked before use (`cache_problem`: config, safetensors header and size,
+tokenizer) and converted again when damaged.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ from typing import Callable, Optional
 
 import torch
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -184,15 +187,56 @@ def _gguf_path(path: str | None) -> Path:
     return p
 
 
+def cache_problem(out: Path) -> Optional[str]:
+    """What is wrong with a converted directory (None: whole): its config.json not a JSON object, its
+    safetensors header cut or its tensors past the end (a truncated copy), no tokenizer."""
+    from engine.drafts.storage import safetensors_shapes
+
+    try:
+        if not isinstance(json.loads((out / "config.json").read_text()), dict):
+            return "config.json is not a JSON object"
+        safetensors_shapes(out / "model.safetensors")
+    except (OSError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    if not any((out / f).is_file() for f in TOKENIZER_FILES):
+        return "no tokenizer"
+    return None
+
+
+@contextlib.contextmanager
+def _converting(out: Path):
+    """One conversion of `out` at a time on this host (flock on `<out>.lock`); inside it, temporary
+    folders of an earlier conversion (killed before it could clean up) are removed."""
+    import fcntl
+
+    with open(f"{out}.lock", "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        for stale in out.parent.glob(f".{out.name}-*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        yield
+
+
 def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
-    """Dequantize `gguf` into an HF safetensors directory (once); return the directory."""
+    """Dequantize `gguf` into an HF safetensors directory (once); return the directory. A directory that
+    does not pass `cache_problem` is converted again."""
     out = gguf_cache_dir(gguf, weights_dir)
-    if (out / "config.json").is_file():
+    if out.exists() and cache_problem(out) is None:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     weights_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=weights_dir))
+    with _converting(out):
+        if out.exists() and (problem := cache_problem(out)) is not None:
+            print(f"[load] {out} is damaged ({problem}): converting again", flush=True)
+            shutil.rmtree(out)
+        if out.exists():  # another process converted it while this one waited
+            return out
+        _convert(gguf, out, AutoModelForCausalLM, AutoTokenizer)
+    return out
+
+
+def _convert(gguf: Path, out: Path, AutoModelForCausalLM, AutoTokenizer) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
         with _gguf_parsed_once():
             print(f"[load] converting {gguf.name} -> {out} (once)", flush=True)
@@ -210,11 +254,13 @@ def convert_gguf(gguf: Path, weights_dir: Path) -> Path:
             save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
             (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
             AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name).save_pretrained(tmp)
+            for f in tmp.iterdir():  # on disk before the rename publishes them
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
             publish(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         _READERS.clear()  # later loads read the converted directory
-    return out
 
 
 def publish(tmp: Path, out: Path) -> None:
@@ -238,13 +284,18 @@ class ModelSource:
 
 def _describe_gguf(cfg, weights_dir: Path) -> ModelArgs:
     gguf = _gguf_path(cfg.path)
-    cached = gguf_cache_dir(gguf, weights_dir) / "config.json"
-    if cached.is_file():
-        return ModelArgs.from_hf_config(json.loads(cached.read_text()))
+    cached = gguf_cache_dir(gguf, weights_dir)
+    if cached.exists() and cache_problem(cached) is None:
+        return ModelArgs.from_hf_config(json.loads((cached / "config.json").read_text()))
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
-    with _gguf_parsed_once():
-        meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    try:
+        with _gguf_parsed_once():
+            meta = load_gguf_checkpoint(str(gguf), return_tensors=False)["config"]
+    except Exception as e:  # a truncated or damaged file past its magic
+        raise ConfigError(
+            "model.path", str(gguf), f"not a readable GGUF file ({type(e).__name__}: {e})", "a whole .gguf file"
+        ) from None
     _check_model_type(meta, str(gguf))
     return ModelArgs.from_hf_config(meta)
 
@@ -259,7 +310,7 @@ def _load_gguf(cfg, weights_dir: Path) -> LoadedModel:
 def _tokenizer_gguf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
     gguf = _gguf_path(cfg.path)
     cached = gguf_cache_dir(gguf, weights_dir)
-    if (cached / "config.json").is_file():
+    if cached.exists() and cache_problem(cached) is None:
         return HFTokenizer.from_dir(str(cached), eos)
     from transformers import AutoTokenizer  # the GGUF's vocabulary and merges, not its tensors
 
@@ -302,6 +353,23 @@ def random_args(r) -> ModelArgs:
 
 def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
     r = cfg.random
+    check_values(
+        [
+            (f"model.random.{k}", getattr(r, k), getattr(r, k) >= 1, ">= 1")
+            for k in (
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+                "num_key_value_heads",
+            )
+        ]
+        + [
+            ("model.random.rms_norm_eps", r.rms_norm_eps, 0 < r.rms_norm_eps < 1, "in (0, 1)"),
+            ("model.random.rope_theta", r.rope_theta, 0 < r.rope_theta < float("inf"), "> 0 and finite"),
+            ("model.random.init_std", r.init_std, 0 <= r.init_std < float("inf"), ">= 0 and finite"),
+        ]
+    )
     if r.vocab_size < ByteTokenizer.vocab_size:
         raise ConfigError(
             "model.random.vocab_size",

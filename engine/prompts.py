@@ -40,15 +40,54 @@ class Prompt:
 
         return None if self.embeds_path is None else torch.load(self.embeds_path, map_location="cpu")
 
+    def embeds_problem(self, hidden: int) -> Optional[str]:
+        """Plan time: why its input_embeds file will not serve (None: a [len(ids), hidden] float tensor)."""
+        import torch
+
+        if self.embeds_path is None:
+            return None
+        try:
+            x = torch.load(self.embeds_path, map_location="cpu", weights_only=True, mmap=True)
+        except Exception as e:  # not a tensor file: truncated, pickled code, anything else
+            return f"input_embeds {self.embeds_path} does not load ({type(e).__name__})"
+        want = (len(self.token_ids or ()), hidden)
+        if not isinstance(x, torch.Tensor) or tuple(x.shape) != want or not x.is_floating_point():
+            got = f"a {x.dtype} tensor {list(x.shape)}" if isinstance(x, torch.Tensor) else type(x).__name__
+            return f"input_embeds {self.embeds_path} holds {got}, not a float tensor {list(want)} (ids x hidden)"
+        return None
+
+
+def _token_ids(ids) -> tuple[int, ...]:
+    """`prompt_token_ids` as given: a non-empty list of integers (not floats, strings, lists or booleans)."""
+    if not isinstance(ids, list) or not ids:
+        raise TypeError(f"prompt_token_ids must be a non-empty list of integers, got {json.dumps(ids)[:80]}")
+    bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool)]
+    if bad:
+        raise TypeError(f"prompt_token_ids holds {json.dumps(bad[:3])[:80]}: token ids are integers")
+    return tuple(ids)
+
+
+def _embeds_file(path: Path, embeds) -> str:
+    if not isinstance(embeds, str):
+        raise TypeError(f"input_embeds must be a file name, got {json.dumps(embeds)[:80]}")
+    file = (path.parent / embeds).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"input_embeds {embeds!r}: no such file ({file})")
+    return str(file)
+
 
 def read_question_jsonl(path: Path) -> list[Prompt]:
+    """Every record of a question.jsonl file; a line that is not one is a ConfigError naming it."""
     prompts = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
             try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
                 q = json.loads(line)
+                if not isinstance(q, dict):
+                    raise TypeError(f"a JSON {type(q).__name__}, not an object")
                 ids = q.get("prompt_token_ids")
                 embeds = q.get("input_embeds")
                 if embeds is not None and ids is None:
@@ -62,11 +101,15 @@ def read_question_jsonl(path: Path) -> list[Prompt]:
                         str(q["question_id"]),
                         turns[0] if has_turn else "",
                         q.get("category", ""),
-                        tuple(ids) if ids is not None else None,
-                        str((path.parent / embeds).resolve()) if embeds is not None else None,
+                        _token_ids(ids) if ids is not None else None,
+                        _embeds_file(path, embeds) if embeds is not None else None,
                     )
                 )
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            except UnicodeDecodeError as e:
+                raise ConfigError(
+                    "eval.dataset", str(path), f"line {n} is not UTF-8 (byte {e.start}: {e.reason})", "UTF-8 text"
+                ) from None
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, FileNotFoundError) as e:
                 raise ConfigError(
                     "eval.dataset",
                     str(path),

@@ -4,11 +4,15 @@ A bad config is reported as one message naming each bad key, its value and what 
 status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
 job of the sweep fails so, is marked FAILED: the sweep stops there). A job returns the eval's
 `tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises.
+
+Ctrl-C and SIGTERM (pipeline/signals.py) end a run or a sweep alike: what finished is kept, the run (a
+sweep's parent and its unfinished jobs, in whichever worker) KILLED, one line, exit 130 / 143.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from typing import Optional
 
@@ -16,9 +20,10 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, PlanError
-from pipeline.compose_check import compose_problem
+from pipeline.compose_check import compose_problems
 from pipeline.config import register_configs, to_run_config
-from pipeline.paths import outputs_dir, outputs_error
+from pipeline.paths import PARENT_ENV, outputs_dir, outputs_error
+from pipeline.signals import Interrupted, describe, first, install, received, signum_of
 
 log = logging.getLogger("pipeline")
 register_configs()
@@ -47,17 +52,59 @@ def objective(ctx: dict) -> Optional[float]:
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
+    from pipeline.store import StoreError
+
+    install()  # this process runs the job: the main one, or a joblib worker
     try:
+        if received():  # a worker whose last job was stopped: the sweep is ending, start no other
+            raise Interrupted(first())
         return objective(run(cfg))
-    except (PlanError, ConfigError) as e:
+    except (PlanError, ConfigError, StoreError) as e:
         from pipeline.tracking import fail_sweep_parent
 
         print(f"error: {e}", file=sys.stderr, flush=True)
         fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
         sys.exit(2)
-    except KeyboardInterrupt:  # the stage said what it kept; the MLflow run is KILLED
-        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        sys.exit(130)
+    except KeyboardInterrupt as e:  # the stage said what it kept; the MLflow run is KILLED
+        if not os.environ.get(PARENT_ENV):  # a sweep says it once, in the process that launched it
+            print(describe(signum_of(e)), file=sys.stderr, flush=True)
+        sys.exit(128 + signum_of(e))
+
+
+def plan_problems(overrides: Optional[list[str]]) -> list:
+    """What the plan finds wrong in the config `overrides` compose to (beside composition errors)."""
+    if overrides is None:
+        return []
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.paths import REPO
+    from pipeline.plan import build_plan
+
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        cfg = compose(config_name="config", overrides=overrides)
+    try:
+        build_plan(to_run_config(cfg))
+    except PlanError as e:
+        return e.errors
+    except ConfigError as e:
+        return [e]
+    return []
+
+
+def stop_sweep(signum: int) -> None:
+    """A signal stopped a sweep (in this process, or in the job it ran): the parent run and its unfinished
+    jobs KILLED, one line, exit 128 + signum."""
+    from pipeline.sweep import ACTIVE
+
+    (sweep,) = ACTIVE
+    n = sweep.stopped()
+    print(
+        f"{describe(signum)}: sweep parent run {sweep.run_id} KILLED"
+        + (f", and {n} job run(s) its workers left RUNNING" if n else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+    sys.exit(128 + signum)
 
 
 if __name__ == "__main__":
@@ -66,8 +113,16 @@ if __name__ == "__main__":
         sys.exit(2)
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
-        problem = compose_problem([a for a in args if not a.lstrip("+~").startswith("hydra.")])
-        if problem is not None:
-            print(f"error: invalid run configuration:\n  - {problem}", file=sys.stderr, flush=True)
+        problems, good = compose_problems([a for a in args if not a.lstrip("+~").startswith("hydra.")])
+        if problems:
+            print(f"error: {PlanError(problems + plan_problems(good))}", file=sys.stderr, flush=True)
             sys.exit(2)
-    main()
+    install()
+    from pipeline.sweep import ACTIVE
+
+    try:
+        main()
+    except BaseException as e:  # a sweep stopped: here, or in its job (sys.exit), or in joblib's wait
+        if ACTIVE and (isinstance(e, KeyboardInterrupt) or received()):
+            stop_sweep(signum_of(e))
+        raise

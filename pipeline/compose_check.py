@@ -3,7 +3,8 @@
 `python -m pipeline` composes the command line's config once before Hydra does (a single run; a sweep
 and Hydra's own flags go to Hydra as they are). An unknown key, a group written without its `+`, a
 config that does not exist or a value of the wrong type becomes one ConfigError, exit 2, instead of
-Hydra's traceback-free exit 1 whose `+key=value` hint leads to a second error.
+Hydra's traceback-free exit 1 whose `+key=value` hint leads to a second error; `compose_problems`
+finds every such override, and the plan then checks what the others compose to.
 """
 
 from __future__ import annotations
@@ -36,6 +37,20 @@ def _keys(cfg) -> list[str]:
 
     walk(cfg, "")
     return out
+
+
+def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[list[str]]]:
+    """Every composition error of `overrides` (Hydra stops at its first: each bad override found is left
+    out and the rest composed again) -> (the errors, the overrides that compose together; None when an
+    error names no override)."""
+    errors, left = [], list(overrides)
+    while (problem := compose_problem(left)) is not None:
+        errors.append(problem)
+        culprit = [o for o in left if o.lstrip("+~").split("=", 1)[0] == problem.key]
+        if not culprit:  # not traceable to one override: what is left is not known to compose
+            return errors, None
+        left.remove(culprit[0])
+    return errors, left
 
 
 def compose_problem(overrides: list[str]) -> Optional[ConfigError]:

@@ -178,6 +178,9 @@ class ServeConfig:
 
     host: str = "127.0.0.1"  # loopback by default; 0.0.0.0 exposes the server to the network
     port: int = 8000  # 0: any free port (printed when the server is up)
+    # A Bearer token every endpoint but /health requires (vLLM's --api-key); null: the SPECPIPE_API_KEY
+    # environment variable, else none. The variable keeps it out of .hydra/ and shell history.
+    api_key: Optional[str] = None
     model_name: Optional[str] = None  # the id served at /v1/models and checked in requests; null: model.name
     # Slots: rows of the target's static KV cache, of the draft's and of the graphs' buffers. A round
     # spans the slots up to the last occupied one (free slots among them ride along as padding rows).

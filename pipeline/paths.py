@@ -36,6 +36,8 @@ def outputs_problem(path: Path) -> str | None:
 def outputs_error(outputs: Path) -> ConfigError | None:
     """The error for an outputs folder runs cannot write to (weights cache, MLflow store, Hydra's run
     directories, training outputs), or None."""
+    if os.environ.get("SPECPIPE_OUTPUTS", "unset").strip() == "":  # Hydra would write under /runs
+        return ConfigError("SPECPIPE_OUTPUTS", "", "set but empty", "a directory, or unset for <repo>/outputs")
     if (problem := outputs_problem(outputs)) is None:
         return None
     return ConfigError(

@@ -21,12 +21,13 @@ import torch
 
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
-from engine.errors import ConfigError, PlanError, raised
+from engine.errors import ConfigError, ConfigErrors, PlanError, check_values, raised
 from engine.graphs.backends import POLICIES
 from engine.loading import describe_model
 from engine.train.distributed import launch
 from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir, outputs_error
+from pipeline.tracking import tracking_errors
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
 
@@ -99,7 +100,7 @@ class Plan:
 
     def memory_estimate(self) -> dict[str, float]:
         a, elem = self.env.target_args, torch.empty((), dtype=self.env.dtype).element_size()
-        batch = run_batch(self.cfg)[1]
+        batch = memory_rows(self.cfg)[1]
         return {
             "weights_mb": a.num_params() * elem / 2**20,
             "kv_cache_mb": a.kv_bytes_per_token(self.env.dtype) * (self.cfg.model.max_seq_len + 1) * batch / 2**20,
@@ -122,7 +123,7 @@ class Plan:
                 lines.append(f"     {d}")
         lines.append(
             f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
-            f"({run_batch(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)"
+            f"({memory_rows(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)"
         )
         lines += [f"note: {n}" for n in env.notes]
         return "\n".join(lines)
@@ -165,36 +166,109 @@ def _check_chain(stage_list: list[Stage], draft: DraftPlan | None) -> list[Confi
     return errors
 
 
+def _check_values(cfg: RunConfig) -> None:
+    """Top-level values the stages do not own."""
+    check_values(
+        [
+            ("seed", cfg.seed, 0 <= cfg.seed < 2**64, "0 <= seed < 2**64 (what a torch generator takes)"),
+            (
+                "graph.prefill_buckets",
+                list(cfg.graph.prefill_buckets),
+                all(b >= 1 for b in cfg.graph.prefill_buckets),
+                "prompt lengths >= 1 ([] for none)",
+            ),
+        ]
+    )
+
+
+def available_memory(device: torch.device) -> tuple[int, str]:
+    """(bytes, what they are) a run on `device` may fill: the GPU's memory, or the host's available RAM."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(
+            device
+        ).total_memory, f"the memory of {torch.cuda.get_device_name(device)}"
+    with open("/proc/meminfo") as f:
+        info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
+    return info.get("MemAvailable", info.get("MemTotal", 0)), "the host's available memory"
+
+
+def memory_errors(plan: "Plan") -> list[ConfigError]:
+    """The run's weights and KV cache against the device (or host) memory, before anything is allocated:
+    a lower bound (activations and graph pools come on top), so a refusal is certain."""
+    mem = plan.memory_estimate()
+    need = (mem["weights_mb"] + mem["kv_cache_mb"]) * 2**20
+    have, what = available_memory(plan.env.device)
+    if need <= have:
+        return []
+    key, rows = memory_rows(plan.cfg)
+    slots = plan.cfg.model.max_seq_len + 1
+    per_row = plan.env.target_args.kv_bytes_per_token(plan.env.dtype) * slots
+    fit = int((have - mem["weights_mb"] * 2**20) // per_row) if have > mem["weights_mb"] * 2**20 else 0
+    gpu = " (this host has no GPU)" if not torch.cuda.is_available() else ""
+    return [
+        ConfigError(
+            key,
+            rows,
+            f"weights {mem['weights_mb'] / 1024:.1f} GiB + KV cache {mem['kv_cache_mb'] / 1024:.1f} GiB ({rows} x "
+            f"{slots} slots) = {need / 2**30:.1f} GiB, beyond {what}, {have / 2**30:.1f} GiB{gpu}",
+            f"{key} <= {fit}" if fit >= 1 else f"a smaller model.max_seq_len (now {plan.cfg.model.max_seq_len})",
+        )
+    ]
+
+
+def memory_rows(cfg: RunConfig) -> tuple[str, int]:
+    """(key, rows) of the largest KV cache the run allocates: the final stage's batch, and for training the
+    self-distillation generator's batch (model.max_seq_len slots each)."""
+    if cfg.task == "train_draft":
+        return "train.data.batch_size", cfg.train.data.batch_size
+    return run_batch(cfg)
+
+
 def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
-    errors = _check_registries(cfg)
+    """Every check that can run does: a failed registry, device or draft skips only the checks that read
+    it (the stages' checks run without the draft, the graph check without a known policy)."""
     outputs = outputs or outputs_dir()
     if (bad := outputs_error(outputs)) is not None:
         raise PlanError([bad])
-    device, dtype, target_args = torch.device("cpu"), torch.float32, None
+    errors = _check_registries(cfg) + raised(_check_values, cfg) + tracking_errors(cfg, outputs)
+    device, dtype, target_args, draft, draft_ok = torch.device("cpu"), torch.float32, None, None, True
     try:
         device = resolve_device(cfg.device)
         dtype = resolve_dtype(cfg.dtype, device)
         device = resolve_ranks(cfg.task, device)
-    except ConfigError as e:
+    except ConfigError as e:  # the rest is checked for this host's CPU
         errors.append(e)
     try:
         target_args = describe_model(cfg.model, outputs / "weights")
     except ConfigError as e:
         errors.append(e)
-    if errors:  # later checks need a known task and a readable target
+    except ConfigErrors as e:
+        errors += e.errors
+    if target_args is not None and cfg.draft.algorithm in ALGORITHMS:
+        try:
+            draft = plan_draft(cfg.draft, target_args)
+        except ConfigError as e:
+            errors.append(e)
+            draft_ok = False
+    if target_args is None or cfg.task not in final_stages():  # the stages' checks read the target
         raise PlanError(errors)
-    try:
-        draft = plan_draft(cfg.draft, target_args)
-    except ConfigError as e:
-        raise PlanError([e]) from None
 
     env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs, target_args=target_args, draft_plan=draft)
     if draft is not None and draft.random_weights and cfg.task != "train_draft":
         env.notes.append(draft.random_weights_warning())
     stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]
+    policies_ok = not any(e.key.startswith("graph.") and e.key.endswith("policy") for e in errors)
     for s in stage_list:
-        errors += raised(s.check, cfg, env)
+        if s.name == "capture_graphs" and not (policies_ok and draft_ok):
+            continue
+        found = raised(s.check, cfg, env)
+        if not draft_ok:  # checked without the draft: what depends on it is not known yet
+            found = [e for e in found if not e.key.startswith("draft.") and e.key != "eval.adaptive_k"]
+        errors += found
     errors += _check_chain(stage_list, draft)
     if errors:
         raise PlanError(errors)
-    return Plan(cfg, stage_list, env)
+    plan = Plan(cfg, stage_list, env)
+    if errors := memory_errors(plan):
+        raise PlanError(errors)
+    return plan

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import IO, Any, Optional
@@ -31,8 +32,11 @@ from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from pipeline.paths import PARENT_ENV
+from pipeline.signals import deferred, forward_to_workers
+from pipeline.store import owner_tags, reap_dead_runs
 
 _PINNED: Optional[tuple[str, IO]] = None  # this process's GPU and its held lock file
+ACTIVE: list["SweepParentRun"] = []  # the sweep this process launches (between its start and its end)
 
 
 def visible_gpus() -> list[str]:
@@ -113,24 +117,53 @@ class SweepParentRun(Callback):
         cfg = to_run_config(OmegaConf.masked_copy(config, [k for k in config if k != "hydra"]))
         if not cfg.tracking.enabled:
             return
-        tracker = Tracker(cfg, outputs_dir(), device=None)
-        client: MlflowClient = tracker.client
         overrides = " ".join(config.hydra.overrides.task)
-        self.experiment_id = tracker.experiment_id(cfg.experiment_name)
-        run = client.create_run(
-            self.experiment_id,
-            run_name=f"sweep: {overrides}"[:250],
-            tags={"sweep.overrides": overrides},
-        )
-        os.environ[PARENT_ENV] = run.info.run_id
-        self.client, self.run_id = client, run.info.run_id
+        try:  # Hydra turns a callback's exception into a warning: a sweep without its parent run stops here
+            tracker = Tracker(cfg, outputs_dir(), device=None)
+            client: MlflowClient = tracker.client
+            reap_dead_runs(client)
+            self.experiment_id = tracker.experiment_id(cfg.experiment_name)
+            with deferred():
+                run = client.create_run(
+                    self.experiment_id,
+                    run_name=f"sweep: {overrides}"[:250],
+                    tags={"sweep.overrides": overrides, **owner_tags()},
+                )
+                os.environ[PARENT_ENV] = run.info.run_id
+                self.client, self.run_id = client, run.info.run_id
+        except Exception as e:
+            print(
+                f"error: the sweep's parent MLflow run could not be created: {type(e).__name__}: {e}",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(2) from None
+        ACTIVE.append(self)
+        if str(OmegaConf.select(config, "hydra.launcher._target_") or "").endswith("JoblibLauncher"):
+            forward_to_workers(lambda: not self.running_children())  # before joblib tears the workers down
         print(f"[mlflow] sweep parent run {run.info.run_id} ({overrides})", flush=True)
+
+    def running_children(self) -> list:
+        return self.client.search_runs(
+            [self.experiment_id],
+            filter_string=f"tags.`mlflow.parentRunId` = '{self.run_id}' and attributes.status = 'RUNNING'",
+        )
+
+    def stopped(self) -> int:
+        """A signal stopped the sweep: its parent run and every child still RUNNING (a job cut down in a
+        worker before it could say so) marked KILLED -> how many children."""
+        children = self.running_children()
+        for r in children:
+            self.client.set_terminated(r.info.run_id, status="KILLED")
+        self.client.set_terminated(self.run_id, status="KILLED")
+        return len(children)
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         run_id = getattr(self, "run_id", None)
         os.environ.pop(PARENT_ENV, None)
         if not run_id:
             return
+        ACTIVE.remove(self)
         try:
             folder = OmegaConf.select(config, "hydra.sweep.dir")
             text = sweep_summary(self.client, run_id, self.experiment_id, Path(folder) if folder else None)

@@ -12,21 +12,29 @@ System metrics (`tracking.system_metrics`, on by default where psutil imports): 
 `SystemMetricsMonitor` samples CPU, memory, disk, network (and GPUs through nvidia-ml-py) on a thread
 every `tracking.system_metrics_interval_s` as `system/*` metrics; leaving the block takes one last
 sample, so a run shorter than the interval still has its row.
+
+The store is opened through pipeline/store.py (created or upgraded under a lock, runs of dead processes
+reaped); each run is created with tags naming its process, and between its creation and the tracker
+holding its id no signal can land (pipeline/signals.py): a stopped run always ends KILLED.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import subprocess
 import tempfile
 from pathlib import Path
 from typing import Any, Optional
+from urllib.parse import urlparse
 
 import torch
 
-from engine.errors import check_values
+from engine.errors import ConfigError, check_values, raised
 from pipeline.config import RunConfig, flatten, to_yaml
-from pipeline.paths import PARENT_ENV, REPO
+from pipeline.paths import PARENT_ENV, REPO, outputs_problem
+from pipeline.signals import deferred
+from pipeline.store import open_store, owner_tags, reap_dead_runs, store_problem
 from stages.base import device_name
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value
@@ -80,6 +88,32 @@ def system_metrics_on(t) -> bool:
     return psutil_present() if t.system_metrics is None else t.system_metrics
 
 
+def tracking_errors(cfg: RunConfig, outputs: Path) -> list[ConfigError]:
+    """Plan time: a store runs cannot log to (a URI MLflow has no store for, a file that is not a
+    database, a server that does not answer), an artifact root that cannot be written, bad system
+    metrics settings. Nothing is created."""
+    t = cfg.tracking
+    if not t.enabled:
+        return []
+    errors = raised(system_metrics_on, t)
+    uri = t.tracking_uri or default_tracking_uri(outputs)
+    if (problem := store_problem(uri)) is not None:
+        errors.append(
+            ConfigError("tracking.tracking_uri", uri, problem, "sqlite:///<path>, http(s)://<server>, or tracking=off")
+        )
+    root = t.artifact_root
+    if root and urlparse(root).scheme in ("", "file") and (bad := outputs_problem(Path(urlparse(root).path))):
+        errors.append(ConfigError("tracking.artifact_root", root, f"the folder {bad}", "a writable directory"))
+    return errors
+
+
+def redacted(cfg: RunConfig) -> RunConfig:
+    """`cfg` with its secrets (serve.api_key) masked: what MLflow may keep."""
+    if cfg.serve.api_key is None:
+        return cfg
+    return dataclasses.replace(cfg, serve=dataclasses.replace(cfg.serve, api_key="***"))
+
+
 def sweep_job_tags() -> dict[str, str]:
     """A sweep job's number and overrides (from Hydra's job config, set in whatever process runs the job)."""
     try:
@@ -106,12 +140,10 @@ def fail_sweep_parent(tracking_uri: Optional[str], outputs: Path) -> None:
 
 class Tracker:
     def __init__(self, cfg: RunConfig, outputs: Path, device: torch.device):
-        from mlflow.tracking import MlflowClient
-
         t = cfg.tracking
         outputs.mkdir(parents=True, exist_ok=True)
         self.uri = t.tracking_uri or default_tracking_uri(outputs)
-        self.client = MlflowClient(tracking_uri=self.uri)
+        self.client = open_store(self.uri)
         self.cfg, self.device = cfg, device
         self.artifact_root = Path(t.artifact_root or outputs / "mlartifacts")
         self.run_id: Optional[str] = None
@@ -129,10 +161,13 @@ class Tracker:
         from mlflow.entities import RunTag
 
         cfg = self.cfg
-        run = self.client.create_run(self.experiment_id(cfg.experiment_name), run_name=cfg.tracking.run_name)
-        self.run_id = run.info.run_id
+        reap_dead_runs(self.client)
+        experiment = self.experiment_id(cfg.experiment_name)
+        with deferred():  # a signal lands before or after this, never between the run and its id
+            run = self.client.create_run(experiment, run_name=cfg.tracking.run_name, tags=owner_tags())
+            self.run_id = run.info.run_id
         try:
-            params = flatten(cfg)
+            params = flatten(redacted(cfg))
             keys = list(params)
             for i in range(0, len(keys), 100):
                 self.log_params({k: params[k] for k in keys[i : i + 100]})
@@ -143,22 +178,23 @@ class Tracker:
             if os.environ.get("CUDA_VISIBLE_DEVICES") is not None:  # which GPU a parallel sweep job got
                 tags["cuda_visible_devices"] = os.environ["CUDA_VISIBLE_DEVICES"]
             self.client.log_batch(self.run_id, tags=[RunTag(k, v) for k, v in tags.items()])
-            self.log_text(to_yaml(cfg), "config.yaml")
+            self.log_text(to_yaml(redacted(cfg)), "config.yaml")
             if self.system_metrics:
                 self._start_system_metrics()
-        except BaseException:
-            self.client.set_terminated(self.run_id, status="FAILED")
+        except BaseException as e:
+            self.client.set_terminated(self.run_id, status="KILLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             raise
         print(f"[mlflow] run {self.run_id} in experiment {cfg.experiment_name!r} ({self.uri})", flush=True)
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
         status = "FINISHED" if exc_type is None else "KILLED" if issubclass(exc_type, KeyboardInterrupt) else "FAILED"
-        self._stop_system_metrics()
-        if self.run_id is not None:
-            self.client.set_terminated(self.run_id, status=status)
-        if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
-            self.client.set_terminated(os.environ[PARENT_ENV], status=status)
+        with deferred():  # a first signal now is raised once the run is marked (FINISHED: the work was done)
+            self._stop_system_metrics()
+            if self.run_id is not None:
+                self.client.set_terminated(self.run_id, status=status)
+            if exc_type and os.environ.get(PARENT_ENV):  # the sweep stops here: its parent run ends so too
+                self.client.set_terminated(os.environ[PARENT_ENV], status=status)
 
     def log_params(self, params: dict[str, Any]) -> None:
         from mlflow.entities import Param

@@ -29,6 +29,7 @@ the summary printed at the end, followed by where the artifacts went.
 from __future__ import annotations
 
 import json
+import math
 import resource
 import statistics
 import time
@@ -112,7 +113,7 @@ def encode_prompt(p: Prompt, tok: Tokenizer, e) -> list[int]:
     return tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text)
 
 
-def prompt_errors(cfg, tok: Tokenizer, vocab_size: int) -> list[ConfigError]:
+def prompt_errors(cfg, tok: Tokenizer, vocab_size: int, hidden: int = 0) -> list[ConfigError]:
     """Plan time, through the tokenizer alone: given token ids inside the target's vocabulary, and every
     prompt + eval.max_new_tokens + k draft tokens (the last verify writes k slots past the last token)
     within model.max_seq_len. At most one error of each kind, naming the dataset's first bad record or
@@ -134,6 +135,9 @@ def prompt_errors(cfg, tok: Tokenizer, vocab_size: int) -> list[ConfigError]:
                 f"ids in [0, {vocab_size})",
             )
         )
+    embeds = [(p, why) for p in prompts if (why := p.embeds_problem(hidden)) is not None]
+    if embeds:
+        errors.append(ConfigError("eval.dataset", e.dataset, f"question_id {embeds[0][0].id!r}: {embeds[0][1]}"))
     lens = [len(x) for x in encoded]
     over = [i for i, n in enumerate(lens) if n + e.max_new_tokens + k > limit]
     if not over:
@@ -265,7 +269,7 @@ class EvalStage(Stage):
         measurable = not {x.key for x in errors} & {"eval.limit", "eval.max_new_tokens"}  # what the check reads
         if measurable and 1 <= e.max_new_tokens < cfg.model.max_seq_len:
             tok = load_tokenizer(cfg.model, env.weights_dir, env.target_args)
-            errors += prompt_errors(cfg, tok, env.target_args.vocab_size)
+            errors += prompt_errors(cfg, tok, env.target_args.vocab_size, env.target_args.hidden_size)
         if len(errors) > 1:
             raise ConfigErrors(errors)
         if errors:
@@ -279,7 +283,7 @@ class EvalStage(Stage):
                 ("eval.limit", e.limit, e.limit is None or e.limit >= 1, ">= 1, or null for all"),
                 ("eval.max_new_tokens", e.max_new_tokens, e.max_new_tokens >= 1, ">= 1"),
                 ("eval.batch_size", e.batch_size, e.batch_size >= 1, ">= 1"),
-                ("eval.temperature", e.temperature, e.temperature >= 0, ">= 0 (0: greedy)"),
+                ("eval.temperature", e.temperature, 0 <= e.temperature < math.inf, ">= 0 and finite (0: greedy)"),
                 ("eval.top_p", e.top_p, 0 < e.top_p <= 1, "in (0, 1]"),
                 (
                     "eval.adaptive_k",

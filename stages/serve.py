@@ -5,8 +5,10 @@
 The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
 graphs), the continuous-batching scheduler (engine/serve/scheduler.py: the same draft-and-verify round as
 eval) and the HTTP app (engine/serve/openai_server.py, under uvicorn: engine/serve/http.py), and serves
-on `serve.host:serve.port` until Ctrl-C, which drains (new requests get 503 with Retry-After, in-flight
-ones finish; a second Ctrl-C aborts them) before the stage returns and the MLflow run closes normally.
+on `serve.host:serve.port` (checked free at plan time; `serve.api_key` or $SPECPIPE_API_KEY: Bearer
+authentication; a loud warning when a non-loopback host has no key) until Ctrl-C, which drains (new
+requests get 503 with Retry-After, in-flight ones finish; a second Ctrl-C aborts them) before the stage
+returns and the MLflow run closes normally.
 
 Each request samples with its own temperature, top-p and seed (the draft under them too, lossless: see
 engine/serve/scheduler.py), and may opt out of speculation; the oracle draft replays an eval baseline's
@@ -21,9 +23,11 @@ Provides `serve_results` (those metrics).
 
 from __future__ import annotations
 
+import os
+import sys
 import threading
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -42,6 +46,32 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 def model_name(cfg) -> str:
     return cfg.serve.model_name or cfg.model.name
+
+
+API_KEY_ENV = "SPECPIPE_API_KEY"
+
+
+def api_key(cfg) -> Optional[str]:
+    """serve.api_key, else $SPECPIPE_API_KEY, else None (no authentication)."""
+    return cfg.serve.api_key if cfg.serve.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
+
+
+def port_problem(host: str, port: int) -> Optional[str]:
+    """Why the server could not listen on host:port (None: it can), found by binding it for a moment."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except OSError as e:
+        return f"serve.host={host!r} does not resolve ({e.strerror or e})"
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            s.bind(address)
+        except OSError as e:
+            return e.strerror or str(e)
+    return None
 
 
 def draft_tokens(cfg) -> int:
@@ -106,8 +136,13 @@ class ServeStage(Stage):
                 ),
                 ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
                 ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS, "unknown"),
+                ("serve.api_key", "***", s.api_key != "", "a token, or null (none; or $SPECPIPE_API_KEY)", "empty"),
             ]
         )
+        if s.port != 0 and 0 < s.port <= 65535 and (problem := port_problem(s.host, s.port)) is not None:
+            raise ConfigError(
+                "serve.port", s.port, f"cannot listen on {s.host}:{s.port} ({problem})", "a free port, or 0 (any)"
+            )
         if cfg.model.max_seq_len < k + 2:
             raise ConfigError(
                 "model.max_seq_len",
@@ -138,6 +173,7 @@ class ServeStage(Stage):
         )
 
     def build(self, cfg, inputs, env: StageEnv) -> OpenAIServer:
+        from engine.serve.guard import is_loopback
         from engine.serve.http import OpenAIServer
         from engine.serve.openai_server import OpenAIApp
         from engine.serve.protocol import ApiLimits
@@ -167,9 +203,16 @@ class ServeStage(Stage):
             s.max_tokens_limit,
             s.default_temperature,
         )
-        return OpenAIServer(
-            OpenAIApp(scheduler, target.tokenizer, limits, graphs), s.host, s.port, s.drain_timeout_s, s.log_level
-        )
+        key = api_key(cfg)
+        if key is None and not is_loopback(s.host):
+            print(
+                f"[serve] WARNING: serve.host={s.host} exposes the server beyond this machine and no API key "
+                f"is set: anyone who reaches the port can use it (set {API_KEY_ENV} or serve.api_key)",
+                file=sys.stderr,
+                flush=True,
+            )
+        app = OpenAIApp(scheduler, target.tokenizer, limits, graphs, api_key=key, loopback=is_loopback(s.host))
+        return OpenAIServer(app, s.host, s.port, s.drain_timeout_s, s.log_level)
 
     @staticmethod
     def _announce(server: OpenAIServer, host: str) -> None:

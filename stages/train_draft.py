@@ -39,7 +39,7 @@ from typing import Optional
 import torch
 
 from engine.drafts.registry import train_spec
-from engine.errors import ConfigError, check_values
+from engine.errors import ConfigError, check_values, raise_all, raised
 from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
@@ -133,11 +133,11 @@ class TrainDraftStage(Stage):
     runs_target = True
 
     def check(self, cfg, env: StageEnv) -> None:
+        """Every bad value at once (the draft's own training checks among them)."""
         t, d = cfg.train, cfg.draft
-        spec = train_spec(d.algorithm)
-        if spec.check is not None:
-            spec.check(cfg, env.draft_plan)
-        check_values(
+        errors = raised(self._check_draft, cfg, env)
+        errors += raised(
+            check_values,
             [
                 _at_least(f"train.{key}", getattr(t, key), 0 if key == "warmup_steps" else 1)
                 for key in (
@@ -154,84 +154,113 @@ class TrainDraftStage(Stage):
             + [
                 _at_least(f"train.data.{key}", getattr(t.data, key))
                 for key in ("num_samples", "batch_size", "max_prompt_tokens", "max_answer_tokens", "sync_every")
-            ]
+            ],
         )
         if not 0.0 < t.heldout < 1.0:
-            raise ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1")
+            errors.append(ConfigError("train.heldout", t.heldout, "a fraction of the samples", "0 < heldout < 1"))
         if t.data.num_samples < 2 or round(t.data.num_samples * t.heldout) >= t.data.num_samples:
-            raise ConfigError(
-                "train.data.num_samples",
-                t.data.num_samples,
-                f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
-                ">= 2, or a smaller train.heldout",
+            errors.append(
+                ConfigError(
+                    "train.data.num_samples",
+                    t.data.num_samples,
+                    f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
+                    ">= 2, or a smaller train.heldout",
+                )
             )
         if t.attention not in TRAIN_ATTENTION:
-            raise ConfigError("train.attention", t.attention, "attention of the training forward", TRAIN_ATTENTION)
+            errors.append(
+                ConfigError("train.attention", t.attention, "attention of the training forward", TRAIN_ATTENTION)
+            )
         if t.attention == "flex" and not flex_trains(d.algorithm, env.device):
-            raise ConfigError(
-                "train.attention",
-                t.attention,
-                f"FlexAttention trains {d.algorithm} on CUDA only (this run: {d.algorithm} on {env.device})",
-                "eager or auto",
+            errors.append(
+                ConfigError(
+                    "train.attention",
+                    t.attention,
+                    f"FlexAttention trains {d.algorithm} on CUDA only (this run: {d.algorithm} on {env.device})",
+                    "eager or auto",
+                )
             )
         if t.kernels not in TRAIN_KERNELS:
-            raise ConfigError("train.kernels", t.kernels, "the training step's fused kernels", TRAIN_KERNELS)
+            errors.append(ConfigError("train.kernels", t.kernels, "the training step's fused kernels", TRAIN_KERNELS))
         if t.kernels == "triton" and (
             triton is None or (env.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1")
         ):
-            raise ConfigError(
-                "train.kernels",
-                t.kernels,
-                f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
-                f"{'installed' if triton is not None else 'not installed'}",
-                "torch or auto",
+            errors.append(
+                ConfigError(
+                    "train.kernels",
+                    t.kernels,
+                    f"needs triton on CUDA (or TRITON_INTERPRET=1); this run: {env.device}, triton "
+                    f"{'installed' if triton is not None else 'not installed'}",
+                    "torch or auto",
+                )
             )
         if not 0.0 <= t.ema_decay < 1.0:
-            raise ConfigError(
-                "train.ema_decay",
-                t.ema_decay,
-                "the decay of the exported weight average",
-                "0 <= ema_decay < 1 (0: off; 0.999: about the last 1000 steps)",
+            errors.append(
+                ConfigError(
+                    "train.ema_decay",
+                    t.ema_decay,
+                    "the decay of the exported weight average",
+                    "0 <= ema_decay < 1 (0: off; 0.999: about the last 1000 steps)",
+                )
             )
         if not t.label_temperature > 0:
-            raise ConfigError(
-                "train.label_temperature",
-                t.label_temperature,
-                "the temperature of the target distribution the head learns",
-                "> 0 (1: the target's own)",
+            errors.append(
+                ConfigError(
+                    "train.label_temperature",
+                    t.label_temperature,
+                    "the temperature of the target distribution the head learns",
+                    "> 0 (1: the target's own)",
+                )
             )
         if not 0.0 <= t.min_lr_ratio <= 1.0:
-            raise ConfigError(
-                "train.min_lr_ratio",
-                t.min_lr_ratio,
-                "where the cosine schedule ends, as a share of lr",
-                "0 <= min_lr_ratio <= 1",
+            errors.append(
+                ConfigError(
+                    "train.min_lr_ratio",
+                    t.min_lr_ratio,
+                    "where the cosine schedule ends, as a share of lr",
+                    "0 <= min_lr_ratio <= 1",
+                )
             )
         if not 0.0 < t.data.prompt_top_p <= 1.0:
-            raise ConfigError(
-                "train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1"
+            errors.append(
+                ConfigError(
+                    "train.data.prompt_top_p", t.data.prompt_top_p, "the user messages' nucleus", "0 < top_p <= 1"
+                )
             )
         if t.lr <= 0:
-            raise ConfigError("train.lr", t.lr, "must be positive", "> 0")
+            errors.append(ConfigError("train.lr", t.lr, "must be positive", "> 0"))
         if t.max_len > cfg.model.max_seq_len:
-            raise ConfigError(
-                "train.max_len",
-                t.max_len,
-                f"longer than model.max_seq_len={cfg.model.max_seq_len}",
-                f"<= {cfg.model.max_seq_len}",
+            errors.append(
+                ConfigError(
+                    "train.max_len",
+                    t.max_len,
+                    f"longer than model.max_seq_len={cfg.model.max_seq_len}",
+                    f"<= {cfg.model.max_seq_len}",
+                )
             )
         if t.data.graph not in DATA_GRAPHS:
-            raise ConfigError("train.data.graph", t.data.graph, "graph policy of the data generation", DATA_GRAPHS)
+            errors.append(
+                ConfigError("train.data.graph", t.data.graph, "graph policy of the data generation", DATA_GRAPHS)
+            )
         if t.data.graph in NEEDS_CUDA and env.device.type != "cuda":
-            raise ConfigError(
-                "train.data.graph",
-                t.data.graph,
-                f"captures CUDA graphs but the run's device is {env.device}",
-                "none or debug",
+            errors.append(
+                ConfigError(
+                    "train.data.graph",
+                    t.data.graph,
+                    f"captures CUDA graphs but the run's device is {env.device}",
+                    "none or debug",
+                )
             )
         vocab, dv = env.target_args.vocab_size, d.draft_vocab_size
         if d.init == "random" and dv is not None and dv < len(env.target_args.eos_token_ids) + 1:
-            raise ConfigError("draft.draft_vocab_size", dv, "too small to hold the stop tokens", f"2..{vocab}")
+            errors.append(ConfigError("draft.draft_vocab_size", dv, "too small to hold the stop tokens", f"2..{vocab}"))
+        raise_all(errors)
+
+    @staticmethod
+    def _check_draft(cfg, env: StageEnv) -> None:
+        spec = train_spec(cfg.draft.algorithm)
+        if spec.check is not None:
+            spec.check(cfg, env.draft_plan)
 
     def describe(self, cfg, env: StageEnv) -> str:
         t = cfg.train

@@ -10,7 +10,7 @@ import pytest
 from conftest import cli, compose_cfg, parent_and_children
 from mlflow.tracking import MlflowClient
 
-from engine.errors import ConfigError
+from engine.errors import ConfigError, PlanError
 from pipeline.__main__ import run
 from pipeline.compare import compare
 
@@ -71,7 +71,7 @@ def test_an_eval_run_logs_its_figures_and_system_metrics(outputs, capsys):
 
 
 def test_system_metrics_without_a_positive_interval_is_a_config_error(outputs):
-    with pytest.raises(ConfigError, match=r"tracking.system_metrics_interval_s=0.0: .*> 0"):
+    with pytest.raises(PlanError, match=r"tracking.system_metrics_interval_s=0.0: .*> 0"):  # at plan time
         run(compose_cfg(*TINY, "tracking.system_metrics_interval_s=0", "experiment_name=badinterval"))
 
 

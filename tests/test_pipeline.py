@@ -69,13 +69,19 @@ def test_tiny_eval_run_is_tracked(outputs):
 
 
 def test_failure_marks_the_run_failed(outputs, tmp_path):
-    # Input embeddings of the wrong length: found when they are read, inside the run (the plan reads no
-    # tensors; prompt lengths against the cache are a plan error, tests/test_reliability.py).
-    torch.save(torch.zeros(2, 64), tmp_path / "e.pt")
+    # Input embeddings that change shape between the plan (which checked them) and the run: found when
+    # they are read, inside the run.
+    from pipeline.config import to_run_config
+    from pipeline.execute import execute
+    from pipeline.plan import build_plan
+
+    torch.save(torch.zeros(3, 64), tmp_path / "e.pt")
     qs = tmp_path / "question.jsonl"
     qs.write_text(json.dumps({"question_id": 0, "prompt_token_ids": [256, 72, 105], "input_embeds": "e.pt"}) + "\n")
+    plan = build_plan(to_run_config(compose_cfg(*TINY, f"eval.dataset={qs}", "experiment_name=fails")), outputs)
+    torch.save(torch.zeros(2, 64), tmp_path / "e.pt")
     with pytest.raises(ConfigError, match="input_embeds of shape"):
-        run(compose_cfg(*TINY, f"eval.dataset={qs}", "experiment_name=fails"))
+        execute(plan)
     (r,) = runs_of(outputs, "fails")
     assert r.info.status == "FAILED"
 
@@ -143,7 +149,7 @@ def test_the_plan_warns_of_random_weights(outputs, capsys):
     assert "RANDOM-WEIGHT head" in mtp
     assert "note: the multi_layer_eagle head has RANDOM WEIGHTS" in mtp
     assert "+experiment=train_mtp_smollm2" in mtp
-    assert "RANDOM WEIGHTS" not in dry_run(capsys, "+experiment=train_mtp_smollm2")
+    assert "RANDOM WEIGHTS" not in dry_run(capsys, "+experiment=train_mtp_smollm2", "train.data.batch_size=8")
 
 
 @pytest.mark.fresh_store

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from torch import nn
 
-from engine.drafts.storage import SCALE_SUFFIX, read_state, safetensors_shapes
+from engine.drafts.storage import SCALE_SUFFIX, read_state, safetensors_header
 from engine.errors import ConfigError
 
 
@@ -36,14 +36,26 @@ class HeadCheckpoint:
                 "not a draft checkpoint (needs config.json and model.safetensors)",
                 f"a {architecture} checkpoint directory, or draft.init=random",
             )
-        cfg = json.loads((p / "config.json").read_text())
+        try:
+            cfg = json.loads((p / "config.json").read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ConfigError(
+                "draft.path", path, f"config.json is not JSON ({e})", "a checkpoint's config.json"
+            ) from None
+        if not isinstance(cfg, dict):
+            raise ConfigError(
+                "draft.path",
+                path,
+                f"config.json holds a {type(cfg).__name__}, not an object",
+                "a checkpoint's config.json",
+            )
         arch = (cfg.get("architectures") or ["?"])[0]
         if arch != architecture:
             raise ConfigError(
                 "draft.path", path, f"architecture {arch!r} does not match the draft algorithm", architecture
             )
         try:
-            shapes = safetensors_shapes(p / "model.safetensors")  # fp8 storage: each weight's scale dropped
+            header = safetensors_header(p / "model.safetensors")
         except ValueError as e:
             raise ConfigError(
                 "draft.path",
@@ -51,7 +63,29 @@ class HeadCheckpoint:
                 f"{p / 'model.safetensors'}: {e}",
                 f"a complete {architecture} checkpoint (rewrite or re-download it)",
             ) from None
-        return cls(p, cfg, {k: v for k, v in shapes.items() if not k.endswith(SCALE_SUFFIX)})
+        unscaled = [k for k, v in header.items() if v["dtype"].startswith("F8") and k + SCALE_SUFFIX not in header]
+        if unscaled:  # loaded raw, an fp8 weight is off by its scale: the head drafts nothing useful
+            raise ConfigError(
+                "draft.path",
+                path,
+                f"fp8 weights without their {SCALE_SUFFIX} tensor: {unscaled[:4]}",
+                f"a complete {architecture} checkpoint (rewrite or re-download it)",
+            )
+        shapes = {k: v["shape"] for k, v in header.items() if not k.endswith(SCALE_SUFFIX)}  # scales dropped
+        return cls(p, cfg, shapes)
+
+    def tensor_problems(self, head: nn.Module) -> list[str]:
+        """How the checkpoint's tensors differ from those `head` loads (names and shapes) -> one line each."""
+        mine = {k: list(v.shape) for k, v in head.state_dict().items() if not k.startswith("embed_tokens")}
+        theirs = {k: v for k, v in self.shapes.items() if not k.startswith("embed_tokens")}
+        out = [f"missing {k} {mine[k]}" for k in sorted(mine.keys() - theirs.keys())]
+        out += [f"unexpected {k} {theirs[k]}" for k in sorted(theirs.keys() - mine.keys())]
+        out += [
+            f"{k} is {theirs[k]}, expected {mine[k]}"
+            for k in sorted(mine.keys() & theirs.keys())
+            if mine[k] != theirs[k]
+        ]
+        return out
 
     def load_into(self, head: nn.Module) -> nn.Module:
         state = {

@@ -48,13 +48,32 @@ def train_spec(name: str, key: str = "draft.algorithm") -> TrainSpec:
 
 
 def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
+    if cfg.num_steps < 1:
+        raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
     if cfg.algorithm == "none":
         return None
     spec = algorithm(cfg.algorithm)
     cfg = own_config(spec.config, cfg)
-    if cfg.num_steps < 1:
-        raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
-    return dataclasses.replace(spec.plan(cfg, target), spec=spec)
+    try:
+        plan = dataclasses.replace(spec.plan(cfg, target), spec=spec)
+        head = None
+        if plan.checkpoint is not None and plan.head_config is not None:  # every tensor, before any is read
+            with torch.device("meta"):
+                head = spec.head(plan.head_config, 2)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:  # a config.json with odd values
+        if isinstance(e, ConfigError) or getattr(cfg, "init", None) != "checkpoint":
+            raise
+        raise ConfigError(
+            "draft.path",
+            cfg.path,
+            f"its config.json does not describe a {cfg.algorithm} head ({type(e).__name__}: {e})",
+        ) from None
+    if head is not None:
+        if problems := plan.checkpoint.tensor_problems(head):
+            raise ConfigError(
+                "draft.path", cfg.path, f"its tensors do not match its config.json: {'; '.join(problems[:6])}"
+            )
+    return plan
 
 
 def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, dtype) -> Optional[torch.nn.Module]:

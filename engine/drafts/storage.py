@@ -66,9 +66,15 @@ def dequantize(state: dict[str, Tensor]) -> dict[str, Tensor]:
 
 
 def safetensors_shapes(path: Path) -> dict[str, list[int]]:
-    """Tensor shapes from a safetensors header, reading no weights; ValueError when the file is not a
-    whole safetensors file (the header's length past the end, a header that is not JSON, tensor data
-    past the end: a truncated download), so nothing allocates what a broken length claims."""
+    """Tensor shapes from a safetensors header (`safetensors_header`)."""
+    return {k: v["shape"] for k, v in safetensors_header(path).items()}
+
+
+def safetensors_header(path: Path) -> dict[str, dict]:
+    """Each tensor's `dtype` and `shape` from a safetensors header, reading no weights; ValueError when
+    the file is not a whole safetensors file (the header's length past the end, a header that is not
+    JSON, tensor data past the end: a truncated download), so nothing allocates what a broken length
+    claims."""
     size = path.stat().st_size
     with open(path, "rb") as f:
         if size < 8:
@@ -85,12 +91,12 @@ def safetensors_shapes(path: Path) -> dict[str, list[int]]:
     tensors = {k: v for k, v in header.items() if k != "__metadata__"}
     try:
         end = max((v["data_offsets"][1] for v in tensors.values()), default=0)
-        shapes = {k: list(v["shape"]) for k, v in tensors.items()}
-    except (KeyError, IndexError, TypeError):
-        raise ValueError("its header does not describe tensors (shape, data_offsets)") from None
+        out = {k: {"dtype": str(v["dtype"]), "shape": [int(x) for x in v["shape"]]} for k, v in tensors.items()}
+    except (KeyError, IndexError, TypeError, ValueError):
+        raise ValueError("its header does not describe tensors (dtype, shape, data_offsets)") from None
     if 8 + n + end > size:
         raise ValueError(f"its tensors end at byte {8 + n + end} but the file has {size}: truncated")
-    return shapes
+    return out
 
 
 def read_state(path: Path) -> dict[str, Tensor]:

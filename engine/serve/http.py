@@ -6,16 +6,21 @@ answers), in-flight ones finish and the log counts them down; when none is left 
 serve.drain_timeout_s passed) uvicorn shuts down. A second Ctrl-C aborts the in-flight requests (a
 streaming client gets an error event and `[DONE]`, a waiting one a 503) and stops within
 ABORT_GRACE_S, with no traceback.
+
+Connections (engine/serve/guard.py): at most as many as the file-descriptor limit allows (raised to its
+hard limit), each request head within a deadline; the event loop's errors are logged at a bounded rate.
 """
 
 from __future__ import annotations
 
+import asyncio
 import signal
 import time
 from typing import Callable, Optional
 
 import uvicorn
 
+from engine.serve.guard import GuardedH11, RateLimitedErrors, raise_fd_limit
 from engine.serve.openai_server import OpenAIApp
 
 ABORT_GRACE_S = 2.0  # after a stop-now abort: time for handlers to write their error before uvicorn closes
@@ -34,6 +39,10 @@ class _Server(uvicorn.Server):
         self.sigint = self.sigint or sig == signal.SIGINT
         self.stops += 1  # not re-raised after the shutdown: the stage ends normally and logs its run
 
+    async def serve(self, sockets=None) -> None:
+        asyncio.get_running_loop().set_exception_handler(RateLimitedErrors())
+        await super().serve(sockets)
+
     async def on_tick(self, counter: int) -> bool:
         if await super().on_tick(counter):
             return True
@@ -49,10 +58,19 @@ class OpenAIServer:
 
     def __init__(self, api: OpenAIApp, host: str, port: int, drain_timeout_s: float, log_level: str = "warning"):
         self.api, self.scheduler, self.drain_timeout_s = api, api.scheduler, drain_timeout_s
+        protocol = type(  # this server's bounds and counter (engine/serve/guard.py)
+            "Protocol",
+            (GuardedH11,),
+            {
+                "max_connections": raise_fd_limit(),
+                "refused": staticmethod(lambda status: api.metrics.rejected.labels(str(status)).inc()),
+            },
+        )
         config = uvicorn.Config(
             api.app,
             host=host,
             port=port,
+            http=protocol,
             log_config=None,
             log_level=log_level,
             timeout_graceful_shutdown=ABORT_GRACE_S,  # the drain ran before: only connections closing remain

@@ -32,10 +32,13 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.graphs.graph_set import GraphSet
 from engine.serve.detokenize import TextStream
+from engine.serve.guard import Guard, GuardLimits, body_limit
 from engine.serve.metrics import ServeMetrics
 from engine.serve.protocol import (
     ApiError,
@@ -71,6 +74,45 @@ class _RefuseWhileDraining:
             await response(scope, receive, send)
             return
         await self.app(scope, receive, send)
+
+
+# top_p below this keeps the most likely token alone, as any smaller one does (its probability is at least
+# 1 / vocab); far smaller ones vanish in float32 and the nucleus would come out empty
+MIN_TOP_P = 1e-6
+
+
+def _unicode(text: str, param: str) -> str:
+    """`text`, or a 400 when it cannot be encoded (a lone surrogate such as "\\ud800" in JSON)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param}: not valid Unicode ({e.reason} at index {e.start})", param) from None
+    return text
+
+
+OFF_LOOP_JSON_BYTES = 64 << 10  # bodies from this size are parsed on a worker thread: /health stays answered
+
+
+class _OffLoopJsonRequest(Request):
+    async def json(self):
+        if not hasattr(self, "_json"):
+            body = await self.body()
+            self._json = (
+                json.loads(body) if len(body) < OFF_LOOP_JSON_BYTES else await run_in_threadpool(json.loads, body)
+            )
+        return self._json
+
+
+class _OffLoopJsonRoute(APIRoute):
+    """FastAPI's route, reading a large JSON body off the event loop (the guard bounds its size first)."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def route(request: Request):
+            return await handler(_OffLoopJsonRequest(request.scope, request.receive))
+
+        return route
 
 
 # ------------------------------------------------------------------------------------------ one request
@@ -192,9 +234,16 @@ def _sse(obj: Any) -> str:
 
 class OpenAIApp:
     def __init__(
-        self, scheduler: Scheduler, tokenizer: Tokenizer, limits: ApiLimits, graphs: Optional[GraphSet] = None
+        self,
+        scheduler: Scheduler,
+        tokenizer: Tokenizer,
+        limits: ApiLimits,
+        graphs: Optional[GraphSet] = None,
+        api_key: Optional[str] = None,
+        loopback: bool = True,
     ):
         self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
+        self.guard = GuardLimits(api_key, loopback, body_limit(limits.max_seq_len))
         self.metrics = ServeMetrics(scheduler, graphs)
         self.created = int(time.time())
         self.draining = False  # set by OpenAIServer on the first Ctrl-C: new requests get 503
@@ -248,7 +297,7 @@ class OpenAIApp:
         return _Params(
             max_tokens,
             temperature,
-            body.top_p if body.top_p is not None else 1.0,
+            max(body.top_p, MIN_TOP_P) if body.top_p is not None else 1.0,
             body.seed,
             tuple(stop),
             body.ignore_eos,
@@ -266,7 +315,14 @@ class OpenAIApp:
                 )
             p = p[0]
         if isinstance(p, str):
-            return self.tokenizer.encode(p) if p else []
+            return self.tokenizer.encode(_unicode(p, "prompt")) if p else []
+        if len(p) > self.limits.max_seq_len:  # before looking at each id
+            raise ApiError(
+                400,
+                f"the prompt has {len(p)} tokens; this model's context is {self.limits.max_seq_len} tokens",
+                "prompt",
+                "context_length_exceeded",
+            )
         bad = [t for t in p if not 0 <= t < self.limits.vocab_size]
         if bad:
             raise ApiError(
@@ -349,8 +405,10 @@ class OpenAIApp:
     # -- routes -----------------------------------------------------------------------------------
     def _build(self) -> FastAPI:
         app = FastAPI(title="specpipe", docs_url=None, redoc_url=None)  # /openapi.json: `_openapi`
+        app.router.route_class = _OffLoopJsonRoute
         app.add_middleware(_RefuseWhileDraining, api=self)
         metrics = self.metrics
+        app.add_middleware(Guard, limits=self.guard, count=lambda status: metrics.rejected.labels(str(status)).inc())
 
         @app.exception_handler(ApiError)
         async def api_error(request: Request, e: ApiError):
@@ -374,7 +432,7 @@ class OpenAIApp:
                 err = ApiError(
                     422,
                     f"{where}: {first.get('msg', 'invalid')}"
-                    + (f" (got {first['input']!r})" if "input" in first and loc else ""),
+                    + (f" (got {repr(first['input'])[:200]})" if "input" in first and loc else ""),
                     param,
                 )
             metrics.rejected.labels(str(err.status)).inc()
@@ -382,8 +440,15 @@ class OpenAIApp:
 
         @app.exception_handler(StarletteHTTPException)
         async def http_error(request: Request, e: StarletteHTTPException):
-            code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+            code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(e.status_code)
+            metrics.rejected.labels(str(e.status_code)).inc()
             return ApiError(e.status_code, f"{request.method} {request.url.path}: {e.detail}", code=code).response()
+
+        @app.exception_handler(Exception)  # whatever else: a 500 in OpenAI's shape, counted (and logged by uvicorn)
+        async def internal_error(request: Request, e: Exception):
+            metrics.rejected.labels("500").inc()
+            err = ApiError(500, f"internal error ({type(e).__name__})", code="internal_error", type_="server_error")
+            return err.response()
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
@@ -393,7 +458,8 @@ class OpenAIApp:
 
         @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request):
-            prompt = self.tokenizer.encode_messages([{"role": m.role, "content": m.text()} for m in body.messages])
+            messages = [{"role": m.role, "content": _unicode(m.text(), "messages")} for m in body.messages]
+            prompt = self.tokenizer.encode_messages(messages)
             key = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
             max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
             return await self._run(
@@ -456,7 +522,12 @@ class OpenAIApp:
                 props["stop"]["anyOf"][0]["minLength"] = 1
                 props["stop"]["anyOf"][1].update(maxItems=4, items={"type": "string", "minLength": 1})
             prompt = schemas["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+            prompt[0].update(maxLength=self.guard.max_body_bytes)  # the body limit bounds it first
             prompt[1].update(minItems=1, maxItems=1)  # one prompt per request
-            prompt[2].update(minItems=1, items={"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1})
+            prompt[2].update(
+                minItems=1,
+                maxItems=lim.max_seq_len,
+                items={"type": "integer", "minimum": 0, "maximum": lim.vocab_size - 1},
+            )
             app.openapi_schema = doc
         return app.openapi_schema

@@ -9,7 +9,7 @@ Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
          unsupported_parameter) or that no API here has (code unknown_parameter)
     404  a model other than the served one (code model_not_found); unknown routes
     422  well-formed JSON of the wrong shape (a missing field, a wrong type, temperature out of [0, 2])
-    429  serve.max_queue requests already waiting (code queue_full)
+    429  serve.max_queue requests already waiting (code queue_full, with Retry-After)
     503  shutting down (code shutting_down, with Retry-After): every request that arrives while the server
          drains, and in-flight ones aborted by a second Ctrl-C
 """
@@ -23,6 +23,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 RETRY_AFTER_S = 5  # the Retry-After of a 503: time for a restart, or for a balancer to pick another replica
+RETRY_AFTER_BUSY_S = 1  # of a 429: the queue moves within a round or two
 
 
 @dataclass(frozen=True)
@@ -80,7 +81,7 @@ class SamplingRequest(_Body):
     top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
     n: int = 1
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
+    seed: Optional[int] = Field(None, ge=-(2**63), le=2**64 - 1)  # what a torch generator takes
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens (fixed-length benchmarks)
@@ -125,7 +126,11 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        headers = {"Retry-After": str(RETRY_AFTER_S)} if self.status == 503 else None
+        headers = (
+            {"Retry-After": str(RETRY_AFTER_S if self.status == 503 else RETRY_AFTER_BUSY_S)}
+            if self.status in (429, 503)
+            else None
+        )
         return JSONResponse(self.body(), status_code=self.status, headers=headers)
 
 

@@ -7,9 +7,10 @@ checkpoints in the public format, resume, a wall-clock budget.
 forward, features and loss; everything else here is the same for every draft.
 
 Checkpoint layout (`out_dir/checkpoint/`): the head as `config.json` + `model.safetensors` (loads like
-any EAGLE3 checkpoint) and `trainer_state.pt` (optimizer, step, epoch, position in the epoch, RNG). A
-checkpoint is written to a temporary directory and renamed, so an interrupted save leaves the last one.
-`resume=True` continues from it: same batch order, same LR schedule.
+any EAGLE3 checkpoint) and `trainer_state.pt` (optimizer, step, epoch, position in the epoch, RNG),
+written aside, fsynced and sealed before it replaces the last one (engine/train/checkpoints.py), so a kill
+at any point leaves one complete. `resume=True` continues from the newest complete one: same batch order,
+same LR schedule; one trained with other draft settings is a ConfigError naming them.
 
 With `ema_decay` the held-out evaluations read an exponential moving average of the weights, and the run
 ends with the head holding it; the last step's own weights stay in `last_weights` (and their held-out
@@ -30,7 +31,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +41,9 @@ from tqdm.auto import tqdm
 
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.ttt import TRITON_OPS
+from engine.errors import ConfigError
 from engine.model import StaticKVCache
-from engine.train import distributed
+from engine.train import checkpoints, distributed
 from engine.train.average import WeightAverage
 from engine.train.data import VocabMap, batches, target_batch
 from engine.train.objective import TrainSpec, chain_acceptance, chain_lengths, simulated_loop
@@ -151,11 +152,9 @@ class Trainer:
         return self.out_dir / "checkpoint"
 
     def save(self) -> None:
-        tmp = self.out_dir / "checkpoint.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        self.head.save(tmp)
-        torch.save(
-            {
+        def fill(tmp: Path) -> None:
+            self.head.save(tmp)
+            state = {
                 "optimizer": self.opt.state_dict(),
                 "step": self.step,
                 "epoch": self.epoch,
@@ -163,19 +162,27 @@ class Trainer:
                 "elapsed_s": self.elapsed_s,
                 "rng": torch.get_rng_state(),
                 "ema": self.ema.state_dict() if self.ema is not None else None,
-            },
-            tmp / "trainer_state.pt",
-        )
-        shutil.rmtree(self.ckpt_dir, ignore_errors=True)
-        tmp.rename(self.ckpt_dir)
+            }
+            torch.save(state, tmp / "trainer_state.pt")
+
+        checkpoints.write(self.out_dir, self.step, fill)
 
     def resume(self) -> bool:
-        """Load the last checkpoint if there is one; True when training continues from it."""
-        state_path = self.ckpt_dir / "trainer_state.pt"
-        if not state_path.is_file():
+        """Load the newest complete checkpoint if there is one; True when training continues from it. One
+        whose head differs from this run's (a changed draft setting) is a ConfigError naming the keys."""
+        path = checkpoints.newest(self.out_dir)
+        if path is None:
             return False
-        HeadCheckpoint.read(str(self.ckpt_dir), self.head.architecture).load_into(self.head)
-        state = torch.load(state_path, map_location=self.device, weights_only=False)
+        ckpt = HeadCheckpoint.read(str(path), self.head.architecture)
+        if diff := checkpoints.mismatch(ckpt.config, ckpt.shapes, self.head):
+            raise ConfigError(
+                "train.resume",
+                True,
+                f"the checkpoint in {path} was trained with other settings ({diff})",
+                "the settings it was trained with, or train.resume=false to start afresh (overwriting it)",
+            )
+        ckpt.load_into(self.head)
+        state = torch.load(path / "trainer_state.pt", map_location=self.device, weights_only=False)
         self.opt.load_state_dict(state["optimizer"])
         self.step, self.epoch, self.index = state["step"], state["epoch"], state["index"]
         self.elapsed_s = state.get("elapsed_s", 0.0)
