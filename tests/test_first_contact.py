@@ -1,0 +1,65 @@
+"""What a newcomer sees first: honest timings, plans of GPU runs on a CPU host, run folders that hold
+their log, `--help`, the key reference, examples that finish."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from conftest import compose_cfg
+
+from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
+from pipeline.__main__ import run
+
+NGRAM_TINY = ("+experiment=ngram", "model=tiny", "device=cpu", "eval.limit=4", "eval.max_new_tokens=16")
+
+
+def test_a_ratio_comes_with_its_per_batch_spread_and_the_digits_it_supports():
+    base = [BatchTiming(16, 0.10, 16), BatchTiming(16, 0.10, 16), BatchTiming(16, 0.10, 16)]
+    draft = [BatchTiming(16, 0.05, 6), BatchTiming(16, 0.08, 8), BatchTiming(16, 0.05, 6)]
+    speedups = per_batch_speedups(base, draft)
+    assert speedups == pytest.approx([2.0, 1.25, 2.0])
+    # a round cost 0.05/6 s in one batch and 0.08/8 in another: 20% apart, in baseline steps alike
+    assert unit_cost_spread(base, draft) == pytest.approx((0.08 / 8) / (0.05 / 6) - 1)
+    assert fmt_range(1.7, speedups) == "1.7 (per batch 1.2-2.0, 3 batches)"  # a spread of 0.4: one decimal
+    assert fmt_range(1.234, [1.231, 1.236]) == "1.234 (per batch 1.231-1.236, 2 batches)"
+    assert fmt_range(1.5, [1.5]) == "1.50 (one batch: no spread)"
+    assert unit_cost_spread(base[:1], draft[:1]) != unit_cost_spread(base[:1], draft[:1])  # nan: no spread
+    # quiet and steady: nothing to say; a wide spread or a loaded CPU: one line that says which and what to do
+    assert noise_warning(speedups, 0.05, 0.1, 2, cpu=True, threads=2) is None
+    line = noise_warning(speedups, 0.6, 0.1, 2, cpu=False, threads=2)
+    assert "varied 60% between batches" in line and "1.25-2.00" in line and "GPU" in line and "\n" not in line
+    line = noise_warning(speedups, 0.05, 1.4, 2, cpu=True, threads=2)
+    assert "other processes kept 1.4 of this host's 2 CPU cores busy" in line and "OMP_NUM_THREADS=1" in line
+
+
+def test_the_passes_alternate_by_batch_and_a_load_on_one_of_them_is_reported(outputs, monkeypatch, capsys):
+    """A CPU burner runs beside the baseline's odd batches only: the passes still alternate batch by batch
+    (ABBA), the per-batch speedups spread, and the summary says the timings are noisy and why."""
+    from engine.generate import Generator
+
+    real, order = Generator.generate, []
+
+    def loaded(self, prompts, params, *a, **kw):
+        if params.max_new_tokens == 4:  # the warm-ups
+            return real(self, prompts, params, *a, **kw)
+        order.append(self.k)
+        if self.k == 0 and sum(k == 0 for k in order) % 2:  # a synthetic load on the baseline's odd batches
+            burner = subprocess.Popen(
+                [sys.executable, "-c", "import time\nt = time.time()\nwhile time.time() - t < 0.4: pass"]
+            )
+            try:
+                return real(self, prompts, params, *a, **kw)
+            finally:
+                burner.wait()
+        return real(self, prompts, params, *a, **kw)
+
+    monkeypatch.setattr(Generator, "generate", loaded)
+    m = run(compose_cfg(*NGRAM_TINY, "tracking=off"))["eval_results"]["metrics"]
+    assert order == [0, 3, 3, 0, 0, 3, 3, 0]  # baseline (k=0) and draft (k=3) alternate which goes first
+    assert m["speedup_min"] < m["speedup"] < m["speedup_max"] and m["round_cost_spread"] > 0.25
+    out = capsys.readouterr().out
+    assert f"{m['speedup']:.1f} (per batch " in out and ", 4 batches)" in out
+    (line,) = [x for x in out.splitlines() if x.startswith("WARNING: noisy timings")]
+    assert "varied" in line and "rerun with" in line
