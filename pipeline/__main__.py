@@ -10,34 +10,40 @@ from __future__ import annotations
 
 import logging
 import sys
+from pathlib import Path
 from typing import Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, PlanError
-from pipeline.compose_check import compose_problem
+from pipeline.compose_check import compose_problem, group_origin
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import outputs_dir, outputs_error
+from pipeline.runlog import RunLog, drop_run_folder
 
 log = logging.getLogger("pipeline")
 register_configs()
 
 
-def run(cfg: DictConfig) -> dict:
-    """Everything `main` does, callable from tests with a composed config."""
+def plan_job(cfg: DictConfig):
+    """Compose -> a validated Plan, printed (raises PlanError / ConfigError: nothing ran)."""
     # torch, the stages and the server stack load here: a bad override is reported before any of them
     from engine.train.distributed import launch
-    from pipeline.execute import execute
     from pipeline.plan import build_plan
 
-    run_cfg = to_run_config(cfg)
-    plan = build_plan(run_cfg)
+    plan = build_plan(to_run_config(cfg), origin=group_origin("graph"))
     if launch().rank == 0:  # under torchrun: one plan printed, not one per process
         print(plan.describe(), flush=True)
-    if run_cfg.dry_run:
-        return {}
-    return execute(plan)
+    return plan
+
+
+def run(cfg: DictConfig) -> dict:
+    """Everything `main` does, callable from tests with a composed config."""
+    from pipeline.execute import execute
+
+    plan = plan_job(cfg)
+    return {} if plan.cfg.dry_run else execute(plan)
 
 
 def objective(ctx: dict) -> Optional[float]:
@@ -45,19 +51,40 @@ def objective(ctx: dict) -> Optional[float]:
     return ctx.get("eval_results", {}).get("metrics", {}).get("tokens_per_s")
 
 
+def job_folder() -> Optional[Path]:
+    """This job's Hydra output folder (None outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
-    try:
-        return objective(run(cfg))
-    except (PlanError, ConfigError) as e:
-        from pipeline.tracking import fail_sweep_parent
+    from pipeline.execute import execute
 
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
-        sys.exit(2)
-    except KeyboardInterrupt:  # the stage said what it kept; the MLflow run is KILLED
-        print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
-        sys.exit(130)
+    folder, plan = job_folder(), None
+    with RunLog(folder):  # the folder's pipeline.log: the plan, progress lines, the summary
+        try:
+            plan = plan_job(cfg)
+            if plan.cfg.dry_run:  # nothing ran: no run folder
+                drop_run_folder(folder, outputs_dir())
+                return None
+            return objective(execute(plan))
+        except (PlanError, ConfigError) as e:
+            if plan is None:
+                drop_run_folder(folder, outputs_dir())
+            return fail(cfg, e)
+        except KeyboardInterrupt:  # the stage said what it kept; the MLflow run is KILLED
+            print("interrupted (Ctrl-C)", file=sys.stderr, flush=True)
+            sys.exit(130)
+
+
+def fail(cfg: DictConfig, e: Exception) -> None:
+    from pipeline.tracking import fail_sweep_parent
+
+    print(f"error: {e}", file=sys.stderr, flush=True)
+    fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
+    sys.exit(2)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.drafts.registry import make_draft
 from engine.errors import ConfigError
-from engine.graphs.backends import NEEDS_CUDA, POLICIES
+from engine.graphs.backends import POLICIES
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from stages.base import Stage, StageEnv, register_stage
@@ -80,15 +80,6 @@ class CaptureGraphsStage(Stage):
         ):
             if policy not in POLICIES:
                 raise ConfigError(key, policy, "unknown graph policy", POLICIES)
-        if env.device.type != "cuda":
-            for key, policy in (("graph.target_policy", g.target), ("graph.draft_policy", g.draft)):
-                if policy in NEEDS_CUDA:
-                    raise ConfigError(
-                        key,
-                        policy,
-                        f"captures CUDA graphs but the run's device is {env.device}",
-                        "graph=none (eager) or graph=debug (the runner logic, eagerly)",
-                    )
         sizes = capture_sizes(cfg)
         if min(sizes) < 1:
             raise ConfigError("graph.capture_sizes", list(g.capture_sizes), "batch sizes must be >= 1", ">= 1")

@@ -7,10 +7,13 @@ import subprocess
 import sys
 
 import pytest
-from conftest import compose_cfg
+import torch
+from conftest import cli, compose_cfg
 
 from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
 from pipeline.__main__ import run
+from pipeline.config import to_run_config
+from pipeline.plan import build_plan
 
 NGRAM_TINY = ("+experiment=ngram", "model=tiny", "device=cpu", "eval.limit=4", "eval.max_new_tokens=16")
 
@@ -63,3 +66,41 @@ def test_the_passes_alternate_by_batch_and_a_load_on_one_of_them_is_reported(out
     assert f"{m['speedup']:.1f} (per batch " in out and ", 4 batches)" in out
     (line,) = [x for x in out.splitlines() if x.startswith("WARNING: noisy timings")]
     assert "varied" in line and "rerun with" in line
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+def test_a_cuda_plan_is_validated_and_printed_on_a_host_without_cuda(outputs):
+    plan = build_plan(to_run_config(compose_cfg("+experiment=eagle3_bcg", "dry_run=true", "eval=quick")))
+    text = plan.describe()
+    assert "device: cuda (bfloat16)" in text and "target full, draft breakable" in text
+    assert "3. capture_graphs" in text and "the first 4 of 80 prompts" in text
+    assert "checked on the GPU only: that CUDA is there, graph capture" in text
+    # device=cpu is declared: no GPU plan, the policy's error instead
+    with pytest.raises(Exception, match=r"graph.target_policy='full': captures CUDA graphs \(target full, draft"):
+        build_plan(to_run_config(compose_cfg("+experiment=eagle3_bcg", "dry_run=true", "device=cpu")))
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
+@pytest.mark.fresh_store
+def test_the_cpu_host_error_names_what_chose_the_policy_and_leaves_no_run_folder(outputs):
+    p = cli("+experiment=eagle3_bcg", "eval=quick", outputs=outputs)
+    assert p.returncode == 2, p.stderr[-2000:]
+    assert "graph='bcg': +experiment=eagle3_bcg chose it: target full, draft breakable" in p.stderr
+    assert "dry_run=true to print the GPU run's plan" in p.stderr and "Traceback" not in p.stderr
+    p = cli("+experiment=eagle3", "graph=full", "eval=quick", "dry_run=true", outputs=outputs)
+    assert p.returncode == 0 and "device: cuda" in p.stdout, p.stderr[-2000:]
+    assert not (outputs / "runs").exists()  # neither the failed plan nor the dry run left a folder
+
+
+@pytest.mark.fresh_store
+def test_a_run_folder_holds_the_plan_progress_and_summary(outputs):
+    p = cli(*NGRAM_TINY, "tracking=off", outputs=outputs)
+    assert p.returncode == 0, p.stderr[-2000:]
+    (log,) = (outputs / "runs").glob("*/*/pipeline.log")
+    text = log.read_text()
+    assert "\r" not in text  # a progress bar's redraws collapse into its last state
+    lines = text.splitlines()
+    assert "  1. load" in "\n".join(lines) and "2. eval" in text  # the plan
+    (bar,) = [x for x in lines if x.startswith("eval[ngram]:")]  # the progress line, once
+    assert "4/4" in bar
+    assert any(x.startswith("speedup ") for x in lines) and "[eval] tracking off" in text  # the summary
