@@ -88,6 +88,11 @@ def fail(cfg: DictConfig, e: Exception) -> None:
 
 
 if __name__ == "__main__":
+    if "--help" in sys.argv or "-h" in sys.argv:  # ours: the tool, its groups and experiments (Hydra's: --hydra-help)
+        from pipeline.help import help_text
+
+        print(help_text())
+        sys.exit(0)
     if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
         print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
         sys.exit(2)

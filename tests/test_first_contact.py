@@ -13,6 +13,7 @@ from conftest import cli, compose_cfg
 from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
+from pipeline.help import GROUPS, REFERENCE, help_text, key_reference, options
 from pipeline.plan import build_plan
 
 NGRAM_TINY = ("+experiment=ngram", "model=tiny", "device=cpu", "eval.limit=4", "eval.max_new_tokens=16")
@@ -104,3 +105,26 @@ def test_a_run_folder_holds_the_plan_progress_and_summary(outputs):
     (bar,) = [x for x in lines if x.startswith("eval[ngram]:")]  # the progress line, once
     assert "4/4" in bar
     assert any(x.startswith("speedup ") for x in lines) and "[eval] tracking off" in text  # the summary
+
+
+def test_help_says_what_the_tool_is_and_lists_every_group_and_experiment():
+    p = subprocess.run([sys.executable, "-m", "pipeline", "--help"], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    text = p.stdout
+    assert text.startswith("specpipe: speculative decoding") and "docs/configuration.md" in text
+    groups = {d.name for d in (REFERENCE.parents[1] / "conf").iterdir() if d.is_dir() and not d.name.startswith("_")}
+    groups = (groups - {"hydra", "experiment"}) | {"hydra/launcher", "hydra/sweeper"}
+    assert groups == set(GROUPS)  # every group of conf/ has its line, and no line names a group that is gone
+    for group in GROUPS:
+        assert f"  {group} " in text and all(o in text for o in options(group)), group
+    assert all(f"  {name} " in text for name in options("experiment"))
+    assert text == help_text() + "\n"
+
+
+def test_the_key_reference_is_current():
+    """docs/configuration.md is generated from the schema's field comments: regenerate it with
+    `python -m pipeline.help --write` after changing pipeline/config.py."""
+    assert REFERENCE.read_text() == key_reference()
+    text = REFERENCE.read_text()
+    assert "| `eval.limit` | int | `null` | first N prompts; null: all |" in text
+    assert "| `graph.target_policy` | str | `null` | (see `graph.policy`) |" in text
