@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from pipeline.config import to_run_config
 from pipeline.help import GROUPS, REFERENCE, help_text, key_reference, options
 from pipeline.plan import build_plan
 
+EAGLE3_TINY = ("+experiment=eagle3", "graph=debug", "draft.init=random", "draft.aux_layer_ids=[1,2,3]")
 NGRAM_TINY = ("+experiment=ngram", "model=tiny", "device=cpu", "eval.limit=4", "eval.max_new_tokens=16")
 
 
@@ -128,3 +130,39 @@ def test_the_key_reference_is_current():
     text = REFERENCE.read_text()
     assert "| `eval.limit` | int | `null` | first N prompts; null: all |" in text
     assert "| `graph.target_policy` | str | `null` | (see `graph.policy`) |" in text
+
+
+def test_compare_labels_runs_by_what_differs_fits_a_terminal_and_warns_of_other_work(outputs, tmp_path, monkeypatch):
+    from pipeline.compare import compare
+
+    monkeypatch.setenv("COLUMNS", "100")  # the terminal's width
+    from pipeline.figures import comparison_figure
+
+    tiny = ("model=tiny", "eval.max_new_tokens=4", "tracking.system_metrics=false")
+    run(compose_cfg("+experiment=baseline", *tiny, "eval.limit=2"))
+    run(compose_cfg("+experiment=baseline", *tiny, "eval.limit=2", "eval.batch_size=2"))
+    run(compose_cfg(*EAGLE3_TINY, *tiny, "eval=quick", "eval.limit=1", "eval.ignore_eos=true"))
+    text = compare("baseline,eagle3", f"sqlite:///{outputs / 'mlflow.db'}", out=tmp_path / "report")
+    *lines, written = text.splitlines()
+    assert max(len(x) for x in lines) <= 100, max(lines, key=len)  # (the last line: the folder the user named)
+    assert written.endswith("report: compare.csv, compare.md, compare.png")
+    headers = [lines[i + 1] for i, x in enumerate(lines) if i == 0 or x == ""]  # tables split to fit the width
+    labels = [x.strip() for h in headers for x in h.split("  ") if x.strip()]
+    assert labels == ["baseline batch_size=2", "baseline batch_size=1", "eagle3"]  # newest first
+    assert "shared by every run:" in text and any(x.startswith("  model ") for x in lines)
+    (warning,) = [x for x in lines if x.startswith("WARNING")]
+    assert "eval.dataset, eval.limit" in text and "eval.ignore_eos" in text and "measured different work" in text
+    assert "eagle3 |" in (tmp_path / "report" / "compare.md").read_text().splitlines()[2]
+    # the chart draws a panel only for a measure some run has: no accept_length panel without a draft
+    assert len(comparison_figure(["a", "b"], [10.0, 12.0], [None, None]).axes) == 1
+    assert len(comparison_figure(["a", "b"], [10.0, 12.0], [None, 2.5]).axes) == 2
+
+
+def test_a_runs_figures_are_titled_with_run_dataset_device_and_date(outputs):
+    from pipeline.tracking import Tracker
+
+    cfg = to_run_config(compose_cfg("model=tiny", "eval=quick", "tracking.system_metrics=false"))
+    with Tracker(cfg, outputs, torch.device("cpu")) as t:
+        title = t.figure_title({"num_prompts": 4.0})
+        name = t.client.get_run(t.run_id).info.run_name
+    assert title.startswith(f"run {name} (default) | mt_bench x4 | cpu (") and time.strftime("%Y-%m-%d") in title
