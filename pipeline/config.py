@@ -63,6 +63,10 @@ class RandomArchConfig:
     # Weight std. 0.02 (transformers' init) makes greedy output collapse to one token; ~0.15 gives
     # varied outputs, which draft-training tests need.
     init_std: float = 0.02
+    # The untied lm_head's std (null: init_std). With a small init_std and a wide lm_head (0.02 and 0.5:
+    # +experiment=train_eagle3_tiny) the next token is mostly a function of the current one, with a
+    # peaked distribution: answers that vary and that a draft head can learn in minutes.
+    lm_head_std: Optional[float] = None
 
 
 @dataclass
