@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from engine.drafts.registry import make_draft
 from engine.errors import ConfigError
-from engine.graphs.backends import POLICIES
+from engine.graphs.backends import NEEDS_CUDA, POLICIES
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from stages.base import Stage, StageEnv, register_stage
@@ -143,9 +143,12 @@ class CaptureGraphsStage(Stage):
         m = graphs.metrics()
         if env.tracker is not None:
             env.tracker.log_metrics({k: v for k, v in m.items() if k.startswith(("capture_s", "graph_mem_mb"))})
-        print(
-            f"[capture_graphs] {len(graphs.runners)} phases, {sum(len(r.buckets) for r in graphs.runners.values())} "
-            f"graphs in {m['capture_s']:.2f}s, {m['graph_mem_mb']:.1f} MB",
-            flush=True,
+        n = sum(len(r.buckets) for r in graphs.runners.values())
+        captured = {cfg.graph.target, cfg.graph.draft if plan is not None else "none"} & NEEDS_CUDA
+        what = (
+            f"{n} graphs in {m['capture_s']:.2f}s, {m['graph_mem_mb']:.1f} MB"
+            if captured
+            else f"{n} graph shapes set up, none captured (debug: each runs eagerly through the runner's buffers)"
         )
+        print(f"[capture_graphs] {len(graphs.runners)} phases, {what}", flush=True)
         return {"graphs": graphs}

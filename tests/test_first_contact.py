@@ -217,3 +217,13 @@ def test_self_distillation_on_a_target_that_repeats_one_token_warns(outputs, cap
     (line,) = [x for x in out.splitlines() if x.startswith("WARNING: degenerate data: token")]
     assert "answer tokens (" in line and "model=tiny_trainable" in line
     assert "is no better than a uniform guess's ln(320) = 5.768" in out
+
+
+def test_the_smaller_things_say_what_happened(outputs, capsys):
+    """graph=debug says it captured nothing; a peer pass has a progress bar; the plan names the prompts."""
+    cfg = ("+experiment=baseline", "model=tiny", "graph=debug", "eval.limit=2", "eval.max_new_tokens=4")
+    run(compose_cfg(*cfg, "eval.peers=[hf_generate]", "tracking=off"))
+    out, err = capsys.readouterr()
+    assert "graph shapes set up, none captured (debug" in out and " graphs in " not in out
+    assert "humaneval: the first 2 of 164 prompts" in out
+    assert re.search(r"peer: 100%[^\n]*2/2", err.replace("\r", "\n")), err[-1000:]
