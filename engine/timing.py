@@ -104,5 +104,10 @@ def noise_warning(
         why.append(f"other processes kept {other_cores:.1f} of this host's {cores} CPU cores busy")
     if not why:
         return None
-    fix = f"OMP_NUM_THREADS=1 (now {threads} threads) on a shared CPU, or on a GPU" if cpu else "on a quiet GPU"
-    return f"WARNING: noisy timings: {'; '.join(why)}; rerun with {fix}"
+    if not cpu:
+        fix = "rerun on a quiet GPU"
+    elif threads > 1:
+        fix = f"rerun with OMP_NUM_THREADS=1 (torch used {threads} threads) on a shared CPU, or on a GPU"
+    else:
+        fix = "rerun on a quieter host, or on a GPU"
+    return f"WARNING: noisy timings: {'; '.join(why)}; {fix}"

@@ -3,11 +3,14 @@ their log, `--help`, the key reference, examples that finish."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
+import shlex
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,7 +20,8 @@ from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speed
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.help import GROUPS, REFERENCE, help_text, key_reference, options
-from pipeline.plan import build_plan
+from pipeline.paths import REPO
+from pipeline.plan import PlanError, build_plan
 
 EAGLE3_TINY = ("+experiment=eagle3", "graph=debug", "draft.init=random", "draft.aux_layer_ids=[1,2,3]")
 NGRAM_TINY = ("+experiment=ngram", "model=tiny", "device=cpu", "eval.limit=4", "eval.max_new_tokens=16")
@@ -70,7 +74,7 @@ def test_the_passes_alternate_by_batch_and_a_load_on_one_of_them_is_reported(out
     out = capsys.readouterr().out
     assert f"{m['speedup']:.1f} (per batch " in out and ", 4 batches)" in out
     (line,) = [x for x in out.splitlines() if x.startswith("WARNING: noisy timings")]
-    assert "varied" in line and "rerun with" in line
+    assert "varied" in line and "; rerun " in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a host without CUDA")
@@ -227,3 +231,73 @@ def test_the_smaller_things_say_what_happened(outputs, capsys):
     assert "graph shapes set up, none captured (debug" in out and " graphs in " not in out
     assert "humaneval: the first 2 of 164 prompts" in out
     assert re.search(r"peer: 100%[^\n]*2/2", err.replace("\r", "\n")), err[-1000:]
+
+
+# ------------------------------------------------------------------------------------------ the docs' commands
+DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+CPU_SECTION = "On a CPU (a laptop, a login node): minutes"
+
+
+def doc_commands(path: Path) -> list[tuple[str, str, list[str]]]:
+    """(the section heading, the module, its arguments) of every `python -m pipeline[.compare]` (or
+    `torchrun ... -m pipeline`) line of the file's bash blocks; lines with a placeholder (`...`) left out."""
+    out, heading, block, pending = [], "", False, ""
+    for line in path.read_text().splitlines():
+        if line.startswith("```"):
+            block = line.strip() == "```bash"
+            continue
+        if not block:
+            heading = line.lstrip("#").strip() if line.startswith("#") else heading
+            continue
+        pending += line.rstrip("\\").strip() + " "
+        if line.endswith("\\"):
+            continue
+        words, pending = shlex.split(pending, comments=True), ""
+        if "-m" in words and words.index("-m") + 1 < len(words) and "..." not in words:
+            i = words.index("-m") + 1
+            if words[i] in ("pipeline", "pipeline.compare"):
+                out.append((heading, words[i], [w for w in words[i + 1 :] if w != "&"]))
+    return out
+
+
+def plans(args: list[str]) -> list[list[str]]:
+    """A command line's job overrides (Hydra's own left out), one list per job of a sweep (-m)."""
+    overrides = [a for a in args if a != "-m" and not a.startswith(("hydra/", "hydra."))]
+    if "-m" not in args:
+        return [overrides]
+    split = [
+        [f"{o.split('=', 1)[0]}={v}" for v in o.split("=", 1)[1].split(",")] if "," in o and "[" not in o else [o]
+        for o in overrides
+    ]
+    return [list(job) for job in itertools.product(*split)]
+
+
+def test_every_command_in_the_readme_and_docs_plans(outputs):
+    """Each `python -m pipeline` line of README.md and docs/ composes and validates (dry_run): GPU runs too,
+    planned for CUDA on a host without it; the only errors allowed are a model or head path under
+    /models/ that this machine does not have."""
+    found = [(p.name, *c) for p in DOCS for c in doc_commands(p)]
+    assert len([c for c in found if c[2] == "pipeline"]) >= 30 and any(c[1] == CPU_SECTION for c in found)
+    for name, heading, module, args in found:
+        if module != "pipeline":
+            continue
+        for job in plans(args):
+            try:
+                build_plan(to_run_config(compose_cfg(*job, "dry_run=true")))
+            except PlanError as e:
+                absent = [x.key in ("model.path", "draft.path") and x.value.startswith("/models/") for x in e.errors]
+                assert all(absent), (f"{name} ({heading}): {' '.join(args)}", str(e))
+
+
+@pytest.mark.slow
+@pytest.mark.fresh_store
+def test_the_cpu_examples_finish_in_minutes(outputs):
+    """The README's CPU block, run as written, in order (the compare at the end reads the runs before it):
+    every command ends with exit status 0, each within 5 minutes on a loaded 2-core host."""
+    block = [(module, args) for heading, module, args in doc_commands(REPO / "README.md") if heading == CPU_SECTION]
+    assert len(block) >= 6
+    for module, args in block:
+        t0 = time.perf_counter()
+        p = cli(*args, outputs=outputs, module=module, timeout=300, env={"OMP_NUM_THREADS": "1"})
+        assert p.returncode == 0, (module, args, p.stdout[-2000:], p.stderr[-2000:])
+        print(f"{time.perf_counter() - t0:.0f}s  python -m {module} {' '.join(args)}")
