@@ -3,7 +3,9 @@
 A bad config is reported as one message naming each bad key, its value and what is valid, with exit
 status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
 job of the sweep fails so, is marked FAILED: the sweep stops there). A job returns the eval's
-`tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises.
+`tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises. What a job
+prints also goes to its Hydra run folder's pipeline.log (pipeline/runlog.py); a dry run or a plan that
+fails leaves no folder. `--help`: the tool, its groups and experiments (pipeline/help.py).
 """
 
 from __future__ import annotations

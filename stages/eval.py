@@ -3,8 +3,9 @@
 Prompts go through the tokenizer's chat template (or come as token ids, optionally with input
 embeddings), are checked against the KV cache and the vocabulary at plan time (`check`: the tokenizer
 alone, before any weight loads; again before generating), and run in batches of
-`eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) first runs the no-draft
-baseline on the same prompts, so the job reports its own speedup and whether the output is unchanged.
+`eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) also runs the no-draft
+baseline on the same prompts, batch by batch beside the draft pass (alternating which goes first), so the
+job reports its own speedup, with its spread, and whether the output is unchanged.
 
 Metrics (names from the design):
 
@@ -18,6 +19,8 @@ Metrics (names from the design):
     k_mean                   mean draft tokens per round (draft.num_steps, or with eval.adaptive_k what
                              the load chose; adaptive_k.b<rows>: its choice per capture size at the start)
     baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
+    speedup_min, speedup_max, round_cost_spread         per batch (engine/timing.py), from two batches
+    host_other_cores         CPU cores other processes kept busy during the passes (a WARNING when noisy)
     baseline_step_ms, baseline_host_ms                  its decode step and the idle between steps
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 

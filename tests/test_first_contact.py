@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
 import re
 import shlex
 import subprocess
@@ -291,9 +292,11 @@ def test_every_command_in_the_readme_and_docs_plans(outputs):
 
 @pytest.mark.slow
 @pytest.mark.fresh_store
+@pytest.mark.skipif(os.environ.get("SPECPIPE_EXAMPLES") != "1", reason="about 3 minutes: SPECPIPE_EXAMPLES=1 runs it")
 def test_the_cpu_examples_finish_in_minutes(outputs):
     """The README's CPU block, run as written, in order (the compare at the end reads the runs before it):
-    every command ends with exit status 0, each within 5 minutes on a loaded 2-core host."""
+    every command ends with exit status 0, each within 5 minutes on a loaded 2-core host (165 s for all on
+    2 cores beside other work: the shipped EAGLE3 head's eval=quick and the tiny training most of it)."""
     block = [(module, args) for heading, module, args in doc_commands(REPO / "README.md") if heading == CPU_SECTION]
     assert len(block) >= 6
     for module, args in block:
