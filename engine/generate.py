@@ -40,7 +40,7 @@ from engine.drafts.base import Draft, FeatureKind, SpecState
 from engine.errors import ConfigError
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode
-from engine.model import ForwardOutput, LlamaModel
+from engine.model import ForwardOutput, LlamaModel, StaticKVCache
 from engine.phase_clock import PhaseClock
 from engine.program import run_steps
 from engine.round import round_buffers, round_program
@@ -142,6 +142,7 @@ class SpecDecoder:
         draft: Optional[Draft] = None,
         num_steps: int = 0,
         graphs: Optional[GraphSet] = None,
+        cache: Optional[StaticKVCache] = None,  # without graphs: the target's cache to reuse (another decoder's)
     ):
         self.model, self.batch_size = model, batch_size
         self.draft, self.k = draft, (num_steps if draft is not None else 0)  # k: the most drafts a round takes
@@ -171,7 +172,7 @@ class SpecDecoder:
             self.prefill_runner, self.prefill_cache = graphs.get("prefill"), graphs.prefill_cache
             self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
-            self.cache = model.new_cache(batch_size)
+            self.cache = cache if cache is not None else model.new_cache(batch_size)
             self.buffers = round_buffers(self.k, device_draft, batch_size, self.device)
             self.policies = ("none", "none")
         self.device_draft = device_draft

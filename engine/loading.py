@@ -383,12 +383,24 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
             "hidden_size must divide by heads and heads by kv heads",
         )
+    if r.lm_head_std is not None and r.tie_word_embeddings:
+        raise ConfigError(
+            "model.random.lm_head_std",
+            r.lm_head_std,
+            "sets the lm_head apart from the token embedding, which tie_word_embeddings=true shares",
+            "null, or model.random.tie_word_embeddings=false",
+        )
     return random_args(r)
 
 
 def _load_random(cfg, weights_dir: Path) -> LoadedModel:
-    model = LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len)
-    return LoadedModel(init_normal_(model, cfg.random.init_seed, cfg.random.init_std), ByteTokenizer(), "random")
+    r = cfg.random
+    model = init_normal_(LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len), r.init_seed, r.init_std)
+    if r.lm_head_std is not None:  # an untied output layer of its own scale (sharper or flatter next tokens)
+        g = torch.Generator().manual_seed(r.init_seed + 1)
+        with torch.no_grad():
+            model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g) * r.lm_head_std)
+    return LoadedModel(model, ByteTokenizer(), "random")
 
 
 MODEL_SOURCES: dict[str, ModelSource] = {

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from tqdm.auto import tqdm
 
 from engine.compiled_decode import CompiledDecoder
 from engine.generate import sync
@@ -80,19 +81,26 @@ def _cut(tokens: list[int], stop: frozenset[int]) -> list[int]:
 def _timed(
     run: Callable[[list[list[int]]], list[list[int]]], warmup: Callable[[], object], prompts, batch_size, device
 ) -> PeerResult:
-    """`warmup()` timed alone, then `run` over the prompts batch by batch, each batch timed between syncs."""
-    sync(device)
-    t0 = time.perf_counter()
-    warmup()
-    sync(device)
-    warmup_s = time.perf_counter() - t0
-    outputs, wall = [], 0.0
-    for i in range(0, len(prompts), batch_size):
+    """`warmup()` timed alone, then `run` over the prompts batch by batch, each batch timed between syncs;
+    a progress bar over both (the warm-up may compile for minutes)."""
+    bar = tqdm(total=len(prompts), desc="peer (warm-up)", unit="prompt", dynamic_ncols=True)
+    try:
         sync(device)
         t0 = time.perf_counter()
-        outputs += run(prompts[i : i + batch_size])
+        warmup()
         sync(device)
-        wall += time.perf_counter() - t0
+        warmup_s = time.perf_counter() - t0
+        bar.set_description("peer")
+        outputs, wall = [], 0.0
+        for i in range(0, len(prompts), batch_size):
+            sync(device)
+            t0 = time.perf_counter()
+            outputs += run(prompts[i : i + batch_size])
+            sync(device)
+            wall += time.perf_counter() - t0
+            bar.update(len(prompts[i : i + batch_size]))
+    finally:
+        bar.close()
     return PeerResult(outputs, wall, warmup_s)
 
 

@@ -3,7 +3,9 @@
 A bad config is reported as one message naming each bad key, its value and what is valid, with exit
 status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
 job of the sweep fails so, is marked FAILED: the sweep stops there). A job returns the eval's
-`tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises.
+`tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises. What a job
+prints also goes to its Hydra run folder's pipeline.log (pipeline/runlog.py); a dry run or a plan that
+fails leaves no folder. `--help`: the tool, its groups and experiments (pipeline/help.py).
 
 Ctrl-C and SIGTERM (pipeline/signals.py) end a run or a sweep alike: what finished is kept, the run (a
 sweep's parent and its unfinished jobs, in whichever worker) KILLED, one line, exit 130 / 143.
@@ -14,35 +16,41 @@ from __future__ import annotations
 import logging
 import os
 import sys
+from pathlib import Path
 from typing import Optional
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, PlanError
-from pipeline.compose_check import compose_problems
+from pipeline.compose_check import compose_problems, group_origin
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import PARENT_ENV, outputs_dir, outputs_error
+from pipeline.runlog import RunLog, drop_run_folder
 from pipeline.signals import Interrupted, describe, first, install, received, signum_of
 
 log = logging.getLogger("pipeline")
 register_configs()
 
 
-def run(cfg: DictConfig) -> dict:
-    """Everything `main` does, callable from tests with a composed config."""
+def plan_job(cfg: DictConfig):
+    """Compose -> a validated Plan, printed (raises PlanError / ConfigError: nothing ran)."""
     # torch, the stages and the server stack load here: a bad override is reported before any of them
     from engine.train.distributed import launch
-    from pipeline.execute import execute
     from pipeline.plan import build_plan
 
-    run_cfg = to_run_config(cfg)
-    plan = build_plan(run_cfg)
+    plan = build_plan(to_run_config(cfg), origin=group_origin("graph"))
     if launch().rank == 0:  # under torchrun: one plan printed, not one per process
         print(plan.describe(), flush=True)
-    if run_cfg.dry_run:
-        return {}
-    return execute(plan)
+    return plan
+
+
+def run(cfg: DictConfig) -> dict:
+    """Everything `main` does, callable from tests with a composed config."""
+    from pipeline.execute import execute
+
+    plan = plan_job(cfg)
+    return {} if plan.cfg.dry_run else execute(plan)
 
 
 def objective(ctx: dict) -> Optional[float]:
@@ -50,25 +58,41 @@ def objective(ctx: dict) -> Optional[float]:
     return ctx.get("eval_results", {}).get("metrics", {}).get("tokens_per_s")
 
 
+def job_folder() -> Optional[Path]:
+    """This job's Hydra output folder (None outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
 def main(cfg: DictConfig) -> Optional[float]:
+    from pipeline.execute import execute
     from pipeline.store import StoreError
 
     install()  # this process runs the job: the main one, or a joblib worker
-    try:
-        if received():  # a worker whose last job was stopped: the sweep is ending, start no other
-            raise Interrupted(first())
-        return objective(run(cfg))
-    except (PlanError, ConfigError, StoreError) as e:
-        from pipeline.tracking import fail_sweep_parent
+    folder, plan = job_folder(), None
+    with RunLog(folder):  # the folder's pipeline.log: the plan, progress lines, the summary
+        try:
+            if received():  # a worker whose last job was stopped: the sweep is ending, start no other
+                raise Interrupted(first())
+            plan = plan_job(cfg)
+            if plan.cfg.dry_run:  # nothing ran: no run folder
+                drop_run_folder(folder, outputs_dir())
+                return None
+            return objective(execute(plan))
+        except (PlanError, ConfigError, StoreError) as e:
+            from pipeline.tracking import fail_sweep_parent
 
-        print(f"error: {e}", file=sys.stderr, flush=True)
-        fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
-        sys.exit(2)
-    except KeyboardInterrupt as e:  # the stage said what it kept; the MLflow run is KILLED
-        if not os.environ.get(PARENT_ENV):  # a sweep says it once, in the process that launched it
-            print(describe(signum_of(e)), file=sys.stderr, flush=True)
-        sys.exit(128 + signum_of(e))
+            if plan is None:
+                drop_run_folder(folder, outputs_dir())
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            fail_sweep_parent(OmegaConf.select(cfg, "tracking.tracking_uri"), outputs_dir())
+            sys.exit(2)
+        except KeyboardInterrupt as e:  # the stage said what it kept; the MLflow run is KILLED
+            if not os.environ.get(PARENT_ENV):  # a sweep says it once, in the process that launched it
+                print(describe(signum_of(e)), file=sys.stderr, flush=True)
+            sys.exit(128 + signum_of(e))
 
 
 def plan_problems(overrides: Optional[list[str]]) -> list:
@@ -108,6 +132,11 @@ def stop_sweep(signum: int) -> None:
 
 
 if __name__ == "__main__":
+    if "--help" in sys.argv or "-h" in sys.argv:  # ours: the tool, its groups and experiments (Hydra's: --hydra-help)
+        from pipeline.help import help_text
+
+        print(help_text())
+        sys.exit(0)
     if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
         print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
         sys.exit(2)

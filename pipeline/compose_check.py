@@ -96,3 +96,23 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
                 cause = str(e.__cause__).splitlines()[0] if e.__cause__ else first
                 return ConfigError(key, value, f"wrong type: {cause}")
             return ConfigError("overrides", " ".join(overrides), first)
+
+
+def group_origin(group: str) -> Optional[tuple[str, str]]:
+    """Under a Hydra job: (the group's choice, what chose it: `+experiment=NAME`, `the command line` or `the
+    defaults`); None outside one, or where the command line sets the group's keys themselves."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if not HydraConfig.initialized():
+        return None
+    hc = HydraConfig.get()
+    choice, keys = hc.runtime.choices.get(group), [o.lstrip("+~").split("=", 1)[0] for o in hc.overrides.task]
+    if choice is None or any(k.startswith(f"{group}.") for k in keys):
+        return None
+    if group in keys:
+        return choice, "the command line"
+    experiment = hc.runtime.choices.get("experiment")
+    recipe = REPO / "conf" / "experiment" / f"{experiment}.yaml"
+    if experiment and recipe.is_file() and re.search(rf"override /{group}\s*:", recipe.read_text()):
+        return choice, f"+experiment={experiment}"
+    return choice, "the defaults"

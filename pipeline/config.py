@@ -50,6 +50,7 @@ class RandomArchConfig:
     """Architecture of a random-init Llama (model.source=random): tests and timing without weights."""
 
     vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
+    # The Llama shape, in transformers' LlamaConfig names.
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 4
@@ -58,15 +59,19 @@ class RandomArchConfig:
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
-    init_seed: int = 0
+    init_seed: int = 0  # the seed of the random weights
     # Weight std. 0.02 (transformers' init) makes greedy output collapse to one token; ~0.15 gives
     # varied outputs, which draft-training tests need.
     init_std: float = 0.02
+    # The untied lm_head's std (null: init_std). With a small init_std and a wide lm_head (0.02 and 0.5:
+    # +experiment=train_eagle3_tiny) the next token is mostly a function of the current one, with a
+    # peaked distribution: answers that vary and that a draft head can learn in minutes.
+    lm_head_std: Optional[float] = None
 
 
 @dataclass
 class ModelConfig:
-    name: str = "smollm2-135m-instruct"
+    name: str = "smollm2-135m-instruct"  # the tracked and served name (model=hf: the checkpoint folder's)
     # Where the weights come from: gguf (a GGUF file, dequantized once and cached under outputs/weights),
     # hf (a local safetensors directory with config.json), random (RandomArchConfig, byte tokenizer).
     source: str = "gguf"
@@ -93,7 +98,7 @@ class DraftConfig:
     algorithm: str = "none"
     # eagle3/eagle: a checkpoint directory (config.json + model.safetensors) or a random-init head.
     init: str = "checkpoint"  # checkpoint | random
-    path: Optional[str] = None
+    path: Optional[str] = None  # draft.init=checkpoint: the head's folder (conf/draft: the shipped one)
     num_steps: int = 3  # k: draft tokens proposed per verify; verify runs k + 1 positions
     # Target layers whose hidden states feed the draft. null: the checkpoint's
     # eagle_config.eagle_aux_hidden_state_layer_ids (output_of), else [2, N//2, N-3] (input_of).
@@ -107,7 +112,7 @@ class DraftConfig:
     # eagle3 / multi_layer_eagle random init: the draft layers' MLP width (null: the target's). A narrower
     # MLP leaves room in a size budget (for EAGLE3 a larger draft vocabulary; for MTP four modules).
     intermediate_size: Optional[int] = None
-    init_seed: int = 0
+    init_seed: int = 0  # draft.init=random: the seed of the head's weights
     # dflash: tokens per block (the bonus token + block_size - 1 mask tokens; num_steps <= block_size - 1),
     # the mask token (an id of the target vocabulary) and the drafter's decoder layers. null: the
     # checkpoint's; with draft.init=random: num_steps + 1, the target's last token id, 1 layer.
@@ -202,12 +207,12 @@ class ServeConfig:
 class TrainDataConfig:
     """Self-distilled training data (engine/train/selfdistill.py), cached under the run's train dir."""
 
-    num_samples: int = 4096
+    num_samples: int = 4096  # samples to synthesise (train and held-out together)
     batch_size: int = 128  # generation batch
     max_prompt_tokens: int = 64  # the synthesised user message
     drop_cut_prompts: bool = False  # draw again the user messages cut at max_prompt_tokens (else answered)
     max_answer_tokens: int = 384  # the target's answer
-    prompt_temperature: float = 1.0
+    prompt_temperature: float = 1.0  # sampling temperature of the user messages (answers: greedy)
     prompt_top_p: float = 0.95  # nucleus of the user messages' sampling (1: the whole distribution)
     # System messages the user messages are written under, row by row ("": the template's default);
     # [] = the default only. They steer the topics (Magpie); answers are always under the default.
@@ -225,18 +230,18 @@ class TrainConfig:
     name: Optional[str] = None  # output folder under outputs/train (null: experiment_name)
     data: TrainDataConfig = field(default_factory=TrainDataConfig)
     heldout: float = 0.05  # fraction of samples held out for acceptance estimates
-    steps: int = 2000
-    lr: float = 5e-4
+    steps: int = 2000  # optimizer steps (train.max_time_s may stop it sooner)
+    lr: float = 5e-4  # AdamW's peak learning rate, after warmup_steps of linear warm-up
     warmup_steps: int = 100
     min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio (0..1)
-    weight_decay: float = 0.0
-    grad_clip: float = 0.5
+    weight_decay: float = 0.0  # AdamW's, on matrices only
+    grad_clip: float = 0.5  # the gradient's global norm is clipped to this
     ttt_steps: int = 6  # draft steps unrolled on the draft's own outputs
     loss_decay: float = 0.8  # step s weighs decay ** s
     max_tokens: int = 16384  # padded tokens per batch
     max_len: int = 512  # sequences are cut here
-    eval_every: int = 250
-    save_every: int = 250
+    eval_every: int = 250  # steps between held-out evaluations (MLflow curves)
+    save_every: int = 250  # steps between checkpoints (resume)
     eval_k: int = 5  # drafts per chain for the held-out accept_length
     # The training labels: the target's distribution over the draft vocabulary at this temperature,
     # softmax(z / T). Below 1 it leans toward the target's greedy token, the one greedy drafting is scored
@@ -269,7 +274,7 @@ class TrainConfig:
 
 @dataclass
 class TrackingConfig:
-    enabled: bool = True
+    enabled: bool = True  # tracking=off sets false: no MLflow run, no artifacts
     # null: sqlite:///<repo>/outputs/mlflow.db and artifacts under <repo>/outputs/mlartifacts.
     tracking_uri: Optional[str] = None
     artifact_root: Optional[str] = None
@@ -291,10 +296,10 @@ class RunConfig:
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
     experiment_name: str = "default"  # the MLflow experiment; set by conf/experiment/*.yaml
     task: str = "eval"  # the final stage: eval | serve | train_draft
-    device: Device = Device.auto
-    dtype: DType = DType.auto
-    seed: int = 0
-    dry_run: bool = False
+    device: Device = Device.auto  # auto: cuda where the host has it, else cpu
+    dtype: DType = DType.auto  # auto: bfloat16 on cuda, float32 on cpu
+    seed: int = 0  # torch's seed: random heads, sampling
+    dry_run: bool = False  # print the validated plan and stop (the plan of a CUDA run, too, on a host without CUDA)
 
 
 def register_configs() -> None:

@@ -12,7 +12,8 @@ is skipped, not drawn empty.
     tokens_per_s.png               tokens/s of this run, its no-draft baseline and each peer
 
 `comparison_figure(names, tokens_per_s, accept_length)` is the chart of `python -m pipeline.compare`
-and of a sweep's summary: one bar per run in each of two panels.
+and of a sweep's summary: one bar per run in each panel that has data (no accept_length panel when no
+run drafted). A run's figures carry its name, dataset, device and date above them.
 """
 
 from __future__ import annotations
@@ -121,20 +122,27 @@ def save(fig: Figure, path: Path) -> Path:
     return path
 
 
-def write_run_figures(metrics: Metrics, folder: Path) -> list[Path]:
-    """Every figure whose data the run measured, as PNG files in `folder` -> their paths."""
+def write_run_figures(metrics: Metrics, folder: Path, title: str = "") -> list[Path]:
+    """Every figure whose data the run measured, as PNG files in `folder` -> their paths. `title`: the run,
+    dataset, device and date, above each figure."""
     out = []
     for name, draw in RUN_FIGURES.items():
         fig = draw(metrics)
         if fig is not None:
+            if title:
+                fig.suptitle(title, fontsize="small", color="dimgray")
+                fig.tight_layout()
             out.append(save(fig, folder / name))
     return out
 
 
 def comparison_figure(names: list[str], tokens_per_s: list[Optional[float]], accept_length: list[Optional[float]]):
-    """Two panels, one bar per run: tokens/s and accept_length (a run without a draft has no bar there)."""
-    fig, axes = plt.subplots(1, 2, figsize=(max(7.0, 1.1 * len(names) + 3), 4))
-    for ax, values, label in ((axes[0], tokens_per_s, "tokens/s"), (axes[1], accept_length, "accept_length")):
+    """A panel per measure some run has, one bar per run: tokens/s, and accept_length where a run drafted."""
+    measures = ((tokens_per_s, "tokens/s"), (accept_length, "accept_length"))
+    panels = [(values, label) for values, label in measures if any(map(_ok, values))]
+    panels = panels or [(tokens_per_s, "tokens/s")]
+    fig, axes = plt.subplots(1, len(panels), figsize=(max(4.5, 1.1 * len(names) + 2) * len(panels), 4), squeeze=False)
+    for ax, (values, label) in zip(axes[0], panels):
         xs = [i for i, v in enumerate(values) if _ok(v)]
         _bar_labels(ax, ax.bar(xs, [values[i] for i in xs], color="tab:blue"))
         ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize="small")

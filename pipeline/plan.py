@@ -5,24 +5,26 @@
 
 Resolution: `load` -> `configure_aux_capture` (when the draft reads aux layers) -> `capture_graphs`
 (when a graph policy is not `none`) -> `cfg.task`. Validation, in order: the registries named by the
-config (task, draft, graph policy), the device (`device=cuda` on a host without CUDA is an error, never a silent
-downgrade; under torchrun, `resolve_ranks`: data-parallel runs train a draft, one GPU per process), the
-target's config files (`describe_model`), the draft's (`plan_draft`: checkpoint config, fc width against
-the aux layers, aux ids in range), then each stage's own `check`, then the requires/provides chain
-and the rule that aux capture is configured before any stage runs the target.
+config (task, draft, graph policy), the device (`device=cuda`, or a policy that captures CUDA graphs, on a
+host without CUDA is an error naming what chose it, never a silent downgrade; a dry run plans it for CUDA
+instead, listing what only the GPU can check; under torchrun, `resolve_ranks`: data-parallel runs train a
+draft, one GPU per process), the target's config files (`describe_model`), the draft's (`plan_draft`:
+checkpoint config, fc width against the aux layers, aux ids in range), then each stage's own `check`, then
+the requires/provides chain and the rule that aux capture is configured before any stage runs the target.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import torch
 
 import stages  # noqa: F401  (registers the stages)
 from engine.drafts.registry import ALGORITHMS, DraftPlan, plan_draft
 from engine.errors import ConfigError, ConfigErrors, PlanError, check_values, raised
-from engine.graphs.backends import POLICIES
+from engine.graphs.backends import NEEDS_CUDA, POLICIES
 from engine.loading import describe_model
 from engine.train.distributed import launch
 from pipeline.config import Device, DType, RunConfig
@@ -31,13 +33,40 @@ from pipeline.tracking import tracking_errors
 from stages.base import STAGES, Stage, StageEnv, final_stages
 from stages.capture_graphs import run_batch, uses_graphs
 
+GPU_ONLY = "that CUDA is there, the memory plan, graph capture and its memory, the Triton kernels' compilation"
 
-def resolve_device(device: Device) -> torch.device:
+
+def cuda_policies(cfg: RunConfig) -> dict[str, str]:
+    """The sides whose graph policy captures CUDA graphs: {"target": "full", "draft": "breakable"}."""
+    sides = {"target": cfg.graph.target, "draft": cfg.graph.draft if cfg.draft.algorithm != "none" else "none"}
+    return {side: p for side, p in sides.items() if p in NEEDS_CUDA}
+
+
+def resolve_device(device: Device, plan_for_cuda: bool = False) -> torch.device:
+    """The run's device. `plan_for_cuda` (a dry run of a run that needs CUDA): cuda for `auto` and `cuda`
+    on a host without it, as on the GPU the run is meant for."""
+    cuda = torch.cuda.is_available()
     if device == Device.auto:
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device == Device.cuda and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda", "CUDA is not available on this host", "cpu, or auto")
+        return torch.device("cuda" if cuda or plan_for_cuda else "cpu")
+    if device == Device.cuda and not cuda and not plan_for_cuda:
+        raise ConfigError("device", "cuda", "CUDA is not available on this host", "cpu, or auto; or dry_run=true")
     return torch.device(device.value)
+
+
+def cuda_error(cfg: RunConfig, device: torch.device, origin: Optional[tuple[str, str]]) -> Optional[ConfigError]:
+    """A graph policy that captures CUDA graphs on a device that is not CUDA: one error naming both sides
+    and, when known, the choice that set them (`origin`: ("bcg", "+experiment=eagle3_bcg"))."""
+    sides = cuda_policies(cfg)
+    if device.type == "cuda" or not sides:
+        return None
+    both = f"target {cfg.graph.target}, draft {cfg.graph.draft if cfg.draft.algorithm != 'none' else '-'}"
+    where = f"the run's device is {device}" + ("" if torch.cuda.is_available() else " (this host has no CUDA)")
+    fix = "graph=none (eager), graph=debug (the runner logic, eagerly), or dry_run=true to print the GPU run's plan"
+    if origin is not None:
+        choice, source = origin
+        return ConfigError("graph", choice, f"{source} chose it: {both}, which capture CUDA graphs, but {where}", fix)
+    side, policy = next(iter(sides.items()))
+    return ConfigError(f"graph.{side}_policy", policy, f"captures CUDA graphs ({both}) but {where}", fix)
 
 
 def resolve_ranks(task: str, device: torch.device) -> torch.device:
@@ -224,16 +253,18 @@ def memory_rows(cfg: RunConfig) -> tuple[str, int]:
     return run_batch(cfg)
 
 
-def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
+def build_plan(cfg: RunConfig, outputs: Path | None = None, origin: Optional[tuple[str, str]] = None) -> Plan:
     """Every check that can run does: a failed registry, device or draft skips only the checks that read
-    it (the stages' checks run without the draft, the graph check without a known policy)."""
+    it (the stages' checks run without the draft, the graph check without a known policy). `origin`: the
+    graph group's choice and what chose it, for the error of a CUDA policy without CUDA."""
     outputs = outputs or outputs_dir()
     if (bad := outputs_error(outputs)) is not None:
         raise PlanError([bad])
     errors = _check_registries(cfg) + raised(_check_values, cfg) + tracking_errors(cfg, outputs)
     device, dtype, target_args, draft, draft_ok = torch.device("cpu"), torch.float32, None, None, True
+    gpu_plan = cfg.dry_run and not torch.cuda.is_available() and (cfg.device == Device.cuda or bool(cuda_policies(cfg)))
     try:
-        device = resolve_device(cfg.device)
+        device = resolve_device(cfg.device, plan_for_cuda=gpu_plan)
         dtype = resolve_dtype(cfg.dtype, device)
         device = resolve_ranks(cfg.task, device)
     except ConfigError as e:  # the rest is checked for this host's CPU
@@ -254,6 +285,8 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
         raise PlanError(errors)
 
     env = StageEnv(device=device, dtype=dtype, outputs_dir=outputs, target_args=target_args, draft_plan=draft)
+    if gpu_plan:
+        env.notes.append(f"the plan of a CUDA run, made on a host without CUDA: checked on the GPU only: {GPU_ONLY}")
     if draft is not None and draft.random_weights and cfg.task != "train_draft":
         env.notes.append(draft.random_weights_warning())
     stage_list = [STAGES[n]() for n in resolve_stage_names(cfg, draft)]
@@ -265,10 +298,12 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None) -> Plan:
         if not draft_ok:  # checked without the draft: what depends on it is not known yet
             found = [e for e in found if not e.key.startswith("draft.") and e.key != "eval.adaptive_k"]
         errors += found
+    if policies_ok and (e := cuda_error(cfg, device, origin)) is not None:
+        errors.append(e)
     errors += _check_chain(stage_list, draft)
     if errors:
         raise PlanError(errors)
     plan = Plan(cfg, stage_list, env)
-    if errors := memory_errors(plan):
+    if not gpu_plan and (errors := memory_errors(plan)):  # a GPU run planned on a CPU host: its memory is unknown
         raise PlanError(errors)
     return plan

@@ -94,9 +94,8 @@ def sweep_summary(client, parent_id: str, experiment_id: str, folder: Optional[P
     if not runs:
         return None
     runs.sort(key=lambda r: (int(r.data.tags.get("sweep.job", "0")), r.info.start_time))
-    labels = [f"#{r.data.tags.get('sweep.job', i)}" for i, r in enumerate(runs)]
     name = client.get_experiment(experiment_id).name
-    cmp = Comparison.from_runs(f"sweep of {name!r}", runs, [name] * len(runs), labels)
+    cmp = Comparison.from_runs(f"sweep of {name!r}", runs, [name] * len(runs))  # labelled by the swept values
     text = cmp.text()
     if folder is not None:
         paths = cmp.write(folder)

@@ -234,10 +234,21 @@ class Tracker:
         from pipeline.figures import write_run_figures
 
         with tempfile.TemporaryDirectory() as d:
-            paths = write_run_figures(metrics, Path(d))
+            paths = write_run_figures(metrics, Path(d), self.figure_title(metrics))
             for p in paths:
                 self.client.log_artifact(self.run_id, str(p), "figures")
         return [f"figures/{p.name}" for p in paths]
+
+    def figure_title(self, metrics: dict[str, float]) -> str:
+        """`run gaudy-gull-550 (eagle3) | mt_bench x4 | cpu (x86_64) | 2026-11-27 01:05`: what a figure shows."""
+        import time
+
+        e = self.cfg.eval
+        dataset = Path(e.dataset).parent.name if e.dataset.endswith(".jsonl") else e.dataset  # a file: its folder
+        run = self.client.get_run(self.run_id).info.run_name
+        prompts = f" x{int(metrics['num_prompts'])}" if "num_prompts" in metrics else ""
+        when = time.strftime("%Y-%m-%d %H:%M")
+        return f"run {run} ({self.cfg.experiment_name}) | {dataset}{prompts} | {device_name(self.device)} | {when}"
 
     def _start_system_metrics(self) -> None:
         import logging

@@ -3,8 +3,9 @@
 Prompts go through the tokenizer's chat template (or come as token ids, optionally with input
 embeddings), are checked against the KV cache and the vocabulary at plan time (`check`: the tokenizer
 alone, before any weight loads; again before generating), and run in batches of
-`eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) first runs the no-draft
-baseline on the same prompts, so the job reports its own speedup and whether the output is unchanged.
+`eval.batch_size` in dataset order. With a draft, `eval.baseline` (default on) also runs the no-draft
+baseline on the same prompts, batch by batch beside the draft pass (alternating which goes first), so the
+job reports its own speedup, with its spread, and whether the output is unchanged.
 
 Metrics (names from the design):
 
@@ -18,6 +19,8 @@ Metrics (names from the design):
     k_mean                   mean draft tokens per round (draft.num_steps, or with eval.adaptive_k what
                              the load chose; adaptive_k.b<rows>: its choice per capture size at the start)
     baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
+    speedup_min, speedup_max, round_cost_spread         per batch (engine/timing.py), from two batches
+    host_other_cores         CPU cores other processes kept busy during the passes (a WARNING when noisy)
     baseline_step_ms, baseline_host_ms                  its decode step and the idle between steps
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
 
@@ -33,7 +36,7 @@ import math
 import resource
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import torch
@@ -46,6 +49,7 @@ from engine.loading import LoadedModel, load_tokenizer
 from engine.peers import GREEDY_PEERS, PEERS
 from engine.prompts import Prompt, check_dataset, load_prompts
 from engine.sampling import SamplingParams, row_seed
+from engine.timing import BatchTiming, HostLoad, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
 from engine.tokenizer import Tokenizer
 from stages.base import Stage, StageEnv, register_stage
 
@@ -187,40 +191,62 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
 
+@dataclass
+class Pass:
+    """One generator over the prompt set: its records, each batch's timing, and its outputs by prompt
+    index (filled batch by batch: the oracle draft replays the baseline's)."""
+
+    name: str
+    gen: Generator
+    outputs: list[Optional[list[int]]]
+    records: list[EvalRecord] = field(default_factory=list)
+    batches: list[BatchTiming] = field(default_factory=list)
+
+    @property
+    def wall(self) -> float:
+        return sum(b.seconds for b in self.batches)
+
+
 def generate_all(
-    gen: Generator,
+    passes: list[Pass],
     data: EvalPrompts,
     params: SamplingParams,
     target: LoadedModel,
     seed: int,
     batch_size: int,
-    desc: str,
-) -> tuple[list[EvalRecord], float]:
-    """Every prompt through `gen` in batches (prompt i samples with `row_seed(seed, i)`: its output does
-    not depend on the batch size); returns the records and the generation wall time. Ctrl-C
-    or an error leaves the records finished so far on the exception (`partial_records`, with the pass's
-    name) for the stage to keep."""
-    tok, records, wall = target.tokenizer, [], 0.0
-    bar = tqdm(total=len(data.prompts), desc=desc, unit="prompt", dynamic_ncols=True)
+    alternate: bool = False,
+) -> None:
+    """Every prompt through each pass, batch by batch (with `alternate`, odd batches run the passes in
+    reverse order: drift and load hit both alike); prompt i samples with `row_seed(seed, i)`, so its
+    output does not depend on the batch size. Ctrl-C or an error leaves the last pass's records
+    finished so far on the exception (`partial_records`, with the pass's name) for the stage to keep."""
+    tok, main = target.tokenizer, passes[-1]
+    bar = tqdm(total=len(data.prompts), desc=main.name, unit="prompt", dynamic_ncols=True)
     try:
-        for i in range(0, len(data.prompts), batch_size):
+        for j, i in enumerate(range(0, len(data.prompts), batch_size)):
             batch = data.encoded[i : i + batch_size]
             embeds = data.embeds[i : i + batch_size] if data.embeds is not None else None
-            t0 = time.perf_counter()
-            ids = list(range(i, i + len(batch)))
-            seeds = [row_seed(seed, j) for j in ids]
-            results = gen.generate(batch, params, tok.eos_token_ids, prompt_embeds=embeds, row_ids=ids, seeds=seeds)
-            wall += time.perf_counter() - t0
-            for p, x, r in zip(data.prompts[i : i + batch_size], batch, results):
-                records.append(EvalRecord(p, len(x), r, tok.decode(r.tokens)))
+            for p in reversed(passes) if alternate and j % 2 else passes:
+                rounds0, t0 = p.gen.rounds, time.perf_counter()
+                ids = list(range(i, i + len(batch)))
+                seeds = [row_seed(seed, r) for r in ids]
+                results = p.gen.generate(
+                    batch, params, tok.eos_token_ids, prompt_embeds=embeds, row_ids=ids, seeds=seeds
+                )
+                wall = time.perf_counter() - t0
+                p.batches.append(BatchTiming(sum(len(r.tokens) for r in results), wall, p.gen.rounds - rounds0))
+                p.outputs[i : i + len(batch)] = [r.tokens for r in results]
+                for prompt, x, r in zip(data.prompts[i : i + batch_size], batch, results):
+                    p.records.append(EvalRecord(prompt, len(x), r, tok.decode(r.tokens)))
             bar.update(len(batch))
-            bar.set_postfix(tok_s=f"{sum(len(r.result.tokens) for r in records) / wall:.1f}")
+            bar.set_postfix(
+                {f"{p.name} tok/s": f"{sum(b.tokens for b in p.batches) / p.wall:.3g}" for p in reversed(passes)}
+            )
     except BaseException as e:
-        e.partial_records = (records, desc)
+        e.partial_records = (main.records, main.name)
         raise
     finally:
         bar.close()
-    return records, wall
 
 
 def throughput_metrics(records: list[EvalRecord], wall: float) -> dict[str, float]:
@@ -333,8 +359,10 @@ class EvalStage(Stage):
                 f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps}"
                 + (" + no-draft baseline" if baseline_on(cfg) else "")
             )
+        total = len(load_prompts(e.dataset, None))
+        prompts = f"the first {e.limit} of {total} prompts" if e.limit and e.limit < total else f"all {total} prompts"
         return (
-            f"{e.dataset} (limit {e.limit}), batch {e.batch_size}, {e.max_new_tokens} new tokens, "
+            f"{e.dataset}: {prompts}, batch {e.batch_size}, {e.max_new_tokens} new tokens, "
             f"{mode}{', ignore_eos' if e.ignore_eos else ''}" + "".join(f", {x}" for x in extra)
         )
 
@@ -363,51 +391,47 @@ class EvalStage(Stage):
         params = sampling_params(e)
 
         metrics: dict[str, float] = {}
-        baseline: Optional[list[EvalRecord]] = None
-        graphs = inputs.get("graphs")
+        graphs, plan, k = inputs.get("graphs"), env.draft_plan, cfg.draft.num_steps
+        n = len(data.prompts)
+        base = None
         if baseline_on(cfg):
-            base_gen = Generator(target.model, e.batch_size, graphs=graphs)
-            self._warmup(base_gen, data, target, e)
-            base_gen.reset_stats()
-            baseline, wall = generate_all(base_gen, data, params, target, cfg.seed, e.batch_size, "baseline")
-            metrics["baseline_tokens_per_s"] = throughput_metrics(baseline, wall)["tokens_per_s"]
-            steps = base_gen.stats
-            metrics["baseline_step_ms"] = 1e3 * steps.verify_s / max(steps.rounds, 1)
-            metrics["baseline_host_ms"] = 1e3 * steps.host_s / max(steps.rounds, 1)
-            del base_gen
-
-        plan, k = env.draft_plan, cfg.draft.num_steps
+            base = Pass("baseline", Generator(target.model, e.batch_size, graphs=graphs), [None] * n)
         draft = make_draft(
             plan,
             inputs["draft_head"],
             target.model,
             e.batch_size,
             k,
-            references=[r.result.tokens for r in baseline] if baseline else None,
+            references=base.outputs if base is not None else None,  # the oracle's, filled batch by batch
             prompt_lens=[len(x) for x in data.encoded],
             cfg=cfg.draft,
             graphs=graphs,
         )
-        gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs)
+        cache = base.gen.cache if base is not None and graphs is None else None  # one KV cache for both passes
+        gen = Generator(target.model, e.batch_size, draft, k, graphs=graphs, cache=cache)
+        main = Pass("eval" if plan is None else f"eval[{plan.algorithm}]", gen, [None] * n)
         if e.adaptive_k and plan is not None:
             sizes = graphs.sizes if graphs is not None else [e.batch_size]
             table = gen.enable_adaptive_k(sizes, sampled=e.temperature > 0).table(sampled=e.temperature > 0)
             metrics.update({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
-        if plan is None or not plan.spec.needs_baseline:  # the oracle replays the baseline: no warmup
-            self._warmup(gen, data, target, e)
-        gen.reset_stats()
+        passes = [base, main] if base is not None else [main]
+        replays = plan is not None and plan.spec.needs_baseline  # the oracle replays the baseline: no warmup
+        for p in passes:
+            if not (replays and p is main):
+                self._warmup(p.gen, data, target, e)
+            p.gen.reset_stats()
         if env.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(env.device)
         counts0 = graphs.metrics() if graphs is not None else {}
-        records, wall = generate_all(
-            gen, data, params, target, cfg.seed, e.batch_size, "eval" if plan is None else f"eval[{plan.algorithm}]"
-        )
+        with HostLoad() as load:
+            generate_all(passes, data, params, target, cfg.seed, e.batch_size, alternate=not replays)
+        records = main.records
 
-        metrics.update(throughput_metrics(records, wall))
+        metrics.update(throughput_metrics(records, main.wall))
         metrics["peak_mem_mb"] = _peak_mem_mb(env.device)
         if plan is not None:
             metrics.update(draft_metrics(records, gen, k))
-        if graphs is not None:  # replays and fallbacks of the measured (non-baseline) pass
+        if graphs is not None:  # replays and fallbacks of both passes
             metrics.update(
                 {
                     key: v - counts0[key]
@@ -415,14 +439,33 @@ class EvalStage(Stage):
                     if key.startswith(("graph_replays", "graph_fallbacks"))
                 }
             )
-        if baseline is not None:
+        speedups: list[float] = []
+        if base is not None:
+            metrics["baseline_tokens_per_s"] = throughput_metrics(base.records, base.wall)["tokens_per_s"]
+            steps = base.gen.stats
+            metrics["baseline_step_ms"] = 1e3 * steps.verify_s / max(steps.rounds, 1)
+            metrics["baseline_host_ms"] = 1e3 * steps.host_s / max(steps.rounds, 1)
             metrics["speedup"] = metrics["tokens_per_s"] / metrics["baseline_tokens_per_s"]
+            speedups = per_batch_speedups(base.batches, main.batches)
+            if len(speedups) >= 2:
+                metrics["speedup_min"], metrics["speedup_max"] = min(speedups), max(speedups)
+                metrics["round_cost_spread"] = unit_cost_spread(base.batches, main.batches)
             if params.greedy:
-                same = sum(r.result.tokens == b.result.tokens for r, b in zip(records, baseline))
+                same = sum(r.result.tokens == b.result.tokens for r, b in zip(records, base.records))
                 metrics["match_baseline"] = same / len(records)
         for name in e.peers:
             metrics.update(self._run_peer(name, target, data.encoded, params, records, e.batch_size, env, cfg.seed))
             metrics[f"ratio_vs.{name}"] = metrics["tokens_per_s"] / metrics[f"peer_tokens_per_s.{name}"]
+        if not math.isnan(load.other_cores):
+            metrics["host_other_cores"] = load.other_cores
+        warning = noise_warning(
+            speedups,
+            metrics.get("round_cost_spread", float("nan")),
+            load.other_cores,
+            load.cores,
+            env.device.type == "cpu",
+            torch.get_num_threads(),
+        )
 
         where = None
         if env.tracker is not None:
@@ -430,8 +473,9 @@ class EvalStage(Stage):
             env.tracker.log_text("\n".join(json.dumps(r.to_json()) for r in records) + "\n", "results.jsonl")
             figures = env.tracker.log_figures(metrics)  # acceptance per position, round phases, tokens/s
             where = f"results.jsonl{''.join(', ' + f for f in figures)} in {env.tracker.artifact_dir}"
-        print(summary_table(cfg, env, metrics))
+        print(summary_table(cfg, env, metrics, speedups, warning))
         print(f"[eval] {where or 'tracking off: no results.jsonl or figures written'}", flush=True)
+        baseline = base.records if base is not None else None
         return {"eval_results": {"metrics": metrics, "records": records, "baseline": baseline}}
 
     @staticmethod
@@ -463,7 +507,23 @@ class EvalStage(Stage):
         return out
 
 
-def summary_table(cfg, env: StageEnv, metrics: dict[str, float]) -> str:
+TIMED = ("_ms", "_s", "tokens_per_s", "peak_mem_mb", "host_other_cores", "speedup_min", "speedup_max")
+
+
+def _fmt_metric(key: str, v, speedups: list[float]) -> str:
+    """A figure to the digits it has: timings to 3 significant digits, the speedup to its spread's."""
+    if key == "speedup":
+        return fmt_range(v, speedups)
+    if key == "round_cost_spread":
+        return f"{v:.0%}"
+    if isinstance(v, float):
+        return f"{v:.3g}" if key.endswith(TIMED) or key.startswith(("ratio_vs.", "peer_tokens_per_s.")) else f"{v:.4g}"
+    return str(v)
+
+
+def summary_table(
+    cfg, env: StageEnv, metrics: dict[str, float], speedups: list[float] = (), noise: Optional[str] = None
+) -> str:
     rows = [
         ("model", cfg.model.name),
         ("device", f"{env.device} {str(env.dtype).removeprefix('torch.')}"),
@@ -476,9 +536,16 @@ def summary_table(cfg, env: StageEnv, metrics: dict[str, float]) -> str:
         ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"),
         ("batch size", cfg.eval.batch_size),
     ]
-    rows += [(k, f"{v:.4g}" if isinstance(v, float) else v) for k, v in metrics.items() if k != "num_prompts"]
+    hidden = ("num_prompts", "speedup_min", "speedup_max")  # the last two: on the speedup's own row
+    rows += [(k, _fmt_metric(k, v, list(speedups))) for k, v in metrics.items() if k not in hidden]
     width = max(len(str(k)) for k, _ in rows)
     line = "-" * (width + 24)
     plan = env.draft_plan
-    warning = [f"WARNING: {plan.random_weights_warning()}"] if plan is not None and plan.random_weights else []
-    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line, *warning])
+    notes = [f"WARNING: {plan.random_weights_warning()}"] if plan is not None and plan.random_weights else []
+    notes += [noise] if noise else []
+    if env.device.type == "cpu" and "speedup" in metrics:
+        notes.append(
+            "note: a CPU run shows acceptance and that the output is the target's; its speedup is not a GPU's "
+            "(README, On a CPU)"
+        )
+    return "\n".join([line, *(f"{k:<{width}}  {v}" for k, v in rows), line, *notes])

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
+import textwrap
 import threading
 import time
 from typing import TYPE_CHECKING, Optional
@@ -42,6 +43,11 @@ if TYPE_CHECKING:  # the HTTP side (fastapi, uvicorn) is imported when a server 
     from engine.serve.http import OpenAIServer
 
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def address(s) -> str:
+    """Where the server listens; port 0 is any free one, printed once the server is up."""
+    return f"http://{s.host}:{s.port}/v1" if s.port else f"http://{s.host}:<a free port, printed when up>/v1"
 
 
 def model_name(cfg) -> str:
@@ -167,7 +173,7 @@ class ServeStage(Stage):
             else "no draft"
         )
         return (
-            f"http://{s.host}:{s.port}/v1 (OpenAI API) model {model_name(cfg)!r}; {s.max_batch_size} slots "
+            f"{address(s)} (OpenAI API) model {model_name(cfg)!r}; {s.max_batch_size} slots "
             f"(continuous batching), queue {s.max_queue}; max_tokens default {s.default_max_tokens}, limit "
             f"{s.max_tokens_limit}; context {cfg.model.max_seq_len}; {draft}"
         )
@@ -222,8 +228,8 @@ class ServeStage(Stage):
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         server = self.server = self.build(cfg, inputs, env)
         print(
-            f"[serve] model {model_name(cfg)!r} on http://{cfg.serve.host}:{cfg.serve.port}/v1, "
-            f"{cfg.serve.max_batch_size} slots; Ctrl-C drains and stops",
+            f"[serve] model {model_name(cfg)!r} on {address(cfg.serve)}, {cfg.serve.max_batch_size} slots; "
+            "Ctrl-C drains and stops",
             flush=True,
         )
         threading.Thread(target=self._announce, args=(server, cfg.serve.host), daemon=True).start()
@@ -234,12 +240,12 @@ class ServeStage(Stage):
         metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"))
         if env.tracker is not None:
             env.tracker.log_metrics(metrics)
-        print(
+        head = (
             "[serve] stopped"
             + (" (Ctrl-C)" if server.interrupted else "")
             + (f", {server.aborted} in-flight requests aborted" if server.aborted else "")
-            + ": "
-            + ", ".join(f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items()),
-            flush=True,
+            + ":"
         )
+        shown = [f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}" for k, v in metrics.items() if v == v]  # no nan
+        print("\n".join([head, *textwrap.wrap(", ".join(shown), 100, initial_indent="  ", subsequent_indent="  ")]))
         return {"serve_results": metrics}

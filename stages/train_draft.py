@@ -30,6 +30,7 @@ import dataclasses
 import gc
 import hashlib
 import json
+import math
 import os
 import shutil
 import time
@@ -44,7 +45,7 @@ from engine.graphs.backends import NEEDS_CUDA
 from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.train import distributed
-from engine.train.data import VocabMap, load_samples, save_samples, split, synth_seconds
+from engine.train.data import DEGENERATE_SHARE, VocabMap, load_samples, save_samples, split, synth_seconds, top_token
 from engine.train.selfdistill import Sample, cut_share, synthesize
 from engine.train.trainer import Trainer, TrainSettings
 from kernels.runtime import triton
@@ -311,6 +312,15 @@ class TrainDraftStage(Stage):
             f"{len(train)} train / {len(heldout)} held out",
             flush=True,
         )
+        tok, n, total = top_token(samples)
+        log({"data_top_token_share": n / max(total, 1)})
+        if n > DEGENERATE_SHARE * total:
+            print(
+                f"WARNING: degenerate data: token {tok} ({loaded.tokenizer.decode([tok])!r}) is {n} of the {total} "
+                f"answer tokens ({n / total:.0%}): a target that repeats one token teaches a head nothing, and "
+                "its held-out acceptance will read high. A random target needs wider weights: model=tiny_trainable",
+                flush=True,
+            )
 
         spec = train_spec(cfg.draft.algorithm)
         student = self._student(cfg, head, target, train, env, spec)
@@ -362,18 +372,43 @@ class TrainDraftStage(Stage):
         if env.tracker is not None:
             for f in sorted(export.iterdir()):
                 env.tracker.client.log_artifact(env.tracker.run_id, str(f), "draft_head")
-        print(
-            f"[train_draft] {metrics['train_steps']} steps in {metrics['train_s']:.0f}s: held-out "
-            f"accept_length(k={t.eval_k}) {metrics[f'val_accept_length_k{t.eval_k}']:.2f}, "
-            f"loss {metrics['val_loss']:.3f} -> {export}",
-            flush=True,
-        )
+        print(self._summary(metrics, trainer.start_metrics, cfg, student, env, export), flush=True)
         return {"draft_checkpoint": str(export)}
+
+    @staticmethod
+    def _summary(metrics, start, cfg, student, env: StageEnv, export: Path) -> str:
+        """The run's last line: held-out acceptance (and through the real loop) and loss beside the untrained
+        head's (step 0) and a uniform guess's; a WARNING when the loss never left that floor."""
+        k, loss = cfg.train.eval_k, metrics["val_loss"]
+        acc, loop = f"val_accept_length_k{k}", f"heldout_loop_accept_length_k{cfg.draft.num_steps}"
+        vocab = getattr(student, "draft_vocab_size", None) or env.target_args.vocab_size
+        floor = math.log(vocab)
+        was = lambda key, f: f" ({start[key]:{f}} at step 0)" if key in start else ""  # noqa: E731
+        in_loop = (
+            f", {metrics[loop]:.2f} in the real loop (k={cfg.draft.num_steps}, {metrics['heldout_loop_prompts']:.0f} "
+            "prompts)"
+            if loop in metrics
+            else ""
+        )
+        line = (
+            f"[train_draft] {metrics['train_steps']} steps in {metrics['train_s']:.0f}s: held-out accept_length"
+            f"(k={k}) {metrics[acc]:.2f}{was(acc, '.2f')}{in_loop}; loss {loss:.3f}{was('val_loss', '.3f')}, "
+            f"a uniform guess's {floor:.3f} -> {export}"
+        )
+        if loss >= 0.95 * floor:
+            line += (
+                f"\nWARNING: the held-out loss {loss:.3f} is no better than a uniform guess's ln({vocab}) = "
+                f"{floor:.3f}: the target's next tokens are near uniform (nothing to learn from them), or the head "
+                "learned nothing"
+            )
+        return line
 
     def _data(self, cfg, loaded, root: Path, graph: str):
         d = cfg.train.data
         # how the decoding ran (graphs, host looks) does not change the samples: not in the key
-        meta = {"target": str(loaded.checkpoint), "data": {**dataclasses.asdict(d), "graph": None, "sync_every": None}}
+        # a random target is its architecture, seed and weight scale (its checkpoint is just "random")
+        target = dataclasses.asdict(cfg.model.random) if cfg.model.source == "random" else str(loaded.checkpoint)
+        meta = {"target": target, "data": {**dataclasses.asdict(d), "graph": None, "sync_every": None}}
         path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
         samples = load_samples(path, meta)
         if samples is not None:

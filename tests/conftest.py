@@ -61,7 +61,42 @@ def parent_and_children(outputs: Path, experiment: str):
     return parent, children
 
 
+# The quick tier (`python -m pytest -q -m quick`, about 2 minutes on 2 CPU cores): the fast modules whole and
+# a few end-to-end tests of each area, for a first look after a change; the CPU suite (`-m "not gpu"`) is the gate.
+QUICK: dict[str, set[str] | None] = {  # module -> its test functions in the tier (None: all of them)
+    "test_config.py": None,
+    "test_plan.py": None,
+    "test_model.py": None,
+    "test_layers.py": None,
+    "test_decoder.py": None,
+    "test_speculative.py": None,
+    "test_drafts.py": None,
+    "test_graphs.py": None,
+    "test_train_data.py": None,
+    "test_storage.py": None,
+    "test_gemv.py": {"test_matches_reference"},
+    "test_kernels.py": {"test_decode_attention_row_is_independent_of_batch_and_t"},
+    "test_pipeline.py": {"test_tiny_eval_run_is_tracked", "test_cli_bad_input_is_one_clear_error"},
+    "test_compare.py": {"test_compare_across_experiments_writes_csv_markdown_and_chart"},
+    "test_serve.py": {"test_served_outputs_equal_eval_sequential_and_concurrent"},
+    "test_train_draft.py": {"test_train_draft_stage_trains_exports_resumes_and_drafts"},
+    "test_first_contact.py": {
+        "test_a_ratio_comes_with_its_per_batch_spread_and_the_digits_it_supports",
+        "test_the_passes_alternate_by_batch_and_a_load_on_one_of_them_is_reported",
+        "test_a_cuda_plan_is_validated_and_printed_on_a_host_without_cuda",
+        "test_a_run_folder_holds_the_plan_progress_and_summary",
+        "test_help_says_what_the_tool_is_and_lists_every_group_and_experiment",
+        "test_the_key_reference_is_current",
+        "test_self_distillation_on_a_target_that_repeats_one_token_warns",
+    },
+}
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        tests = QUICK.get(item.path.name, set())
+        if tests is None or item.originalname in tests:
+            item.add_marker(pytest.mark.quick)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs CUDA")

@@ -133,8 +133,8 @@ def test_a_sweep_ends_with_a_summary_of_its_jobs(outputs, tmp_path):
     with open(sweep_dir / "compare.csv") as f:
         table = list(csv.DictReader(f))
     assert [(r["label"], r["run_id"], r["eval.batch_size"]) for r in table] == [
-        ("#0", children[0].info.run_id, "1"),
-        ("#1", children[1].info.run_id, "2"),
+        ("batch_size=1", children[0].info.run_id, "1"),  # labelled by the swept value
+        ("batch_size=2", children[1].info.run_id, "2"),
     ]
     assert "| eval.batch_size | 1 | 2 |" in (sweep_dir / "compare.md").read_text()
     assert_png(sweep_dir / "compare.png")

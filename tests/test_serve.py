@@ -517,7 +517,8 @@ def test_plan_ends_in_serve_and_checks_its_keys(outputs):
     plan = build_plan(cfg, outputs)
     assert plan.names == ["load", "configure_aux_capture", "capture_graphs", "serve"]
     text = plan.describe()
-    assert "capture sizes [1, 2, 4, 6]" in text and "6 slots" in text and "http://127.0.0.1:0/v1" in text
+    assert "capture sizes [1, 2, 4, 6]" in text and "6 slots" in text
+    assert "http://127.0.0.1:<a free port, printed when up>/v1" in text  # serve.port=0
     assert "rounds of k in [0, 1, 2, 3] (adaptive k)" in text  # serve.adaptive_k: every k captured
     for override, key in [
         ("draft=oracle", "draft.algorithm='oracle'"),
@@ -603,6 +604,8 @@ def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
         assert server.finish(60) == 0, server.text()
         out = "".join(server.out + server.err)
         assert "[serve] stopped (Ctrl-C)" in out and "Traceback" not in out
+        summary = out[out.index("[serve] stopped") :].splitlines()[1:]  # on short lines, nothing unmeasured
+        assert "requests 1" in summary[0] and all(len(x) <= 100 for x in summary) and " nan" not in out
         assert "[serve] draining: 1 request in flight" in out and "[serve] draining: 0 left" in out, out[-2000:]
     finally:
         server.kill()

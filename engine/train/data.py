@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
@@ -75,6 +76,19 @@ def load_samples(path: Path, meta: dict) -> Optional[list[Sample]]:
         return None
     with open(path / "samples.jsonl") as f:
         return [Sample(r["user"], r["prompt_ids"], r["answer_ids"], r.get("cut", False)) for r in map(json.loads, f)]
+
+
+DEGENERATE_SHARE = 0.5  # one token above this share of the answers' tokens: the data teaches nothing
+
+
+def top_token(samples: list[Sample]) -> tuple[int, int, int]:
+    """(the most frequent answer token, its count, all answer tokens): a target that repeats one token
+    writes answers a head predicts by always proposing it, which held-out acceptance scores as perfect."""
+    counts = Counter(t for s in samples for t in s.answer_ids)
+    if not counts:
+        return -1, 0, 0
+    tok, n = counts.most_common(1)[0]
+    return tok, n, sum(counts.values())
 
 
 def split(samples: list[Sample], heldout: float, seed: int) -> tuple[list[Sample], list[Sample]]:

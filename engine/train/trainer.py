@@ -141,6 +141,7 @@ class Trainer:
         self.ema = WeightAverage(self.params, settings.ema_decay) if settings.ema_decay > 0 and self.params else None
         self.last_weights: Optional[list[torch.Tensor]] = None  # with ema: the last step's own weights, at the end
         self.step, self.epoch, self.index = 0, 0, 0
+        self.start_metrics: dict[str, float] = {}  # held-out figures at step 0 (none when resumed past it)
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
         self.train_forward = training_forward(spec, settings)
@@ -294,6 +295,7 @@ class Trainer:
         metrics = self.evaluate() if self.step == 0 and main else {}
         if metrics:
             self.log(metrics, 0)
+            self.start_metrics = metrics  # the untrained head's figures: what training is measured against
         bar = tqdm(
             total=s.steps, initial=self.step, desc="train_draft", unit="step", dynamic_ncols=True, disable=not main
         )
