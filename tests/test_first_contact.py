@@ -84,7 +84,7 @@ def test_a_cuda_plan_is_validated_and_printed_on_a_host_without_cuda(outputs):
     text = plan.describe()
     assert "device: cuda (bfloat16)" in text and "target full, draft breakable" in text
     assert "3. capture_graphs" in text and "the first 4 of 80 prompts" in text
-    assert "checked on the GPU only: that CUDA is there, graph capture" in text
+    assert "checked on the GPU only: that CUDA is there, the memory plan, graph capture" in text
     # device=cpu is declared: no GPU plan, the policy's error instead
     with pytest.raises(Exception, match=r"graph.target_policy='full': captures CUDA graphs \(target full, draft"):
         build_plan(to_run_config(compose_cfg("+experiment=eagle3_bcg", "dry_run=true", "device=cpu")))
