@@ -3,6 +3,7 @@ their log, `--help`, the key reference, examples that finish."""
 
 from __future__ import annotations
 
+import ast
 import itertools
 import math
 import os
@@ -293,6 +294,20 @@ def test_every_command_in_the_readme_and_docs_plans(outputs):
                     for x in e.errors
                 ]
                 assert all(absent), (f"{name} ({heading}): {' '.join(args)}", str(e))
+
+
+def test_each_graph_hazard_in_the_architecture_page_names_tests_that_exist():
+    """docs/architecture.md's hazard table: hazards 1 to 12, each naming `tests/<file>.py::<test>` functions
+    that are there (a renamed or removed test shows here)."""
+    section = (REPO / "docs" / "architecture.md").read_text().split("## Graph hazards and their tests", 1)[1]
+    rows = re.findall(r"^\| (\d+) \|(.*)$", section, re.M)
+    assert [int(n) for n, _ in rows] == list(range(1, 13))
+    for n, row in rows:
+        refs = re.findall(r"`tests/(\w+\.py)::(\w+)`", row)
+        assert refs, f"hazard {n} names no test"
+        for file, name in refs:
+            tree = ast.parse((REPO / "tests" / file).read_text())
+            assert name in {f.name for f in tree.body if isinstance(f, ast.FunctionDef)}, f"hazard {n}: {file}::{name}"
 
 
 @pytest.mark.slow
