@@ -152,8 +152,8 @@ def _check(case: Case, got: tuple, dtype) -> None:
 @pytest.mark.parametrize("kind", KINDS)
 def test_matches_reference(device, dtype, kind, m, bias):
     """K = 80 in one ragged chunk (the cat kinds' halves meet inside it), N = 24 in tiles of 16 (the last
-    one ragged), M in row tiles of 16, 32, 64, the norm fused (M <= 64) or the rows normalised first (70,
-    130). bf16 at every M (its roundings are the point), fp32 at three."""
+    one ragged), M in one row tile of 16 with the norm fused (M <= 16), or in tiles of 64 with the rows
+    normalised first (17, 48, 70, 130). bf16 at every M (its roundings are the point), fp32 at three."""
     case = _case(kind, m, 80, 24, dtype, device, bias, seed=m)
     _check(case, case.run(block_n=16), dtype)
 
