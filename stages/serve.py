@@ -200,6 +200,8 @@ class ServeStage(Stage):
                 env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
                 env.tracker.log_metrics({f"adaptive_k_sampled.b{size}": float(kk) for size, kk in sampled.items()})
         scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
+        # the eager paths' kernels compile here, not under the first clients' requests
+        print(f"[serve] warmed up in {scheduler.warm_up():.1f}s", flush=True)
         limits = ApiLimits(
             model_name(cfg),
             target.model.args.vocab_size,

@@ -34,6 +34,7 @@ counts an opted-out row as one a draft buys nothing.
 
 from __future__ import annotations
 
+import copy
 import itertools
 import logging
 import threading
@@ -224,6 +225,34 @@ class Scheduler:
                 self._cv.notify()
                 return
             self._finish(req, reason)  # the lock is reentrant
+
+    def warm_up(self) -> float:
+        """Serve a few throwaway requests on the caller's thread before `start`, so the kernels that
+        only the eager paths launch (a join's prefill, the draft's begin, the first draw, greedy and
+        sampled, one and several rows joining) compile now and not under the first clients' requests.
+        The counters, the queue and adaptive k's estimates are left as they were; returns seconds."""
+        if self._thread is not None:
+            raise RuntimeError("warm_up runs before start")
+        t0, policy = time.perf_counter(), copy.deepcopy(self.dec.adaptive)
+        lens = [5, min(40, self.dec.model.max_seq_len // 4)]  # row tiles of <= 16 and of more rows
+        groups = [[(lens[0], 0.0)], [(lens[1], 1.0), (lens[0], 0.7)], [(lens[1], 0.0), (lens[0], 1.0), (lens[1], 0.0)]]
+        with torch.inference_mode():
+            for group in groups[: self.n]:
+                reqs = [
+                    GenerationRequest([1 + i % 50 for i in range(n)], 4, lambda e: None, t, 0.9 if t else 1.0, seed=j)
+                    for j, (n, t) in enumerate(group[: self.n])
+                ]
+                self.waiting.extend(reqs)
+                while any(r.finish_reason is None for r in reqs):
+                    self._admit()
+                    if self.running:
+                        self._step()
+        self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
+        for runner in [*self.dec.runners.values(), self.dec.prefill_runner]:
+            if runner is not None:  # the graphs' replay counters start with the first client too
+                runner.stats.replays = runner.stats.fallbacks = 0
+        self.dec.adaptive = policy
+        return time.perf_counter() - t0
 
     def start(self) -> "Scheduler":
         self._thread = threading.Thread(target=self.run, name="engine", daemon=True)
