@@ -131,6 +131,17 @@ class AdaptiveK:
         if host_s is not None:
             self.host[bucket] += self.beta * (host_s - self.host[bucket])
 
+    def describe(self, b: int) -> str:
+        """What the policy holds for b rows now: each k's round cost, greedy / sampled, and the host's gap."""
+        bucket = self.bucket(b)
+        ms = {s: " ".join(f"{1e3 * self.cost[bucket, k, s]:.2f}" for k in self.ks(b)) for s in (False, True)}
+        rates = {s: " ".join(f"{c:.2f}" for c in self.rates[s]) for s in (False, True)}
+        return (
+            f"{bucket} rows: round ms by k {self.ks(b)} greedy [{ms[False]}], sampled [{ms[True]}]; "
+            f"host gap {1e3 * self.host[bucket]:.2f} ms; acceptance by position greedy [{rates[False]}], "
+            f"sampled [{rates[True]}]"
+        )
+
     def table(self, sampled: bool = False) -> dict[int, int]:
         """What it would choose now per capture size, for rows that all speculate and are all greedy
         (or all sampled)."""

@@ -196,6 +196,7 @@ class ServeStage(Stage):
             table, sampled = policy.table(), policy.table(sampled=True)
             line = f"[serve] adaptive k at the start (rows -> draft tokens): greedy {table}, sampled {sampled}"
             print(line, flush=True)
+            print(f"[serve] adaptive k at the start, {policy.describe(s.max_batch_size)}", flush=True)
             if env.tracker is not None:
                 env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
                 env.tracker.log_metrics({f"adaptive_k_sampled.b{size}": float(kk) for size, kk in sampled.items()})
@@ -240,6 +241,9 @@ class ServeStage(Stage):
         finally:
             self.server = None
         metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"))
+        policy = server.scheduler.dec.adaptive
+        if policy is not None:  # what the served rounds taught it
+            print(f"[serve] adaptive k at the end, {policy.describe(cfg.serve.max_batch_size)}", flush=True)
         if env.tracker is not None:
             env.tracker.log_metrics(metrics)
         head = (

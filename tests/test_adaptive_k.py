@@ -35,6 +35,12 @@ def test_served_round_costs_and_the_host_gap_move_the_choice():
         policy.observe_cost(8, 0, False, 1.0, 3.0)
     assert abs(policy.host[8] - 3.0) < 0.01
     assert policy.best(8) == 3  # 8 x 2.95 tokens in 3.8 + 3 s beat 8 in 1 + 3
+    # what the server prints at its start and stop: the bucket's costs in ms, its host gap, the rates
+    assert policy.describe(5) == (
+        "8 rows: round ms by k [0, 1, 2, 3] greedy [1000.00 2000.00 2900.00 3800.00], sampled [1000.00 "
+        "2000.00 2900.00 3800.00]; host gap 2999.92 ms; acceptance by position greedy [0.80 0.80 0.80], "
+        "sampled [0.80 0.80 0.80]"
+    )
 
 
 def test_the_temperature_mix_and_rows_that_do_not_speculate():
