@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers.runs import compose_cfg
 from safetensors import safe_open
 
 from engine.drafts import storage
