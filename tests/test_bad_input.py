@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose_cfg
+from helpers.runs import cli, compose_cfg
 from safetensors.torch import load_file, save_file
 
 from pipeline.config import to_run_config

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, compose_cfg
+from helpers.runs import compose_cfg
+from helpers.train import TINY_TRAIN
 
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import matplotlib.image
 import pytest
-from conftest import cli, compose_cfg, parent_and_children
+from helpers.runs import cli, compose_cfg, parent_and_children
 from mlflow.tracking import MlflowClient
 
 from engine.errors import ConfigError, PlanError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import compose_cfg
+from helpers.runs import compose_cfg
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import pair
-from test_speculative import AUX
+from helpers.models import pair
+from helpers.spec import AUX
 
 from engine.decoder import ATTN, AUX_LIST, DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps
 from engine.drafts.registry import load_head, plan_draft

@@ -12,17 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
-    TINY_TRAIN,
-    assert_trained_beats_random,
-    assert_triton_ops_match_torch_ops,
-    compose_cfg,
-    spread_init,
-)
+from helpers.models import pair, random_prompts, spread_init
+from helpers.runs import compose_cfg
+from helpers.spec import AUX, oracle_prefix, poison, tap
+from helpers.train import TINY_TRAIN, assert_trained_beats_random, assert_triton_ops_match_torch_ops
 from safetensors import safe_open
-from test_graphs import poison
-from test_model import _prompts, pair
-from test_speculative import AUX, oracle_prefix, tap
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
 from engine.drafts.base import SpecState
@@ -106,7 +100,7 @@ def _lossless(policy, batch, kernel=False, kv_heads=None, window=None):
     target.init_buffers(torch.device(device))
     target.attention_kernel = kernel  # the head follows in bind(): Triton decode attention, else SDPA
     plan, head = make_head(target, device, num_kv_heads=kv_heads, sliding_window=window)
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_batches(Generator(target, batch), prompts, params, batch)]
     draft = make_draft(plan, head, target, batch, K)
@@ -166,7 +160,7 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     history: the commit writes the verified positions at the right slots, the bonus is the right token,
     and neither rejected drafts nor the previous block's slots leak into the next block."""
     plan, head = make_head(target)
-    prompts = _prompts(3, seed=12)
+    prompts = random_prompts(3, seed=12)
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     gen = generator(target, plan, head, 3, params)
@@ -238,7 +232,7 @@ def _prefill(target, prompts):
 
 def test_begin_on_row_slices_equals_whole_batch(target):
     plan, head = make_head(target)
-    prompts = _prompts(3, seed=21)
+    prompts = random_prompts(3, seed=21)
     whole, parts = DFlashDraft(head, 3, K), DFlashDraft(head, 3, K)
     whole.begin(None, *_prefill(target, prompts)[:3], None, _prefill(target, prompts)[3])
     for sl in (slice(0, 2), slice(2, 3)):
@@ -262,7 +256,7 @@ def test_fallback_with_poisoned_buffers_equals_eager(policy):
     target = target.to(device)
     target.init_buffers(torch.device(device))
     plan, head = make_head(target, device)
-    prompts = _prompts(4, seed=31)
+    prompts = random_prompts(4, seed=31)
     params = SamplingParams(max_new_tokens=13, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
     draft = make_draft(plan, head, target, 4, K)
@@ -650,7 +644,7 @@ def test_triton_attention_reads_the_whole_block(window):
     target = target.to(device)
     target.init_buffers(torch.device(device))
     plan, head = make_head(target, device, sliding_window=window)
-    prompts = _prompts(3, seed=41)
+    prompts = random_prompts(3, seed=41)
     draft = DFlashDraft(head, 3, K)
     feats, ids, valid, first = _prefill(target, prompts)
     draft.begin(None, feats, ids, valid, None, first)

@@ -10,11 +10,11 @@ import sys
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers.models import tiny_target
+from helpers.runs import compose_cfg, metric_history
+from helpers.train import EAGLE3_TRAIN as TRAIN
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
-from test_train_data import tiny_target
-from test_train_draft import TRAIN, _history
 
 from engine.train.selfdistill import synthesize
 from pipeline.__main__ import run
@@ -83,10 +83,10 @@ def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float) 
     assert one.data.metrics["data_reused"] == 1.0
     # the same training: the logged losses and the raw weights (checkpoint/, float32) agree to rounding
     for key in ("train_loss", "train_acc_0", "val_loss"):
-        a, b = _history(client, two.info.run_id, key), _history(client, one.info.run_id, key)
+        a, b = metric_history(client, two.info.run_id, key), metric_history(client, one.info.run_id, key)
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
         assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=rtol, abs=atol), key
-    val = _history(client, two.info.run_id, "val_loss")
+    val = metric_history(client, two.info.run_id, "val_loss")
     assert val[-1][1] < val[0][1]  # it trained
     heads = [load_file(str(d / "checkpoint" / "model.safetensors")) for d in (trained, trained.parent / "one")]
     assert heads[0].keys() == heads[1].keys()

@@ -7,10 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers.models import pair, random_prompts
+from helpers.runs import compose_cfg, download_text, runs_of
 from safetensors import safe_open
-from test_model import _prompts, pair
-from test_pipeline import download_text, runs_of
 
 from engine import aux_layers
 from engine.drafts.base import DraftHead, FeatureHead
@@ -131,7 +130,7 @@ def test_eagle3_checkpoint_round_trip(tmp_path):
     target.set_aux_layers(plan.aux.input_of)
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     draft = make_draft(plan, head, target, 2, 3)
-    prompts = _prompts(2)
+    prompts = random_prompts(2)
     assert draft.embed.weight.data_ptr() == target.model.embed_tokens.weight.data_ptr()  # shared storage
     assert [r.tokens for r in Generator(target, 2, draft, 3).generate(prompts, params)] == [
         r.tokens for r in Generator(target, 2).generate(prompts, params)

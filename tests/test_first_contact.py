@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose_cfg
+from helpers.runs import cli, compose_cfg
 
 from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
 from pipeline.__main__ import run

@@ -1,7 +1,8 @@
 """Batch-invariant projections (kernels/gemv.py) against their plain-torch references: TRITON_INTERPRET=1
-on CPU (fp32 and bf16), compiled on a GPU. Also: a row's outputs do not depend on the batch it is in (every
-M from 1 to 64 and beyond, the fused norm and the normalised-rows path), the norm's rstd is the reference's
-bit for bit, and the argmax epilogue is torch.argmax of the rounded outputs (ties to the lowest index)."""
+on CPU (fp32 and bf16), compiled on a GPU. Also: a row's outputs do not depend on the batch it is in (M at
+every edge of the launch on CPU, every M to 256 on a GPU; the fused norm and the normalised-rows path), the
+norm's rstd is the reference's bit for bit, and the argmax epilogue is torch.argmax of the rounded outputs
+(ties to the lowest index)."""
 
 from __future__ import annotations
 
@@ -184,19 +185,27 @@ def test_bf16_outputs_round_to_nearest_even(device):
 
 
 # ------------------------------------------------------------------------------------- batch invariance
+# At N = 16 the launch changes with M only at the row tile (16, then 64), the fused norm (M <= 16; above,
+# the rows are normalised first, one program per row whatever M) and the count of row tiles: M at each edge
+# of the fused range, then one and two row tiles, each partial and whole. Every M in 1..65 and 100..256 ran
+# 4x as long under the interpreter and checked no other path; every M in 1..256 is the GPU test's
+# (test_shapes_bf16_on_gpu_are_batch_invariant). Argmax at 1, 17 and 65: one M of each kind of launch.
+BATCH, BATCH_MS = 144, [1, 2, 3, 8, 15, 16, 17, 64, 65, 128]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_row_is_independent_of_batch(device, dtype, kind):
-    """A batch of 256 rows, then every M from 1 to 64 and a few above (the rows normalised first) over a
-    window that slides with M, so that rows sit at every position of a row tile: each row's outputs (y, h,
-    and the argmax ids) bitwise those of the whole batch. K = 200 (two chunks, the last ragged)."""
-    case = _case(kind, 256, 200, 16, dtype, device, bias=True, seed=5)
+    """A batch of 144 rows (2 row tiles of 64 and a partial one), then M at every edge of the
+    launch (BATCH_MS) over a window that slides with M: each row's outputs (y, h, and the argmax ids) bitwise
+    those of the whole batch. K = 200 (two chunks, the last ragged)."""
+    case = _case(kind, BATCH, 200, 16, dtype, device, bias=True, seed=5)
     full = case.run()
     _check(case, full, dtype)
     ids = case.run(argmax=True)[-1] if kind in ARGMAX_KINDS else None
-    for m in [*range(1, 66), 100, 128, 129, 200]:
-        start = (m * 37) % (257 - m)
+    for m in BATCH_MS:
+        start = (m * 37) % (BATCH + 1 - m)
         sub = case.sub(slice(start, start + m))
         for a, b in zip(sub.run(), full):
             assert torch.equal(a, b[start : start + m]), (kind, m, start)

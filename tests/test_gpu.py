@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg
-from test_model import _prompts, pair
+from helpers.models import pair, random_prompts
+from helpers.runs import compose_cfg
 
 from engine.generate import Generator
 from engine.sampling import SamplingParams
@@ -22,7 +22,7 @@ def test_cuda_fp32_logits_and_greedy_match_transformers():
     with torch.no_grad():
         got = ours(ids, torch.arange(33, device="cuda").expand(2, 33), ours.new_cache(2), kv_len=33).logits
         assert (got - hf(ids).logits).abs().max().item() < 1e-4
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     batched = [r.tokens for r in Generator(ours, 4).generate(prompts, params)]
     for p, got in zip(prompts, batched):
@@ -67,12 +67,12 @@ def test_smollm2_on_cuda_fp32_matches_transformers(outputs):
 
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "ngram", "oracle"])
 def test_cuda_speculative_greedy_is_lossless(algorithm):
-    from test_speculative import build, run_all
+    from helpers.spec import build, run_all
 
     _, target = pair()
     target = target.cuda()
     target.init_buffers(torch.device("cuda"))
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_all(Generator(target, 4), prompts, params, 4)]
     gen = build(target, algorithm, 4, params, references=base, prompts=prompts)

@@ -5,66 +5,20 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg
-from test_model import _prompts, pair
-from test_speculative import AUX, generator
+from helpers.models import pair, random_prompts
+from helpers.runs import compose_cfg
+from helpers.spec import CUDA, POLICIES, poison, setup, spec_generator
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import make_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
 from engine.program import Step
 from engine.sampling import SamplingParams
-from pipeline.config import DraftConfig, to_run_config
+from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 
-CUDA = torch.cuda.is_available()
-POLICIES = ["debug"] + (["full", "breakable"] if CUDA else [])
 M = CaptureHiddenMode
-
-
-def setup(
-    algorithm="none",
-    policy="debug",
-    draft_policy=None,
-    k=3,
-    sizes=(1, 2),
-    batch=4,
-    device="cpu",
-    prefill=(16, 64),
-    target_policy=None,
-):
-    _, target = pair()
-    target = target.to(device)
-    target.init_buffers(torch.device(device))
-    plan = head = draft = None
-    if algorithm != "none":
-        cfg = DraftConfig(
-            algorithm=algorithm,
-            init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-            num_steps=k,
-            aux_layer_ids=AUX if algorithm == "eagle3" else None,
-        )
-        plan = plan_draft(cfg, target.args)
-        target.set_aux_layers(plan.aux.input_of if plan.aux else ())
-        head = load_head(plan, target, 0, torch.device(device), torch.float32)
-        if head is not None:
-            draft = make_draft(plan, head, target, batch, k, cfg=cfg)
-    else:
-        k = 0
-    gs = GraphSet(
-        target,
-        draft,
-        batch,
-        k,
-        target_policy or policy,
-        draft_policy or policy,
-        list(sizes),
-        list(prefill),
-        features=plan is not None and plan.features.value != "none",
-        round_ks=sorted({0, k}),
-    ).capture()
-    return target, plan, head, gs, k
 
 
 def target_for(policy: str):
@@ -74,11 +28,6 @@ def target_for(policy: str):
     target = target.to(device)
     target.init_buffers(torch.device(device))
     return target, device
-
-
-def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
-    cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
-    return generator(target, plan, head, k, batch, cfg, references, prompts, graphs=gs)
 
 
 def decode_runner(target, policy, sizes, batch, device):
@@ -118,16 +67,6 @@ def live_batch(b, t=4, start=0, seed=0, device="cpu"):
         "valid": torch.ones(b, t, dtype=torch.bool),
     }
     return {k: v.to(device) for k, v in live.items()}
-
-
-def poison(runner) -> None:
-    """NaN into every floating tensor the runner's graphs own (the state buffers excepted)."""
-    state = {t.data_ptr() for t in runner.buffers.values()}
-    with torch.inference_mode():
-        for _, env in runner.captured.values():
-            for v in env.values():
-                if torch.is_tensor(v) and v.is_floating_point() and v.data_ptr() not in state:
-                    v.fill_(float("nan"))
 
 
 # ------------------------------------------------------------------------------------------ hazards
@@ -194,7 +133,7 @@ def test_hazard_3_a_round_writes_no_padding_row(policy):
     params = SamplingParams(max_new_tokens=9, ignore_eos=True)
     gs.cache.k[:, 3].fill_(123.0)
     gs.draft.cache.k[:, 3].fill_(123.0)
-    prompts = _prompts(3, seed=5)
+    prompts = random_prompts(3, seed=5)
     got = [r.tokens for r in spec_generator(target, plan, head, gs, k, 4, params).generate(prompts, params)]
     assert got == [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     assert gs.stats()[round_name(k)].replays > 0
@@ -417,7 +356,7 @@ def test_every_policy_equals_eager(algorithm, policy):
     device = "cuda" if policy != "debug" else "cpu"
     kw = dict(policy="full", draft_policy="breakable") if policy == "bcg" else dict(policy=policy)
     target, plan, head, gs, k = setup(algorithm, device=device, sizes=(1, 2), batch=4, **kw)
-    prompts = _prompts(5, seed=21)
+    prompts = random_prompts(5, seed=21)
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
     eager = Generator(target, 4)
     base = [r.tokens for r in eager.generate(prompts[:2], params)] + [
@@ -438,7 +377,7 @@ def test_hazard_12_a_replay_after_a_fallback_reads_what_the_fallback_wrote(algor
     first token and carried hidden state come from the state buffers, which the fallback writes too."""
     target, plan, head, gs, k = setup(algorithm, sizes=(2,), batch=2)
     runner = gs.get(round_name(k))
-    prompts = _prompts(2, seed=22)
+    prompts = random_prompts(2, seed=22)
     params = SamplingParams(max_new_tokens=21, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 2).generate(prompts, params)]
     gen = spec_generator(target, plan, head, gs, k, 2, params)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg, spread_init, tiny_hf_config
+from helpers.models import spread_init, tiny_hf_config
+from helpers.runs import compose_cfg
 
 from engine.loading import describe_model, load_model, publish
 from pipeline.__main__ import run

@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import spread_init, tiny_hf_config
-from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from helpers.models import pair, random_prompts, tiny_hf_config
+from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.generate import Generator
-from engine.model import LlamaModel, ModelArgs
+from engine.model import LlamaModel
 from engine.sampling import BONUS, Draws, SamplingParams, draw
-
-
-def pair(hf_cls=LlamaForCausalLM, hf_cfg=None, max_seq_len=128, seed=0):
-    hf_cfg = hf_cfg or tiny_hf_config()
-    hf = spread_init(hf_cls(hf_cfg), seed).eval()
-    ours = LlamaModel(ModelArgs.from_hf_config(hf_cfg.to_dict()), max_seq_len)
-    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
-    assert not unexpected and set(missing) <= {"lm_head.weight"}
-    if ours.args.tie_word_embeddings:
-        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
-    return hf, ours.eval()
 
 
 def full_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:
@@ -87,17 +76,10 @@ def test_incremental_decode_equals_full_forward():
     assert (torch.cat(steps, 1) - ref).abs().max().item() < 1e-4
 
 
-def _prompts(n, seed=4):
-    g = torch.Generator().manual_seed(seed)
-    return [
-        torch.randint(0, 256, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
-    ]
-
-
 def test_greedy_equals_transformers_generate():
     hf, ours = pair()
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
-    for prompt in _prompts(3):
+    for prompt in random_prompts(3):
         got = Generator(ours, 1).generate([prompt], params)[0].tokens
         with torch.no_grad():
             ids = torch.tensor([prompt])
@@ -115,7 +97,7 @@ def test_greedy_equals_transformers_generate():
 
 def test_batched_equals_one_at_a_time():
     _, ours = pair()
-    prompts = _prompts(5, seed=5)  # different lengths
+    prompts = random_prompts(5, seed=5)  # different lengths
     params = SamplingParams(max_new_tokens=20, ignore_eos=True)
     single = [Generator(ours, 1).generate([p], params)[0].tokens for p in prompts]
     gen = Generator(ours, 4)  # 5 prompts: a full batch of 4, then a batch of 1 on the same cache
@@ -125,7 +107,7 @@ def test_batched_equals_one_at_a_time():
 
 def test_stop_tokens_end_each_sequence_separately():
     _, ours = pair()
-    prompts = _prompts(3, seed=6)
+    prompts = random_prompts(3, seed=6)
     free = Generator(ours, 3).generate(prompts, SamplingParams(max_new_tokens=16, ignore_eos=True))
     stop = free[0].tokens[4]  # a token that row 0 produces at step 5
     res = Generator(ours, 3).generate(prompts, SamplingParams(max_new_tokens=16), stop_ids=frozenset({stop}))
@@ -140,7 +122,7 @@ def test_decode_on_device_equals_the_round_loop(sync_every):
     # Self-distillation's path (bookkeeping on the device, a host look every sync_every steps): the same
     # tokens, stops and finish reasons as the round loop, greedy with per-row stops and seeded top-p.
     _, ours = pair()
-    prompts = _prompts(4, seed=8)
+    prompts = random_prompts(4, seed=8)
     free = Generator(ours, 4).generate(prompts, SamplingParams(max_new_tokens=20, ignore_eos=True))
     stop = frozenset({free[0].tokens[6], free[2].tokens[11]})
     for params, seed in [
@@ -166,7 +148,7 @@ def test_decode_on_device_equals_the_round_loop(sync_every):
 def test_sampling_is_seeded_and_respects_top_p():
     _, ours = pair()
     params = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=16, ignore_eos=True)
-    prompt = _prompts(1, seed=7)
+    prompt = random_prompts(1, seed=7)
     a = Generator(ours, 1).generate(prompt, params, generator=torch.Generator().manual_seed(0))[0].tokens
     b = Generator(ours, 1).generate(prompt, params, generator=torch.Generator().manual_seed(0))[0].tokens
     c = Generator(ours, 1).generate(prompt, params, generator=torch.Generator().manual_seed(1))[0].tokens

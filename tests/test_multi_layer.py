@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_trained_beats_random, compose_cfg, tiny_train
-from test_graphs import CUDA, POLICIES, poison, setup, spec_generator
-from test_model import _prompts, pair
-from test_speculative import oracle_prefix, run_all, tap
+from helpers.models import pair, random_prompts
+from helpers.runs import compose_cfg
+from helpers.spec import CUDA, POLICIES, oracle_prefix, poison, run_all, setup, spec_generator, tap
+from helpers.train import assert_trained_beats_random, tiny_train
 
 from engine.drafts.multi_layer import StepCaches
 from engine.drafts.multi_layer.train import multi_layer_forward
@@ -49,7 +49,7 @@ def _generator(target, plan, head, batch, params, k=K):
 
 @pytest.mark.parametrize("batch", [1, 4])
 def test_greedy_is_lossless(target, batch):
-    prompts = _prompts(4, seed=3)
+    prompts = random_prompts(4, seed=3)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)
     base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
     plan, head = _head(target)
@@ -106,7 +106,7 @@ def test_proposals_equal_the_training_forward_after_partial_acceptance(target, g
     equals the teacher-forced forward over the accepted history plus the drafts: no stale slot, no
     hidden state from the wrong position, and inference matches what training optimises. Eagerly and
     through the round's graph runner."""
-    prompts = _prompts(3, seed=12)
+    prompts = random_prompts(3, seed=12)
     plan, head = _head(target)
     res, base, checked = _partial_run(target, head, plan, prompts, graphs=graphs)
     assert [r.tokens for r in res] == base
@@ -117,7 +117,7 @@ def test_proposals_equal_the_training_forward_after_partial_acceptance(target, g
 @pytest.mark.parametrize("graphs", [False, True])
 def test_hazard_6_modules_sharing_one_pool_are_caught(target, graphs):
     """The seed-003 bug (every step reading and writing the first runner's pool) breaks the check above."""
-    prompts = _prompts(2, seed=12)
+    prompts = random_prompts(2, seed=12)
     plan, head = _head(target)
     shared = head.new_cache(len(prompts))
     with pytest.raises(AssertionError):
@@ -159,7 +159,7 @@ def test_graph_policies_are_lossless_and_count_replays(policy, batch):
     device = "cuda" if policy != "debug" else "cpu"
     kw = dict(policy="full", draft_policy="breakable") if policy == "bcg" else dict(policy=policy)
     target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2, 4), batch=4, device=device, **kw)
-    prompts = _prompts(4, seed=5)
+    prompts = random_prompts(4, seed=5)
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
     base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
     gen = spec_generator(target, plan, head, gs, k, batch, params)
@@ -175,7 +175,7 @@ def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
     target, plan, head, gs, k = setup("multi_layer_eagle", sizes=(1, 2), batch=4)
     for runner in gs.runners.values():
         poison(runner)
-    prompts = _prompts(4, seed=8)
+    prompts = random_prompts(4, seed=8)
     params = SamplingParams(max_new_tokens=17, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 4).generate(prompts, params)]
     gen = spec_generator(target, plan, head, gs, k, 4, params)

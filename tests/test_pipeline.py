@@ -7,12 +7,10 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose_cfg, parent_and_children
-from mlflow.tracking import MlflowClient
+from helpers.runs import cli, compose_cfg, download_text, parent_and_children, runs_of
 
 from engine.errors import ConfigError
 from pipeline.__main__ import run
@@ -20,20 +18,6 @@ from pipeline.compare import compare
 from pipeline.paths import REPO
 
 TINY = ("model=tiny", "eval.limit=3", "eval.max_new_tokens=8", "device=cpu")
-
-
-def client(outputs: Path) -> MlflowClient:
-    return MlflowClient(f"sqlite:///{outputs / 'mlflow.db'}")
-
-
-def runs_of(outputs: Path, experiment: str):
-    c = client(outputs)
-    exp = c.get_experiment_by_name(experiment)
-    return [] if exp is None else c.search_runs([exp.experiment_id])
-
-
-def download_text(outputs: Path, run_id: str, name: str) -> str:
-    return Path(client(outputs).download_artifacts(run_id, name, str(outputs / "dl"))).read_text()
 
 
 @pytest.mark.fresh_store

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import compose_cfg
+from helpers.runs import compose_cfg
 
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan

@@ -25,8 +25,8 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from conftest import benchmark_module, cli, compose_cfg
-from test_serve import Served, ServerProcess
+from helpers.runs import benchmark_module, cli, compose_cfg
+from helpers.serve import Served, ServerProcess
 
 from engine.tokenizer import ByteTokenizer
 from pipeline.config import to_run_config
@@ -73,7 +73,7 @@ def test_token_ids_outside_the_vocabulary_are_reported_with_a_prompt_too_long(tm
 
 
 def test_a_tokenizer_that_does_not_load_fails_the_plan_naming_model_path(tmp_path, outputs):
-    from conftest import tiny_hf_config
+    from helpers.models import tiny_hf_config
 
     (tmp_path / "config.json").write_text(json.dumps(tiny_hf_config().to_dict()))
     (tmp_path / "model.safetensors").write_bytes(b"")  # the plan reads no weights

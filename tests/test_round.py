@@ -8,9 +8,8 @@ import os
 
 import pytest
 import torch
-from test_graphs import setup, spec_generator
-from test_model import _prompts, pair
-from test_speculative import AUX, build
+from helpers.models import pair, random_prompts
+from helpers.spec import AUX, build, setup, spec_generator
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
@@ -179,7 +178,7 @@ def test_a_round_advances_its_state_on_the_device():
         return r
 
     gen.round = round_and_check
-    res = gen.generate(_prompts(2, seed=3), params)
+    res = gen.generate(random_prompts(2, seed=3), params)
     assert len(seen) > 2
     lengths, last, live = seen[-1]
     assert gs.buffers["lengths"][:2].tolist() == lengths
@@ -217,7 +216,7 @@ def _fused_pair(algorithm, device):
     return gen, Generator(fused_target, 2, fdraft, 3), params
 
 
-FUSED_PROMPTS = _prompts(2, seed=85)  # 6 and 8 tokens: a short prefill, rows of different lengths
+FUSED_PROMPTS = random_prompts(2, seed=85)  # 6 and 8 tokens: a short prefill, rows of different lengths
 
 
 @pytest.fixture(scope="module")
@@ -296,7 +295,7 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     assert set(table) == {1, 4} and all(0 <= k <= 3 for k in table.values())
     gen.adaptive = AdaptiveK({1: {0: 1.0, 3: 1.01}, 4: {0: 1.0, 3: 9.0}}, 3)  # then a known one
     params = SamplingParams(max_new_tokens=11, ignore_eos=True)
-    prompts = _prompts(5, seed=16)
+    prompts = random_prompts(5, seed=16)
     base = [r.tokens for r in Generator(target, 4).generate(prompts[:1], params)]
     base += [r.tokens for r in Generator(target, 4).generate(prompts[1:], params)]
     got = [r.tokens for r in gen.generate(prompts[:1], params)] + [r.tokens for r in gen.generate(prompts[1:], params)]
@@ -328,7 +327,7 @@ def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     gen = spec_generator(target, plan, head, gs, k, 1, params)
     gen.adaptive = Scripted([3, 0, 0, 3, 3] + [3] * 12)
-    prompt = _prompts(1, seed=5)
+    prompt = random_prompts(1, seed=5)
     assert gen.generate(prompt, params)[0].tokens == Generator(target, 1).generate(prompt, params)[0].tokens
     assert gen.adaptive.seen[:5] == [(3, 1), (0, 1), (0, 0), (3, 0), (3, 1)]
 
@@ -345,7 +344,7 @@ def test_a_row_that_does_not_speculate_emits_what_k_0_would():
     from engine.serve.scheduler import GenerationRequest, Scheduler
 
     _, target = pair()
-    prompts, n = _prompts(2, seed=23), 10
+    prompts, n = random_prompts(2, seed=23), 10
     base = [
         Generator(target, 1).generate([p], SamplingParams(max_new_tokens=n + 6, ignore_eos=True))[0].tokens
         for p in prompts
@@ -397,7 +396,7 @@ def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
     draft = make_draft(plan, head, target, 4, k, graphs=gs)
     sched = Scheduler(SpecDecoder(target, 4, draft, k, graphs=gs), 4, 8)
     done = threading.Event()
-    req = GenerationRequest(_prompts(1, seed=17)[0], 9, lambda ev: ev.finish_reason and done.set())
+    req = GenerationRequest(random_prompts(1, seed=17)[0], 9, lambda ev: ev.finish_reason and done.set())
     sched.submit(req)
     sched.start()
     assert done.wait(timeout=60)

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 import torch
-from test_sampling import chi_square_ok
-from test_speculative import AUX
+from helpers.spec import AUX
+from helpers.stats import chi_square_ok
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator, SpecDecoder
@@ -159,7 +159,7 @@ def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, pol
     """bf16 on the fused kernels with the Triton attention, every device draft: the captured sampled rounds
     (no break) emit the debug runner's tokens and acceptances, batch 3 in a bucket of 4, and replay without
     a fallback."""
-    from test_model import pair
+    from helpers.models import pair
 
     _, target = pair(max_seq_len=64)
     target = target.to("cuda", torch.bfloat16)
@@ -187,7 +187,7 @@ def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, pol
 def test_a_sampled_eval_does_not_depend_on_its_batch_size(outputs):
     """The eval stage seeds prompt i from the run's seed and i: at T = 0.8 with an EAGLE3 draft, batches
     of 1 and of 3 give every prompt the same tokens; another run seed gives others."""
-    from conftest import compose_cfg
+    from helpers.runs import compose_cfg
 
     from pipeline.__main__ import run
 

@@ -9,20 +9,17 @@ eval stage on the same prompts, with and without a draft, sequential and concurr
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from conftest import benchmark_module, compose_cfg
+from helpers.runs import benchmark_module, compose_cfg
+from helpers.serve import Served, ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.drafts.registry import load_head, make_draft
@@ -33,8 +30,6 @@ from engine.serve.detokenize import TextStream
 from engine.tokenizer import ByteTokenizer
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
-from pipeline.execute import execute
-from pipeline.paths import REPO
 from pipeline.plan import PlanError, build_plan
 
 BASE = ("model=tiny", "device=cpu", "tracking=off", "serve.port=0", "model.random.init_std=0.15")
@@ -87,50 +82,6 @@ CONFIGS = {
 }
 PROMPTS = ["def add(a, b):", "Hello there", "The quick brown fox", "1, 2, 3, 4,", "Once upon a time", "import torch"]
 N = 12  # max_tokens of the equality checks
-
-
-class Served:
-    """The pipeline's plan ending in `serve`, executed in a background thread; `close()` is Ctrl-C."""
-
-    def __init__(self, overrides, outputs: Path):
-        self.cfg = to_run_config(compose_cfg(*overrides))
-        self.plan = build_plan(self.cfg, outputs)
-        assert self.plan.names[-1] == "serve"
-        self.stage = self.plan.stages[-1]
-        self.result, self.error = None, None
-        self.thread = threading.Thread(target=self._run, daemon=True)
-        self.thread.start()
-        t0 = time.monotonic()
-        while self.stage.server is None or not self.stage.server.wait_ready(0.05):
-            assert self.error is None and time.monotonic() - t0 < 60, f"server did not start: {self.error!r}"
-            time.sleep(0.01)  # no busy wait: it would starve the engine thread of the GIL while it builds
-        self.server = self.stage.server
-        self.root = f"http://127.0.0.1:{self.server.port}"
-        self.client = openai.OpenAI(base_url=self.root + "/v1", api_key="unused", max_retries=0, timeout=60)
-        self.model = self.cfg.model.name
-
-    def _run(self):
-        try:
-            self.result = execute(self.plan)
-        except BaseException as e:  # reported by the test that needs the server
-            self.error = e
-
-    def metrics(self) -> dict[str, float]:
-        text = httpx.get(self.root + "/metrics", timeout=10).text
-        out = {}
-        for fam in text_string_to_metric_families(text):
-            for s in fam.samples:
-                key = s.name + (
-                    "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}" if s.labels else ""
-                )
-                out[key] = s.value
-        return out
-
-    def close(self):
-        self.server.shutdown()
-        self.thread.join(60)
-        assert not self.thread.is_alive(), "the server did not stop"
-        assert self.error is None, self.error
 
 
 @pytest.fixture(scope="module")
@@ -532,64 +483,6 @@ def test_plan_ends_in_serve_and_checks_its_keys(outputs):
     assert "exceed the largest capture size 2: they run eagerly" in build_plan(small, outputs).describe()
 
 
-class ServerProcess:
-    """`python -m pipeline +experiment=serve` on the tiny model; stdout and stderr read as they come."""
-
-    def __init__(self, outputs: Path, *overrides: str):
-        self.p = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "pipeline",
-                "+experiment=serve",
-                "model=tiny",
-                "device=cpu",
-                "serve.port=0",
-                *overrides,
-            ],
-            cwd=REPO,
-            env={**os.environ, "SPECPIPE_OUTPUTS": str(outputs)},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        self.out: list[str] = []
-        self.err: list[str] = []
-        self._readers = [
-            threading.Thread(target=lambda f=stream, s=sink: s.extend(f), daemon=True)
-            for stream, sink in ((self.p.stdout, self.out), (self.p.stderr, self.err))
-        ]
-        for reader in self._readers:
-            reader.start()
-        port = self.wait_for(r"ready on http://127\.0\.0\.1:(\d+)/v1", 120)
-        self.root = f"http://127.0.0.1:{port.group(1)}"
-
-    def wait_for(self, pattern: str, timeout: float) -> re.Match:
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < timeout:
-            for line in list(self.out):
-                if m := re.search(pattern, line):
-                    return m
-            assert self.p.poll() is None or any(re.search(pattern, x) for x in self.out), self.text()
-            time.sleep(0.05)
-        raise AssertionError(f"no {pattern!r} within {timeout} s:\n{self.text()}")
-
-    def text(self) -> str:
-        return "".join(self.out)[-3000:] + "\n--- stderr ---\n" + "".join(self.err)[-3000:]
-
-    def finish(self, timeout: float) -> int:
-        """Waits for the process to exit and for its output to be read to the end; its exit code."""
-        code = self.p.wait(timeout)
-        for reader in self._readers:
-            reader.join(timeout)
-        return code
-
-    def kill(self) -> None:
-        if self.p.poll() is None:
-            self.p.kill()
-            self.p.wait(10)
-
-
 def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
     server = ServerProcess(outputs, "experiment_name=serve_sigint")
     try:
@@ -661,9 +554,8 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     """3 slots, graphs captured for 1 and 2 rows: every round over all 3 falls back to eager, is counted,
     and the outputs still equal the eager generator's (rounds over slots 0..1 alone replay). Requests
     waiting together prefill together. A warm-up before changes none of it."""
-    from test_graphs import setup
-    from test_model import _prompts
-    from test_speculative import build
+    from helpers.models import random_prompts
+    from helpers.spec import build, setup
 
     from engine.generate import SpecDecoder
     from engine.graphs.graph_set import round_name
@@ -678,7 +570,7 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     sched.warm_up()  # throwaway requests, greedy and sampled: they leave no trace in what follows
     assert sched.stats.rounds == sched.stats.submitted == 0 and not sched.waiting
     assert sched.slots == [None] * 3 and not any(sched.state.live)
-    prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
+    prompts, done = random_prompts(4, seed=31), threading.Semaphore(0)
     reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release()) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
@@ -697,7 +589,7 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
 
 
 def test_max_queue_counts_requests_beyond_the_free_slots():
-    from test_model import pair
+    from helpers.models import pair
 
     from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler

@@ -17,8 +17,8 @@ import time
 import httpx
 import openai
 import pytest
-from conftest import benchmark_module
-from test_serve import Served
+from helpers.runs import benchmark_module
+from helpers.serve import Served
 
 from engine.serve import guard
 

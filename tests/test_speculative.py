@@ -5,16 +5,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_model import _prompts, pair
+from helpers.models import pair, random_prompts
+from helpers.spec import build, oracle_prefix, run_all, tap
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
-from engine.program import Step
 from engine.sampling import Draws, SamplingParams
 from engine.verify import verify
-from pipeline.config import DraftConfig
-
-AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
 
 
 @pytest.fixture(scope="module")
@@ -22,38 +18,10 @@ def target():
     return pair()[1]
 
 
-def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
-    cfg = DraftConfig(
-        algorithm=algorithm,
-        init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-        num_steps=k,
-        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
-        **kw,
-    )
-    plan = plan_draft(cfg, target.args)
-    target.set_aux_layers(plan.aux.input_of if plan.aux else ())
-    head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
-    return generator(target, plan, head, k, batch, cfg, references, prompts)
-
-
-def generator(target, plan, head, k, batch, cfg, references=None, prompts=None, graphs=None):
-    """A speculative Generator over `plan`'s draft (with `graphs`: replaying them)."""
-    lens = [len(p) for p in prompts] if prompts else None
-    draft = make_draft(plan, head, target, batch, k, references=references, prompt_lens=lens, cfg=cfg, graphs=graphs)
-    return Generator(target, batch, draft, k, graphs=graphs)
-
-
-def run_all(gen, prompts, params, batch, stop=frozenset(), rng=None):
-    out = []
-    for i in range(0, len(prompts), batch):
-        out += gen.generate(prompts[i : i + batch], params, stop, rng, row_ids=list(range(i, i + batch)))
-    return out
-
-
 @pytest.mark.parametrize("batch", [1, 4])
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "ngram", "oracle"])
 def test_greedy_is_lossless(target, algorithm, batch):
-    prompts = _prompts(4)
+    prompts = random_prompts(4)
     params = SamplingParams(max_new_tokens=29, ignore_eos=True)  # 1 + 7 rounds of k + 1 = 4
     base = [r.tokens for r in run_all(Generator(target, batch), prompts, params, batch)]
     gen = build(target, algorithm, batch, params, references=base, prompts=prompts)
@@ -68,7 +36,7 @@ def test_greedy_is_lossless(target, algorithm, batch):
 
 def test_uneven_acceptance_stop_token_and_length_inside_a_block(target):
     """ngram accepts differently per row; a stop token and max_new_tokens both land mid-block."""
-    prompts = [p * 3 for p in _prompts(4, seed=11)]  # repetitive prompts: n-gram lookup hits
+    prompts = [p * 3 for p in random_prompts(4, seed=11)]  # repetitive prompts: n-gram lookup hits
     free = SamplingParams(max_new_tokens=23, ignore_eos=True)
     base = run_all(Generator(target, 4), prompts, free, 4)
     stop = base[1].tokens[9]
@@ -80,38 +48,6 @@ def test_uneven_acceptance_stop_token_and_length_inside_a_block(target):
     assert "stop" in {r.finish_reason for r in got} and "length" in {r.finish_reason for r in got}
     per_row = [sum(r.accepts) / len(r.accepts) for r in got]
     assert len(set(per_row)) > 1 and max(per_row) > 0  # rows accept differently, some accept drafts
-
-
-def tap(draft, phase: str, fn) -> None:
-    """A host step at the end of the draft's steps of `phase` (propose | commit), a break under every
-    graph policy: fn(env, k) sees the round's env (env["state"]: the host mirror, not yet advanced).
-    Attach before the round is built (before a GraphSet captures it); at capture time it is skipped."""
-    inner = getattr(draft, f"{phase}_steps")
-
-    def hook(env, k):
-        if env.get("state") is not None:
-            fn(env, k)
-
-    setattr(
-        draft,
-        f"{phase}_steps",
-        lambda cache, k, **kw: (
-            inner(cache, k, **kw) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)]
-        ),
-    )
-
-
-def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
-    """Proposals [b, k] with each row's first `depth` tokens (depth random in 0..k) replaced by the
-    target's own continuation: partial acceptance of a different depth per row. rows: those to touch."""
-    tokens = tokens.clone()
-    for i, (r, hist) in enumerate(zip(state.row_ids, state.history)):
-        if rows is not None and i not in rows:
-            continue
-        done = len(hist) - prompt_lens[r]
-        ref = references[r][done : done + int(torch.randint(0, k + 1, (1,), generator=g))]
-        tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
-    return tokens
 
 
 def partial_oracle(draft, references, prompt_lens, seed=0) -> None:
@@ -128,7 +64,7 @@ def partial_oracle(draft, references, prompt_lens, seed=0) -> None:
 def test_draft_state_consistent_after_partial_acceptance(target):
     """After every draft extend, the draft's state (hidden, next proposal) equals a fresh draft
     prefill over the same accepted history: partial acceptance leaves no stale draft KV behind."""
-    prompts = _prompts(3, seed=12)
+    prompts = random_prompts(3, seed=12)
     params = SamplingParams(max_new_tokens=25, ignore_eos=True)
     base = [r.tokens for r in Generator(target, 3).generate(prompts, params)]
     gen = build(target, "eagle3", 3, params)
@@ -232,7 +168,7 @@ def test_sampling_with_a_draft_matches_sampling_without(algorithm):
 
 def test_input_embeds_prompt_equals_token_prompt(target):
     """Placeholder ids + the real tokens' embeddings: same draft proposals and output as real ids."""
-    prompts = _prompts(2, seed=13)
+    prompts = random_prompts(2, seed=13)
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     embeds = [target.model.embed_tokens(torch.tensor(p)).detach() for p in prompts]
     placeholders = [[0] * len(p) for p in prompts]
@@ -272,7 +208,7 @@ def test_begin_on_row_slices_equals_whole_batch(target, algorithm):
     row range proposes exactly what it proposes when prefilled as one batch."""
     from engine.drafts.base import SpecState
 
-    prompts = _prompts(3, seed=21)
+    prompts = random_prompts(3, seed=21)
     params = SamplingParams(max_new_tokens=8)
     whole, parts = build(target, algorithm, 3, params).draft, build(target, algorithm, 3, params).draft
     parts.head = whole.head
@@ -292,7 +228,7 @@ def test_round_stats_count_every_round_and_reset(target):
     draft extend included once the stats are read; reset_stats starts over."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     gen = build(target, "eagle3", 2, params)
-    results = gen.generate(_prompts(2), params)
+    results = gen.generate(random_prompts(2), params)
     stats = gen.stats
     assert stats.rounds == len(results[0].accepts) > 0  # both rows live to max_new_tokens
     assert stats.draft_s > stats.extend_s > 0 and stats.verify_s > 0 and stats.host_s > 0
@@ -306,7 +242,7 @@ def test_round_stats_count_every_round_and_reset(target):
     gen.reset_stats()
     assert gen.stats.rounds == 0 and gen.stats.draft_s == gen.stats.verify_s == 0.0
     plain = Generator(target, 2)
-    plain.generate(_prompts(2), params, sync_every=4)  # the on-device decode loop times its steps too
+    plain.generate(random_prompts(2), params, sync_every=4)  # the on-device decode loop times its steps too
     assert plain.stats.rounds == params.max_new_tokens - 1 and plain.stats.verify_s > 0
     assert plain.stats.draft_s == 0.0
 

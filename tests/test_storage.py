@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import compose_cfg
-from test_model import pair
-from test_speculative import AUX
+from helpers.models import pair
+from helpers.runs import compose_cfg
+from helpers.spec import AUX
 
 from engine.drafts.registry import load_head, plan_draft
 from engine.drafts.storage import FP8, SCALE_SUFFIX, dequantize, quantize, read_state, write_checkpoint

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose_cfg
+from helpers.runs import cli, compose_cfg
 from mlflow.tracking import MlflowClient
 
 from pipeline.config import to_run_config

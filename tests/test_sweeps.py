@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import cli, parent_and_children
+from helpers.runs import cli, parent_and_children
 
 from pipeline.paths import REPO
 

@@ -4,17 +4,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import compose_cfg, spread_init
+from helpers.models import spread_init, tiny_target
 
 from engine.drafts.eagle3.vocab import build_draft_vocab
-from engine.loading import load_model
 from engine.train.selfdistill import Sample, cut_share, synthesize
-from pipeline.config import to_run_config
-
-
-def tiny_target(outputs, device: str = "cpu", dtype=torch.float32):
-    cfg = to_run_config(compose_cfg("model=tiny", f"device={device}"))
-    return load_model(cfg.model, outputs / "weights", torch.device(device), dtype)
 
 
 def test_synthesize_prompts_and_answers_from_the_target(outputs):

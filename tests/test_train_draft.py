@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import TINY_TRAIN, assert_triton_ops_match_torch_ops, compose_cfg, spread_init
+from helpers.models import pair, spread_init
+from helpers.runs import compose_cfg, metric_history
+from helpers.train import EAGLE3_TRAIN as TRAIN
+from helpers.train import assert_triton_ops_match_torch_ops
 from mlflow.tracking import MlflowClient
 from safetensors import safe_open
-from test_model import pair
 
 from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
 from engine.drafts.dflash.train import dflash_forward_packed
@@ -357,27 +359,6 @@ def test_loop_anchors_by_pointer_doubling_equal_the_walk(t):
 
 
 # ------------------------------------------------------------------------------------------ the stage
-# fp32 on every device: in bf16 (the CUDA default) near-ties of a random head's argmax flip between the
-# batched teacher-forced forward and the engine's decode kernels, and the replayed loop stops equalling
-# the real one (1.227 vs 1.211 on an H200)
-TRAIN = [
-    "dtype=float32",
-    *TINY_TRAIN,
-    "+experiment=train_eagle3_smollm2",
-    "draft.aux_layer_ids=[1,2,3]",
-    "draft.draft_vocab_size=96",
-    "train.lr=5e-3",
-    "train.eval_every=20",
-    "train.save_every=20",
-    "train.ttt_steps=4",
-    "train.eval_k=3",
-]
-
-
-def _history(client, run_id, key):
-    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
-
-
 def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     # eval_k = draft.num_steps and no sample cut by max_len: the replayed loop of the held-out evaluation
     # is then the real loop on the same prompts (in fp32: TRAIN's dtype), both stopping at 16 new tokens
@@ -398,9 +379,9 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     exp = client.get_experiment_by_name("train_eagle3_smollm2")
     (r,) = client.search_runs([exp.experiment_id])
     assert r.info.status == "FINISHED"
-    val = _history(client, r.info.run_id, "val_loss")
+    val = metric_history(client, r.info.run_id, "val_loss")
     assert val[0][0] == 0 and val[-1][0] == 40 and val[-1][1] < val[0][1]  # the held-out loss falls
-    assert len(_history(client, r.info.run_id, "train_loss")) == 4
+    assert len(metric_history(client, r.info.run_id, "train_loss")) == 4
     assert "val_accept_rate_pos_2" in r.data.metrics
     # the real draft-and-verify loop on held-out prompts (k = draft.num_steps = 5): one or more per round
     assert 1.0 <= r.data.metrics["heldout_loop_accept_length_k5"] <= 6.0
@@ -419,7 +400,7 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert state["step"] == 50
     runs = client.search_runs([exp.experiment_id], order_by=["attributes.start_time DESC"])
     second = runs[0].info.run_id
-    assert [s for s, _ in _history(client, second, "train_loss")] == [50]  # no step before 40 re-ran
+    assert [s for s, _ in metric_history(client, second, "train_loss")] == [50]  # no step before 40 re-ran
     assert runs[0].data.metrics["data_reused"] == 1.0  # the cached samples
     assert runs[0].data.metrics["data_s"] == runs[1].data.metrics["data_s"]  # their synthesis time, recorded
     first = runs[1].data.metrics  # and its phases: graph capture, the user messages, the answers
@@ -492,7 +473,7 @@ def test_eagle3_head_on_the_target_lm_head_trains_and_drafts_every_token(outputs
     assert "target's lm_head" in (head_dir / "README.md").read_text()
     client = MlflowClient(default_tracking_uri(outputs))
     (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
-    val = _history(client, r.info.run_id, "val_loss")
+    val = metric_history(client, r.info.run_id, "val_loss")
     assert val[-1][0] == 30 and val[-1][1] < val[0][1]  # the held-out loss falls
     assert r.data.metrics["val_draft_vocab_coverage"] == 1.0
 
@@ -527,7 +508,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
         [client.get_experiment_by_name("train_eagle3_smollm2").experiment_id], order_by=["attributes.start_time ASC"]
     )
     assert len(runs) == 2 and runs[0].data.metrics["data_reused"] == 0 and runs[1].data.metrics["data_reused"] == 1
-    soft_val, sharp_val = (_history(client, r.info.run_id, "val_loss") for r in runs)
+    soft_val, sharp_val = (metric_history(client, r.info.run_id, "val_loss") for r in runs)
     assert soft_val[0] == sharp_val[0]  # step 0: the same head scored on the same labels
     assert soft_val[-1][0] == sharp_val[-1][0] == 20 and soft_val[-1][1] != sharp_val[-1][1]
     with (

@@ -7,8 +7,9 @@ from __future__ import annotations
 import json
 
 import torch
-from conftest import assert_trained_beats_random, compose_cfg, tiny_train
-from test_model import pair
+from helpers.models import pair
+from helpers.runs import compose_cfg
+from helpers.train import assert_trained_beats_random, tiny_train
 
 from engine.drafts.eagle.train import eagle_forward
 from engine.drafts.registry import load_head, plan_draft

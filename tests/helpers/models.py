@@ -1,0 +1,65 @@
+"""Tiny models: transformers' Llama with spread random weights beside ours with the same weights, prompts,
+and the tiny target as the pipeline loads it."""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM
+
+from engine.loading import load_model
+from engine.model import LlamaModel, ModelArgs
+from helpers.runs import compose_cfg
+from pipeline.config import to_run_config
+
+
+def tiny_hf_config(**kw):
+    from transformers import LlamaConfig
+
+    base = dict(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+    )
+    base.update(kw)
+    return LlamaConfig(**base)
+
+
+def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15) -> torch.nn.Module:
+    """Weights wide enough that greedy outputs vary from token to token (std 0.02 collapses to one token)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:
+                p.copy_(torch.randn(p.shape, generator=g) * std)
+    return model
+
+
+def pair(hf_cls=LlamaForCausalLM, hf_cfg=None, max_seq_len=128, seed=0):
+    hf_cfg = hf_cfg or tiny_hf_config()
+    hf = spread_init(hf_cls(hf_cfg), seed).eval()
+    ours = LlamaModel(ModelArgs.from_hf_config(hf_cfg.to_dict()), max_seq_len)
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}
+    if ours.args.tie_word_embeddings:
+        assert ours.lm_head.weight.data_ptr() == ours.model.embed_tokens.weight.data_ptr()
+    return hf, ours.eval()
+
+
+def random_prompts(n, seed=4):
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(0, 256, (int(torch.randint(5, 30, (1,), generator=g)),), generator=g).tolist() for _ in range(n)
+    ]
+
+
+def tiny_target(outputs, device: str = "cpu", dtype=torch.float32):
+    cfg = to_run_config(compose_cfg("model=tiny", f"device={device}"))
+    return load_model(cfg.model, outputs / "weights", torch.device(device), dtype)

@@ -1,0 +1,140 @@
+"""Speculative generators on the tiny target: drafts built from a config, graph sets captured under a
+policy, taps into a draft's steps, and partial acceptance forced from the target's own tokens."""
+
+from __future__ import annotations
+
+import torch
+
+from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.generate import Generator
+from engine.graphs.graph_set import GraphSet
+from engine.program import Step
+from helpers.models import pair
+from pipeline.config import DraftConfig
+
+AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
+
+
+def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
+    cfg = DraftConfig(
+        algorithm=algorithm,
+        init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
+        num_steps=k,
+        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
+        **kw,
+    )
+    plan = plan_draft(cfg, target.args)
+    target.set_aux_layers(plan.aux.input_of if plan.aux else ())
+    head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
+    return generator(target, plan, head, k, batch, cfg, references, prompts)
+
+
+def generator(target, plan, head, k, batch, cfg, references=None, prompts=None, graphs=None):
+    """A speculative Generator over `plan`'s draft (with `graphs`: replaying them)."""
+    lens = [len(p) for p in prompts] if prompts else None
+    draft = make_draft(plan, head, target, batch, k, references=references, prompt_lens=lens, cfg=cfg, graphs=graphs)
+    return Generator(target, batch, draft, k, graphs=graphs)
+
+
+def run_all(gen, prompts, params, batch, stop=frozenset(), rng=None):
+    out = []
+    for i in range(0, len(prompts), batch):
+        out += gen.generate(prompts[i : i + batch], params, stop, rng, row_ids=list(range(i, i + batch)))
+    return out
+
+
+def tap(draft, phase: str, fn) -> None:
+    """A host step at the end of the draft's steps of `phase` (propose | commit), a break under every
+    graph policy: fn(env, k) sees the round's env (env["state"]: the host mirror, not yet advanced).
+    Attach before the round is built (before a GraphSet captures it); at capture time it is skipped."""
+    inner = getattr(draft, f"{phase}_steps")
+
+    def hook(env, k):
+        if env.get("state") is not None:
+            fn(env, k)
+
+    setattr(
+        draft,
+        f"{phase}_steps",
+        lambda cache, k, **kw: (
+            inner(cache, k, **kw) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)]
+        ),
+    )
+
+
+def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
+    """Proposals [b, k] with each row's first `depth` tokens (depth random in 0..k) replaced by the
+    target's own continuation: partial acceptance of a different depth per row. rows: those to touch."""
+    tokens = tokens.clone()
+    for i, (r, hist) in enumerate(zip(state.row_ids, state.history)):
+        if rows is not None and i not in rows:
+            continue
+        done = len(hist) - prompt_lens[r]
+        ref = references[r][done : done + int(torch.randint(0, k + 1, (1,), generator=g))]
+        tokens[i, : len(ref)] = torch.tensor(ref, dtype=tokens.dtype)
+    return tokens
+
+
+CUDA = torch.cuda.is_available()
+
+
+POLICIES = ["debug"] + (["full", "breakable"] if CUDA else [])
+
+
+def setup(
+    algorithm="none",
+    policy="debug",
+    draft_policy=None,
+    k=3,
+    sizes=(1, 2),
+    batch=4,
+    device="cpu",
+    prefill=(16, 64),
+    target_policy=None,
+):
+    _, target = pair()
+    target = target.to(device)
+    target.init_buffers(torch.device(device))
+    plan = head = draft = None
+    if algorithm != "none":
+        cfg = DraftConfig(
+            algorithm=algorithm,
+            init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
+            num_steps=k,
+            aux_layer_ids=AUX if algorithm == "eagle3" else None,
+        )
+        plan = plan_draft(cfg, target.args)
+        target.set_aux_layers(plan.aux.input_of if plan.aux else ())
+        head = load_head(plan, target, 0, torch.device(device), torch.float32)
+        if head is not None:
+            draft = make_draft(plan, head, target, batch, k, cfg=cfg)
+    else:
+        k = 0
+    gs = GraphSet(
+        target,
+        draft,
+        batch,
+        k,
+        target_policy or policy,
+        draft_policy or policy,
+        list(sizes),
+        list(prefill),
+        features=plan is not None and plan.features.value != "none",
+        round_ks=sorted({0, k}),
+    ).capture()
+    return target, plan, head, gs, k
+
+
+def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
+    cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
+    return generator(target, plan, head, k, batch, cfg, references, prompts, graphs=gs)
+
+
+def poison(runner) -> None:
+    """NaN into every floating tensor the runner's graphs own (the state buffers excepted)."""
+    state = {t.data_ptr() for t in runner.buffers.values()}
+    with torch.inference_mode():
+        for _, env in runner.captured.values():
+            for v in env.values():
+                if torch.is_tensor(v) and v.is_floating_point() and v.data_ptr() not in state:
+                    v.fill_(float("nan"))
