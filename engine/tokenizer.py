@@ -7,6 +7,7 @@ pad), so tests need no tokenizer files.
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 from typing import Optional, Protocol
@@ -51,15 +52,8 @@ class HFTokenizer:
         """The tokenizer saved in `path`. One of the generic backend (what the GGUF conversion writes) loads
         as that class directly: AutoTokenizer would first import the model's config classes, about 3 s of
         every run on a CPU. A model's own tokenizer class goes through AutoTokenizer."""
-        config = Path(path) / "tokenizer_config.json"
-        named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
-        if named in GENERIC_TOKENIZERS:
-            from transformers import PreTrainedTokenizerFast
-
-            return cls(PreTrainedTokenizerFast.from_pretrained(path), extra_eos)
-        from transformers import AutoTokenizer
-
-        return cls(AutoTokenizer.from_pretrained(path), extra_eos)
+        stamp = tuple((f.name, f.stat().st_mtime_ns, f.stat().st_size) for f in sorted(Path(path).glob("*.json")))
+        return cls(_backend(str(path), stamp), extra_eos)
 
     def encode(self, text: str) -> list[int]:
         return self.tok.encode(text, add_special_tokens=True)
@@ -107,3 +101,19 @@ class ByteTokenizer:
 
     def user_turn(self, system: Optional[str] = None) -> tuple[list[int], frozenset[int]]:
         return self.encode(f"<system>{system}\n<user>" if system else "<user>"), frozenset({ord("\n"), self.EOS})
+
+
+@functools.lru_cache(maxsize=8)
+def _backend(path: str, stamp: tuple):
+    """The transformers tokenizer saved in `path`, once per process while its files (`stamp`: their names,
+    mtimes and sizes) are unchanged: a plan and the run after it, or many plans in one process, share it.
+    Tokenizers are read-only once loaded."""
+    config = Path(path) / "tokenizer_config.json"
+    named = json.loads(config.read_text()).get("tokenizer_class") if config.is_file() else None
+    if named in GENERIC_TOKENIZERS:
+        from transformers import PreTrainedTokenizerFast
+
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
