@@ -7,15 +7,15 @@ import pytest
 import torch
 from conftest import compose_cfg
 from test_model import _prompts, pair
-from test_speculative import AUX, generator
+from test_speculative import generator, weights
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
 from engine.program import Step
 from engine.sampling import SamplingParams
-from pipeline.config import DraftConfig, to_run_config
+from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 
 CUDA = torch.cuda.is_available()
@@ -39,12 +39,7 @@ def setup(
     target.init_buffers(torch.device(device))
     plan = head = draft = None
     if algorithm != "none":
-        cfg = DraftConfig(
-            algorithm=algorithm,
-            init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-            num_steps=k,
-            aux_layer_ids=AUX if algorithm == "eagle3" else None,
-        )
+        cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3",)))
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())
         head = load_head(plan, target, 0, torch.device(device), torch.float32)
@@ -77,7 +72,7 @@ def target_for(policy: str):
 
 
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
-    cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
+    cfg = draft_config(plan.algorithm, num_steps=k) if plan else draft_config("none")
     return generator(target, plan, head, k, batch, cfg, references, prompts, graphs=gs)
 
 

@@ -665,15 +665,13 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     from test_model import _prompts
     from test_speculative import build
 
+    from engine.drafts.registry import draft_config
     from engine.generate import SpecDecoder
     from engine.graphs.graph_set import round_name
     from engine.serve.scheduler import GenerationRequest, Scheduler
-    from pipeline.config import DraftConfig
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
-    draft = make_draft(
-        plan, head, target, 3, DraftConfig(algorithm="eagle3").num_steps, cfg=DraftConfig(algorithm="eagle3"), graphs=gs
-    )
+    draft = make_draft(plan, head, target, 3, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
     sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     prompts, done = _prompts(4, seed=31), threading.Semaphore(0)
     reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release()) for i, p in enumerate(prompts)]

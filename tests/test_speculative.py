@@ -7,12 +7,11 @@ import pytest
 import torch
 from test_model import _prompts, pair
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.program import Step
 from engine.sampling import Draws, SamplingParams
 from engine.verify import verify
-from pipeline.config import DraftConfig
 
 AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
 
@@ -23,17 +22,18 @@ def target():
 
 
 def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
-    cfg = DraftConfig(
-        algorithm=algorithm,
-        init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-        num_steps=k,
-        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
-        **kw,
-    )
+    cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3", "dflash")), **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
     return generator(target, plan, head, k, batch, cfg, references, prompts)
+
+
+def weights(algorithm: str, reads_aux) -> dict:
+    """A random head's keys for a draft with weights (none for ngram and oracle); AUX for `reads_aux`."""
+    if algorithm in ("ngram", "oracle"):
+        return {}
+    return {"init": "random", **({"aux_layer_ids": AUX} if algorithm in reads_aux else {})}
 
 
 def generator(target, plan, head, k, batch, cfg, references=None, prompts=None, graphs=None):
