@@ -155,10 +155,10 @@ def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) ->
     plan = env.draft_plan
     if plan is not None and plan.aux is not None:
         loaded.model.set_aux_layers(plan.aux.input_of)
-    head = load_head(plan, loaded.model, cfg.draft.init_seed, env.device, env.dtype)
+    head = load_head(plan, loaded.model, getattr(cfg.draft, "init_seed", 0), env.device, env.dtype)  # as stage load
     params = SamplingParams(max_new_tokens=max_tokens)
-    draft = make_draft(plan, head, loaded.model, 1, cfg.draft.num_steps, cfg=cfg.draft)
-    gen = Generator(loaded.model, 1, draft, cfg.draft.num_steps if plan is not None else 0)
+    draft = make_draft(plan, head, loaded.model, 1, cfg.draft.k, cfg=cfg.draft)
+    gen = Generator(loaded.model, 1, draft, cfg.draft.k)
     return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
 
 
