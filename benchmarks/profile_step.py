@@ -143,7 +143,7 @@ def encode_prompts(cfg, target) -> list[list[int]]:
             encoded.append(list(p.token_ids))
         else:
             encoded.append(tok.encode_chat(p.text, e.system_prompt) if e.chat_template else tok.encode(p.text))
-    k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+    k = cfg.draft.k
     check_capacity([len(x) for x in encoded], e.max_new_tokens, cfg.model.max_seq_len, k)
     return encoded
 
@@ -169,7 +169,7 @@ def main() -> None:
     params = SamplingParams(e.temperature, e.top_p, e.max_new_tokens, ignore_eos=e.ignore_eos)
     n, batch = min(args.prompts, len(encoded)), e.batch_size
     rng = torch.Generator(device=env.device).manual_seed(cfg.seed)
-    k = cfg.draft.num_steps if env.draft_plan is not None else 0
+    k = cfg.draft.k
     runs = [("no draft", Generator(target.model, batch, graphs=graphs))]
     if env.draft_plan is not None:
         draft = make_draft(

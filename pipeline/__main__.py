@@ -30,7 +30,6 @@ from pipeline.runlog import RunLog, drop_run_folder
 from pipeline.signals import Interrupted, describe, first, install, received, signum_of
 
 log = logging.getLogger("pipeline")
-register_configs()
 
 
 def plan_job(cfg: DictConfig):
@@ -40,6 +39,7 @@ def plan_job(cfg: DictConfig):
     from pipeline.plan import build_plan
 
     plan = build_plan(to_run_config(cfg), origin=group_origin("graph"))
+    plan.env.command = job_overrides()
     if launch().rank == 0:  # under torchrun: one plan printed, not one per process
         print(plan.describe(), flush=True)
     return plan
@@ -63,6 +63,13 @@ def job_folder() -> Optional[Path]:
     from hydra.core.hydra_config import HydraConfig
 
     return Path(HydraConfig.get().runtime.output_dir) if HydraConfig.initialized() else None
+
+
+def job_overrides() -> Optional[list[str]]:
+    """This job's command-line overrides (None outside a Hydra job)."""
+    from hydra.core.hydra_config import HydraConfig
+
+    return list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else None
 
 
 @hydra.main(version_base="1.3", config_path="../conf", config_name="config")
@@ -140,6 +147,7 @@ if __name__ == "__main__":
     if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
         print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
         sys.exit(2)
+    register_configs()  # the run schema and each draft's (imports torch and the drafts: after --help)
     args = sys.argv[1:]
     if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
         problems, good = compose_problems([a for a in args if not a.lstrip("+~").startswith("hydra.")])

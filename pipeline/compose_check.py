@@ -39,6 +39,17 @@ def _keys(cfg) -> list[str]:
     return out
 
 
+def _without(compose, overrides: list[str], key: str):
+    """The config the other overrides compose to (their group choices: draft=<name> has its own keys); where
+    they do not, what their group choices alone compose to, else the defaults."""
+    others = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    for attempt in (others, [o for o in others if "." not in o.split("=", 1)[0]], []):  # then the choices only
+        try:
+            return compose(config_name="config", overrides=attempt)
+        except Exception:  # another bad override: that one has its own error
+            continue
+
+
 def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[list[str]]]:
     """Every composition error of `overrides` (Hydra stops at its first: each bad override found is left
     out and the rest composed again) -> (the errors, the overrides that compose together; None when an
@@ -83,13 +94,15 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
                 )
             if found := re.search(r"Could not override '([^']+)'", first):
                 key = found.group(1)
-                keys = _keys(compose(config_name="config"))
-                close = difflib.get_close_matches(key, keys, n=3)
+                keys = _keys(_without(compose, overrides, key))
+                node = key.rpartition(".")[0]
+                siblings = [k for k in keys if node and k.rpartition(".")[0] == node]  # e.g. draft=<name>'s keys
+                close = difflib.get_close_matches(key, siblings or keys, n=3)
                 return ConfigError(
                     key,
                     _value(overrides, key),
                     "no such key",
-                    close or "a key of the config (python -m pipeline --cfg job lists them)",
+                    close or siblings or "a key of the config (python -m pipeline --cfg job lists them)",
                 )
             if found := re.match(r"Error merging override ([^=]+)=(.*)$", first):
                 key, value = found.groups()

@@ -2,8 +2,8 @@
 
     help_text()       what the tool is, the config groups (one line each, their options from conf/),
                       the experiments (each file's first sentence), where the key reference is
-    key_reference()   docs/configuration.md: every key of the schema (pipeline/config.py) with its
-                      default and the comments written at its field, group by group
+    key_reference()   docs/configuration.md: every key of the run schema (schema/, each draft algorithm's
+                      own: engine/drafts) with its default and the comments written at its field, group by group
 
 `python -m pipeline.help --write` regenerates docs/configuration.md; a test keeps it current.
 """
@@ -21,7 +21,8 @@ import tokenize
 from enum import Enum
 from pathlib import Path
 
-from pipeline import config as schema
+import schema
+from engine.drafts.config import NoDraft
 from pipeline.paths import REPO
 
 CONF = REPO / "conf"
@@ -87,13 +88,21 @@ def help_text() -> str:
     out += [f"  {n:<{width}}  {first_sentence(CONF / 'experiment' / f'{n}.yaml')}" for n in names]
     out += [
         "",
-        "every key, its default and what it does: docs/configuration.md (generated from pipeline/config.py)",
+        "every key, its default and what it does: docs/configuration.md (generated from schema/ and engine/drafts)",
         "the composed config of a command line: python -m pipeline ... --cfg job; Hydra's own flags: --hydra-help",
     ]
     return "\n".join(out)
 
 
 def _field_comments(cls: type, prefix: str) -> dict[str, str]:
+    """`_class_comments` of `cls` and of the dataclasses it extends (its own win)."""
+    out: dict[str, str] = {}
+    for base in reversed([c for c in cls.__mro__ if dataclasses.is_dataclass(c)]):
+        out.update({k: v for k, v in _class_comments(base, prefix).items() if v or k not in out})
+    return out
+
+
+def _class_comments(cls: type, prefix: str) -> dict[str, str]:
     """field name -> the comment lines right above it and the comment on its line, joined; a field with
     none, right below a field whose comment block stands above it, shares that block: `(see NAME)`."""
     src = textwrap.dedent(inspect.getsource(cls))
@@ -141,9 +150,9 @@ def _type(cls: type, f: dataclasses.Field) -> str:
     return t.replace("list[", "list of ").replace("]", "").replace("[", "")
 
 
-def _section(prefix: str, cls: type, out: list[str]) -> None:
+def _section(prefix: str, cls: type, out: list[str], title: str = "") -> None:
     doc = inspect.getdoc(cls) if cls.__doc__ and not cls.__doc__.startswith(cls.__name__ + "(") else ""
-    out += [f"## `{prefix or 'top level'}` ({cls.__name__})", ""]
+    out += [f"## `{title or prefix or 'top level'}` ({cls.__name__})", ""]
     if doc:
         out += [doc.replace("\n", " "), ""]
     out += ["| key | type | default | what it does |", "| --- | --- | --- | --- |"]
@@ -151,23 +160,29 @@ def _section(prefix: str, cls: type, out: list[str]) -> None:
     for f in dataclasses.fields(cls):
         key = f"{prefix}.{f.name}" if prefix else f.name
         sub = f.default_factory() if f.default_factory is not dataclasses.MISSING else None
+        if isinstance(sub, NoDraft):  # the draft node: each draft=<name> option's own schema
+            from engine.drafts.registry import SCHEMAS  # torch and every draft: not for --help
+
+            nested += [(key, schema_, f"draft={name}") for name, schema_ in SCHEMAS.items()]
+            continue
         if dataclasses.is_dataclass(sub):
-            nested.append((key, type(sub)))
+            nested.append((key, type(sub), ""))
             continue
         text = comments.get(f.name, "").replace("|", "\\|")
         out.append(f"| `{key}` | {_type(cls, f)} | `{_default(f)}` | {text} |")
     out.append("")
-    for key, sub in nested:
-        _section(key, sub, out)
+    for key, sub, title in nested:
+        _section(key, sub, out, title)
 
 
 def key_reference() -> str:
     out = [
         "# Configuration keys",
         "",
-        "Generated from the schema (`pipeline/config.py`) by `python -m pipeline.help --write`; a test keeps it",
-        "current. Group options (`conf/<group>/*.yaml`) and experiments set these keys' values; "
-        "`python -m pipeline --help` lists them.",
+        "Generated from the schema (`schema/`, each draft algorithm's in `engine/drafts/<name>/plan.py`) by",
+        "`python -m pipeline.help --write`; a test keeps it current. Group options (`conf/<group>/*.yaml`) and",
+        "experiments set these keys' values; `python -m pipeline --help` lists them. `draft=<name>` chooses the",
+        "draft node's keys: a key that option does not have is an error.",
         "",
     ]
     _section("", schema.RunConfig, out)

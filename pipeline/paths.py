@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from engine.errors import ConfigError
+from schema import REPO  # noqa: F401  (the repository root)
 
-REPO = Path(__file__).resolve().parents[1]
 PARENT_ENV = "SPECPIPE_PARENT_RUN_ID"  # set for the jobs of a Hydra sweep: the parent MLflow run
 
 

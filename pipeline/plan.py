@@ -27,18 +27,17 @@ from engine.errors import ConfigError, ConfigErrors, PlanError, check_values, ra
 from engine.graphs.backends import NEEDS_CUDA, POLICIES
 from engine.loading import describe_model
 from engine.train.distributed import launch
-from pipeline.config import Device, DType, RunConfig
 from pipeline.paths import outputs_dir, outputs_error
 from pipeline.tracking import tracking_errors
+from schema import Device, DType, RunConfig
 from stages.base import STAGES, Stage, StageEnv, final_stages
-from stages.capture_graphs import run_batch, uses_graphs
 
 GPU_ONLY = "that CUDA is there, the memory plan, graph capture and its memory, the Triton kernels' compilation"
 
 
 def cuda_policies(cfg: RunConfig) -> dict[str, str]:
     """The sides whose graph policy captures CUDA graphs: {"target": "full", "draft": "breakable"}."""
-    sides = {"target": cfg.graph.target, "draft": cfg.graph.draft if cfg.draft.algorithm != "none" else "none"}
+    sides = {"target": cfg.graph.target, "draft": cfg.graph.draft if cfg.draft.k else "none"}
     return {side: p for side, p in sides.items() if p in NEEDS_CUDA}
 
 
@@ -59,7 +58,7 @@ def cuda_error(cfg: RunConfig, device: torch.device, origin: Optional[tuple[str,
     sides = cuda_policies(cfg)
     if device.type == "cuda" or not sides:
         return None
-    both = f"target {cfg.graph.target}, draft {cfg.graph.draft if cfg.draft.algorithm != 'none' else '-'}"
+    both = f"target {cfg.graph.target}, draft {cfg.graph.draft if cfg.draft.k else '-'}"
     where = f"the run's device is {device}" + ("" if torch.cuda.is_available() else " (this host has no CUDA)")
     fix = "graph=none (eager), graph=debug (the runner logic, eagerly), or dry_run=true to print the GPU run's plan"
     if origin is not None:
@@ -102,10 +101,12 @@ def resolve_dtype(dtype: DType, device: torch.device) -> torch.dtype:
     return dtype.torch()
 
 
+SETUP = ("load", "configure_aux_capture", "capture_graphs")  # before the final stage, in this order
+
+
 def resolve_stage_names(cfg: RunConfig, draft: DraftPlan | None) -> list[str]:
-    aux = ["configure_aux_capture"] if draft is not None and draft.aux is not None else []
-    graphs = ["capture_graphs"] if uses_graphs(cfg) else []
-    return ["load", *aux, *graphs, cfg.task]
+    """The setup stages the run needs (each stage says), then the task's."""
+    return [n for n in SETUP if STAGES[n].needed(cfg, draft)] + [cfg.task]
 
 
 @dataclass
@@ -246,11 +247,8 @@ def memory_errors(plan: "Plan") -> list[ConfigError]:
 
 
 def memory_rows(cfg: RunConfig) -> tuple[str, int]:
-    """(key, rows) of the largest KV cache the run allocates: the final stage's batch, and for training the
-    self-distillation generator's batch (model.max_seq_len slots each)."""
-    if cfg.task == "train_draft":
-        return "train.data.batch_size", cfg.train.data.batch_size
-    return run_batch(cfg)
+    """(key, rows) of the largest KV cache the run allocates (model.max_seq_len slots each): the final stage's."""
+    return STAGES[cfg.task]().kv_rows(cfg)
 
 
 def build_plan(cfg: RunConfig, outputs: Path | None = None, origin: Optional[tuple[str, str]] = None) -> Plan:

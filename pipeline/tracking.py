@@ -31,10 +31,11 @@ from urllib.parse import urlparse
 import torch
 
 from engine.errors import ConfigError, check_values, raised
-from pipeline.config import RunConfig, flatten, to_yaml
+from pipeline.config import flatten, to_yaml
 from pipeline.paths import PARENT_ENV, REPO, outputs_problem
 from pipeline.signals import deferred
 from pipeline.store import open_store, owner_tags, reap_dead_runs, store_problem
+from schema import RunConfig
 from stages.base import device_name
 
 MAX_PARAM_LEN = 6000  # MLflow's limit on a param value

@@ -4,8 +4,10 @@ A stage is a class registered under a name with
 
     requires   keys of the run context it reads (provided by earlier stages)
     provides   keys it writes
+    needed(cfg, draft)  whether a run of `cfg` (draft: its DraftPlan or None) has this stage in its plan
     check(cfg, env)   static validation from config files alone (no weights, no GPU); raises ConfigError
     run(cfg, inputs, env) -> {key: value for key in provides}
+    kv_rows(cfg)      a final stage's (key, rows): the largest KV cache it allocates (the plan's memory check)
 
 `final = True` marks a stage that can end a plan (`task=eval`, `serve`, `train_draft`); `runs_target = True`
 a stage that runs target forwards (eval, serve, capture_graphs), which the plan puts after
@@ -25,7 +27,7 @@ import torch
 
 from engine.drafts.registry import DraftPlan
 from engine.model import ModelArgs
-from pipeline.config import RunConfig
+from schema import RunConfig
 
 
 def device_name(device: Optional[torch.device]) -> str:
@@ -46,6 +48,7 @@ class StageEnv:
     draft_plan: Optional[DraftPlan] = None  # None: no draft
     tracker: Any = None  # pipeline.tracking.Tracker (None at plan time)
     notes: list[str] = field(default_factory=list)  # plan remarks shown by dry_run
+    command: Optional[list[str]] = None  # the job's command-line overrides (a model card's command); None: unknown
 
     @property
     def weights_dir(self) -> Path:
@@ -59,6 +62,15 @@ class Stage:
     provides: ClassVar[tuple[str, ...]] = ()
     final: ClassVar[bool] = False
     runs_target: ClassVar[bool] = False  # runs target forwards: aux capture must be configured first
+
+    @classmethod
+    def needed(cls, cfg: RunConfig, draft: Optional[DraftPlan]) -> bool:
+        """Whether the plan of `cfg` runs this stage (a final stage: when it is the task)."""
+        return cfg.task == cls.name if cls.final else True
+
+    def kv_rows(self, cfg: RunConfig) -> tuple[str, int]:
+        """A final stage's (key, rows) of the largest KV cache it allocates (model.max_seq_len slots a row)."""
+        raise NotImplementedError
 
     def check(self, cfg: RunConfig, env: StageEnv) -> None:
         """Raise engine.errors.ConfigError on a bad config; read no weights."""

@@ -47,7 +47,7 @@ def samples(cfg) -> bool:
 
 def adaptive_k(cfg) -> bool:
     """Rounds pick their draft tokens from the load (engine/adaptive_k.py)."""
-    if cfg.draft.algorithm == "none":
+    if cfg.draft.k == 0:
         return False
     return cfg.serve.adaptive_k if cfg.task == "serve" else cfg.task == "eval" and cfg.eval.adaptive_k
 
@@ -61,7 +61,7 @@ def round_ks(cfg, k: int) -> list[int]:
 
 
 def uses_graphs(cfg) -> bool:
-    return cfg.graph.target != "none" or (cfg.draft.algorithm != "none" and cfg.graph.draft != "none")
+    return cfg.graph.target != "none" or (cfg.draft.k > 0 and cfg.graph.draft != "none")
 
 
 @register_stage
@@ -70,6 +70,10 @@ class CaptureGraphsStage(Stage):
     requires = ("target", "draft_head")
     provides = ("graphs",)
     runs_target = True
+
+    @classmethod
+    def needed(cls, cfg, draft) -> bool:
+        return uses_graphs(cfg)
 
     def check(self, cfg, env: StageEnv) -> None:
         g = cfg.graph
@@ -94,14 +98,14 @@ class CaptureGraphsStage(Stage):
         if max_batch(cfg) < batch:
             raise ConfigError("graph.max_batch_size", g.max_batch_size, f"below {key}={batch}", f">= {batch}, or null")
         if batch > max(sizes):
-            k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+            k = cfg.draft.k
             env.notes.append(
                 f"batches of {max(sizes) + 1}..{batch} rows ({(max(sizes) + 1) * (k + 1)}+ verify "
                 f"tokens) exceed the largest capture size {max(sizes)}: they run eagerly (counted as fallbacks)"
             )
 
     def describe(self, cfg, env: StageEnv) -> str:
-        k = cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
+        k = cfg.draft.k
         sizes = capture_sizes(cfg)
         line = (
             f"target {cfg.graph.target}, draft {cfg.graph.draft if env.draft_plan else '-'}; capture sizes "
@@ -121,7 +125,7 @@ class CaptureGraphsStage(Stage):
                 "the draft head does not share the target's embedding: capturing its graphs now "
                 "would bake in memory that is not the target's"
             )
-        k = cfg.draft.num_steps if plan is not None else 0
+        k = cfg.draft.k
         batch = max_batch(cfg)
         draft = None  # a device draft: its caches and state buffers are what the rounds replay over
         if plan is not None and plan.spec.head is not None:

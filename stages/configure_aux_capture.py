@@ -20,6 +20,10 @@ class ConfigureAuxCaptureStage(Stage):
     requires = ("target",)
     provides = ("aux_layers",)
 
+    @classmethod
+    def needed(cls, cfg, draft) -> bool:
+        return draft is not None and draft.aux is not None  # the draft reads aux layers
+
     def describe(self, cfg, env: StageEnv) -> str:
         return f"target aux layers: {env.draft_plan.aux.describe()}"
 

@@ -107,10 +107,6 @@ def _mean(xs) -> float:
     return statistics.fmean(xs) if xs else float("nan")
 
 
-def draft_tokens(cfg) -> int:
-    return cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
-
-
 def encode_prompt(p: Prompt, tok: Tokenizer, e) -> list[int]:
     if p.token_ids is not None:
         return list(p.token_ids)
@@ -122,7 +118,7 @@ def prompt_errors(cfg, tok: Tokenizer, vocab_size: int, hidden: int = 0) -> list
     prompt + eval.max_new_tokens + k draft tokens (the last verify writes k slots past the last token)
     within model.max_seq_len. At most one error of each kind, naming the dataset's first bad record or
     its longest prompt, the tokens, the limit and what would fit."""
-    e, limit, k = cfg.eval, cfg.model.max_seq_len, draft_tokens(cfg)
+    e, limit, k = cfg.eval, cfg.model.max_seq_len, cfg.draft.k
     prompts = load_prompts(e.dataset, e.limit)
     encoded = [encode_prompt(p, tok, e) for p in prompts]
     errors = []
@@ -186,7 +182,7 @@ def encode_prompts(cfg, target: LoadedModel) -> EvalPrompts:
         [len(x) for x in encoded],
         e.max_new_tokens,
         cfg.model.max_seq_len,
-        draft_tokens(cfg),
+        cfg.draft.k,
     )
     return EvalPrompts(prompts, encoded, embeds if any(x is not None for x in embeds) else None)
 
@@ -287,6 +283,9 @@ class EvalStage(Stage):
     final = True
     runs_target = True
 
+    def kv_rows(self, cfg) -> tuple[str, int]:
+        return "eval.batch_size", cfg.eval.batch_size
+
     def check(self, cfg, env: StageEnv) -> None:
         """Every bad value together; then, when the values hold, the prompts against the KV cache."""
         e = cfg.eval
@@ -356,8 +355,7 @@ class EvalStage(Stage):
         extra = [f"peers {list(e.peers)}"] if e.peers else []
         if env.draft_plan is not None:
             extra.append(
-                f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps}"
-                + (" + no-draft baseline" if baseline_on(cfg) else "")
+                f"draft {cfg.draft.algorithm} k={cfg.draft.k}" + (" + no-draft baseline" if baseline_on(cfg) else "")
             )
         total = len(load_prompts(e.dataset, None))
         prompts = f"the first {e.limit} of {total} prompts" if e.limit and e.limit < total else f"all {total} prompts"
@@ -391,7 +389,7 @@ class EvalStage(Stage):
         params = sampling_params(e)
 
         metrics: dict[str, float] = {}
-        graphs, plan, k = inputs.get("graphs"), env.draft_plan, cfg.draft.num_steps
+        graphs, plan, k = inputs.get("graphs"), env.draft_plan, cfg.draft.k
         n = len(data.prompts)
         base = None
         if baseline_on(cfg):
@@ -530,7 +528,7 @@ def summary_table(
         (
             "draft",
             f"{cfg.draft.algorithm}"
-            + (f" k={cfg.draft.num_steps}" if env.draft_plan else "")
+            + (f" k={cfg.draft.k}" if env.draft_plan else "")
             + (" (random weights)" if env.draft_plan is not None and env.draft_plan.random_weights else ""),
         ),
         ("dataset", f"{cfg.eval.dataset} x{metrics['num_prompts']}"),

@@ -35,13 +35,14 @@ class LoadStage(Stage):
             f"rope_theta {a.rope_theta:g}, tied={a.tie_word_embeddings}, {a.num_params() / 1e6:.1f}M params"
         )
         if env.draft_plan is not None:
-            line += f"\n     draft: {env.draft_plan.describe()}, k={cfg.draft.num_steps}"
+            line += f"\n     draft: {env.draft_plan.describe()}, k={cfg.draft.k}"
         return line
 
     def run(self, cfg, inputs, env: StageEnv) -> dict:
         t0 = time.perf_counter()
         loaded = load_model(cfg.model, env.weights_dir, env.device, env.dtype)
-        head = load_head(env.draft_plan, loaded.model, cfg.draft.init_seed, env.device, env.dtype)
+        seed = getattr(cfg.draft, "init_seed", 0)  # drafts with weights have one
+        head = load_head(env.draft_plan, loaded.model, seed, env.device, env.dtype)
         if env.tracker is not None:
             env.tracker.log_metrics({"load_s": time.perf_counter() - t0})
         print(f"[load] {loaded.checkpoint} -> {env.device} {env.dtype} in {time.perf_counter() - t0:.1f}s", flush=True)

@@ -80,10 +80,6 @@ def port_problem(host: str, port: int) -> Optional[str]:
     return None
 
 
-def draft_tokens(cfg) -> int:
-    return cfg.draft.num_steps if cfg.draft.algorithm != "none" else 0
-
-
 def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
     out = {
         "requests": sum(stats.finished.values()),
@@ -115,11 +111,14 @@ class ServeStage(Stage):
     final = True
     runs_target = True
 
+    def kv_rows(self, cfg) -> tuple[str, int]:
+        return "serve.max_batch_size", cfg.serve.max_batch_size
+
     def __init__(self):
         self.server: OpenAIServer | None = None  # set while serving (tests and embedders stop it)
 
     def check(self, cfg, env: StageEnv) -> None:
-        s, k = cfg.serve, draft_tokens(cfg)
+        s, k = cfg.serve, cfg.draft.k
         check_values(
             [
                 ("serve.host", s.host, bool(s.host), "an address to bind, e.g. 127.0.0.1"),
@@ -168,7 +167,7 @@ class ServeStage(Stage):
     def describe(self, cfg, env: StageEnv) -> str:
         s = cfg.serve
         draft = (
-            f"draft {cfg.draft.algorithm} k={cfg.draft.num_steps} (greedy proposals)"
+            f"draft {cfg.draft.algorithm} k={cfg.draft.k} (greedy proposals)"
             if env.draft_plan is not None
             else "no draft"
         )
@@ -187,7 +186,7 @@ class ServeStage(Stage):
         target: LoadedModel = inputs["target"]
         s, graphs, plan = cfg.serve, inputs.get("graphs"), env.draft_plan
         rng = torch.Generator().manual_seed(cfg.seed)  # the seeds of requests without one (host-side)
-        k = draft_tokens(cfg)
+        k = cfg.draft.k
         draft = make_draft(plan, inputs["draft_head"], target.model, s.max_batch_size, k, cfg=cfg.draft, graphs=graphs)
         decoder = SpecDecoder(target.model, s.max_batch_size, draft, k, graphs=graphs)
         if s.adaptive_k and k > 0:

@@ -37,7 +37,7 @@ def plan_errors(outputs: Path, *overrides: str) -> str:
     [
         (["eval.limt=2", "draft.num_stepz=3"], ["eval.limt='2': no such key", "draft.num_stepz='3': no such key"]),
         (
-            ["graph.policy=nope", "draft.num_steps=0", "eval.batch_size=0"],
+            ["graph.policy=nope", "draft=ngram", "draft.num_steps=0", "eval.batch_size=0"],
             ["graph.policy='nope'", "draft.num_steps=0", "eval.batch_size=0"],
         ),
         (["eval.limt=2", "eval.batch_size=0", "seed=-1"], ["eval.limt='2'", "eval.batch_size=0", "seed=-1"]),

@@ -27,8 +27,8 @@ from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.errors import ConfigError
 from engine.loading import random_args
 from engine.train import checkpoints
-from pipeline.config import RandomArchConfig
 from pipeline.paths import REPO
+from schema import RandomArchConfig
 
 TRIALS = 24
 

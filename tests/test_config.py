@@ -8,7 +8,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf.errors import ConfigKeyError, ValidationError
 
 from engine.errors import ConfigError
-from pipeline.config import Device, DType, EvalConfig, RunConfig, compose_run_config, flatten, to_run_config
+from pipeline.config import compose_run_config, flatten, to_run_config
+from schema import Device, DType, EvalConfig, RunConfig
 
 
 def test_defaults_compose_into_dataclasses():

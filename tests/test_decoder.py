@@ -9,14 +9,13 @@ from helpers.models import pair
 from helpers.spec import AUX
 
 from engine.decoder import ATTN, AUX_LIST, DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps
-from engine.drafts.registry import load_head, plan_draft
+from engine.drafts.registry import draft_config, load_head, plan_draft
 from engine.program import run_steps
-from pipeline.config import DraftConfig
 
 
 def _head(target, algorithm):
-    aux = AUX if algorithm in ("eagle3", "dflash") else None
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3, aux_layer_ids=aux)
+    aux = {"aux_layer_ids": AUX} if algorithm in ("eagle3", "dflash") else {}  # the drafts that read aux layers
+    cfg = draft_config(algorithm, init="random", num_steps=3, **aux)
     plan = plan_draft(cfg, target.args)
     return load_head(plan, target, 0, torch.device("cpu"), torch.float32)
 

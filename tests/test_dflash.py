@@ -24,15 +24,15 @@ from engine.drafts.common.ttt import TRITON_OPS
 from engine.drafts.dflash import DFlashDraft
 from engine.drafts.dflash.plan import describe_dflash
 from engine.drafts.dflash.train import AnchorPack, dflash_forward, dflash_forward_packed
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
+from engine.drafts.train_contract import Batch, step_valid, ttt_loss
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.program import run_steps
 from engine.sampling import SamplingParams
-from engine.train.objective import Batch, step_valid, ttt_loss
 from pipeline.__main__ import run
-from pipeline.config import DraftConfig, to_run_config
+from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 
 CUDA = torch.cuda.is_available()
@@ -46,9 +46,9 @@ def target():
     return pair()[1]
 
 
-def dflash_cfg(**kw) -> DraftConfig:
-    base = dict(algorithm="dflash", init="random", num_steps=K, aux_layer_ids=AUX, block_size=BLOCK, num_layers=2)
-    return DraftConfig(**{**base, **kw})
+def dflash_cfg(**kw):
+    base = dict(init="random", num_steps=K, aux_layer_ids=AUX, block_size=BLOCK, num_layers=2)
+    return draft_config("dflash", **{**base, **kw})
 
 
 def make_head(target, device="cpu", std=0.1, seed=0, **kw):

@@ -10,13 +10,12 @@ import sys
 
 import pytest
 import torch
-from helpers.models import tiny_target
+from helpers.models import synth, tiny_target
 from helpers.runs import compose_cfg, metric_history
 from helpers.train import EAGLE3_TRAIN as TRAIN
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file
 
-from engine.train.selfdistill import synthesize
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.paths import REPO
@@ -99,8 +98,8 @@ def test_sharded_synthesis_draws_disjoint_slices_of_the_one_process_seeds(output
     (when no message is drawn again)."""
     target = tiny_target(outputs)
     kw = dict(batch_size=2, max_prompt_tokens=8, max_answer_tokens=6, seed=3, min_prompt_chars=1)
-    whole = synthesize(target, n=6, **kw)
-    parts = [synthesize(target, n=n, shard=(r, 2), **kw) for r, n in ((0, 4), (1, 2))]
+    whole = synth(target, n=6, **kw)
+    parts = [synth(target, n=n, shard=(r, 2), **kw) for r, n in ((0, 4), (1, 2))]
     batch = [whole[i : i + 2] for i in range(0, 6, 2)]  # one process: batches 0, 1, 2
     assert [s.ids for s in parts[0]] == [s.ids for s in batch[0] + batch[2]]
     assert [s.ids for s in parts[1]] == [s.ids for s in batch[1]]

@@ -15,13 +15,13 @@ from engine import aux_layers
 from engine.drafts.base import DraftHead, FeatureHead
 from engine.drafts.common.feature import make_feature
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
-from engine.drafts.registry import ALGORITHMS, DRAFTS, algorithm, load_head, make_draft, plan_draft
+from engine.drafts.registry import ALGORITHMS, DRAFTS, algorithm, draft_config, load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.model import init_normal_
 from engine.sampling import SamplingParams
 from pipeline.__main__ import run
-from pipeline.config import DraftConfig, to_run_config
+from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 
 TINY = ("model=tiny", "eval.limit=3", "eval.max_new_tokens=12", "device=cpu")
@@ -73,9 +73,7 @@ def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
     """draft.intermediate_size narrows a random-init head's MLP (room for a larger draft vocabulary in a
     size budget); the export says so in config.json and loads back as a checkpoint of that width."""
     _, target = pair()
-    cfg = DraftConfig(
-        algorithm="eagle3", init="random", draft_vocab_size=200, intermediate_size=48, aux_layer_ids=[1, 2, 3]
-    )
+    cfg = draft_config("eagle3", init="random", draft_vocab_size=200, intermediate_size=48, aux_layer_ids=[1, 2, 3])
     plan = plan_draft(cfg, target.args)
     assert "draft vocab 200, MLP 48" in plan.describe()
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
@@ -87,7 +85,7 @@ def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
     head.save(tmp_path / "narrow")
     assert json.loads((tmp_path / "narrow" / "config.json").read_text())["intermediate_size"] == 48
     back = load_head(
-        plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "narrow")), target.args),
+        plan_draft(draft_config("eagle3", init="checkpoint", path=str(tmp_path / "narrow")), target.args),
         target,
         1,
         torch.device("cpu"),
@@ -117,7 +115,7 @@ def test_eagle3_checkpoint_round_trip(tmp_path):
     with safe_open(str(path / "model.safetensors"), "pt") as f:
         assert f.get_tensor("midlayer.self_attn.q_proj.weight").shape[1] == 2 * target.args.hidden_size
 
-    plan = plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(path)), target.args)
+    plan = plan_draft(draft_config("eagle3", init="checkpoint", path=str(path)), target.args)
     assert plan.aux.source == "checkpoint" and plan.aux.input_of == (1, 2, 3)
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
     original = Eagle3Head(cfg, 64)
@@ -186,7 +184,8 @@ def test_every_weighted_draft_builds_a_head_of_the_protocol_with_a_trainer():
     assert {name for name, a in DRAFTS.items() if a.head is not None} == set(WEIGHTED)
     _, target = pair()
     for name, ids in WEIGHTED.items():
-        plan = plan_draft(DraftConfig(algorithm=name, init="random", aux_layer_ids=ids), target.args)
+        aux = {"aux_layer_ids": ids} if ids is not None else {}  # the drafts that read aux layers
+        plan = plan_draft(draft_config(name, init="random", **aux), target.args)
         head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
         assert type(head) is plan.spec.head and isinstance(head, DraftHead), name
         assert isinstance(head, FeatureHead) == (plan.spec.make is make_feature), name

@@ -1,6 +1,6 @@
-"""The house's layering, read from the source: kernels are leaves, engine never imports stages or the
-pipeline, stages import only the pipeline's config schema and paths (never the orchestrator), and no
-import circle exists among the project's modules (imports inside functions included)."""
+"""The house's layering, read from the source: kernels are leaves, engine never imports the run schema,
+the stages or the pipeline, stages read the run schema and never the orchestrator, and no import circle
+exists among the project's modules (imports inside functions included)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,7 @@ import ast
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-LAYERS = ("kernels", "engine", "stages", "pipeline")  # each may import the ones before it
-SCHEMA = {"pipeline.config", "pipeline.paths"}  # what stages may read from the pipeline
+LAYERS = ("kernels", "engine", "schema", "stages", "pipeline")  # each may import the ones before it
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -39,10 +38,7 @@ def import_graph() -> dict[str, set[str]]:
 def test_no_module_imports_a_layer_above_it():
     rank = {layer: i for i, layer in enumerate(LAYERS)}
     up = sorted(
-        (m, n)
-        for m, deps in import_graph().items()
-        for n in deps
-        if rank[n.split(".")[0]] > rank[m.split(".")[0]] and not (m.startswith("stages") and n in SCHEMA)
+        (m, n) for m, deps in import_graph().items() for n in deps if rank[n.split(".")[0]] > rank[m.split(".")[0]]
     )
     assert not up, up
 

@@ -15,13 +15,12 @@ from helpers.train import assert_trained_beats_random, tiny_train
 
 from engine.drafts.multi_layer import StepCaches
 from engine.drafts.multi_layer.train import multi_layer_forward
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
+from engine.drafts.train_contract import Batch
 from engine.errors import ConfigError
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.sampling import SamplingParams
-from engine.train.objective import Batch
-from pipeline.config import DraftConfig
 
 K = 3
 
@@ -32,7 +31,7 @@ def target():
 
 
 def _head(target, k=K, seed=0):
-    plan = plan_draft(DraftConfig(algorithm="multi_layer_eagle", init="random", num_steps=k), target.args)
+    plan = plan_draft(draft_config("multi_layer_eagle", init="random", num_steps=k), target.args)
     head = load_head(plan, target, seed, torch.device("cpu"), torch.float32)
     with torch.no_grad():  # spread weights: varied proposals, so a mixed-up pool changes them
         g = torch.Generator().manual_seed(seed)
@@ -43,7 +42,7 @@ def _head(target, k=K, seed=0):
 
 
 def _generator(target, plan, head, batch, params, k=K):
-    draft = make_draft(plan, head, target, batch, k, cfg=DraftConfig(num_steps=k))
+    draft = make_draft(plan, head, target, batch, k, cfg=draft_config("multi_layer_eagle", num_steps=k))
     return Generator(target, batch, draft, k)
 
 
@@ -75,7 +74,7 @@ def _partial_run(target, head, plan, prompts, caches=None, graphs: bool = False)
     params = SamplingParams(max_new_tokens=21, ignore_eos=True)
     b = len(prompts)
     base = [r.tokens for r in Generator(target, b).generate(prompts, params)]
-    draft = make_draft(plan, head, target, b, K, cfg=DraftConfig(num_steps=K))
+    draft = make_draft(plan, head, target, b, K, cfg=draft_config("multi_layer_eagle", num_steps=K))
     if caches is not None:
         draft.caches = caches
     checked, g = [], torch.Generator().manual_seed(0)
@@ -188,21 +187,22 @@ def test_fallback_above_capture_size_reads_eager_outputs_not_poisoned_buffers():
 @pytest.mark.parametrize(
     "overrides, key",
     [
-        (dict(aux_layer_ids=[1, 2]), "draft.aux_layer_ids"),
         (dict(init="checkpoint", path=None), "draft.path"),
     ],
 )
 def test_plan_errors(target, overrides, key):
     with pytest.raises(ConfigError) as e:
-        plan_draft(DraftConfig(algorithm="multi_layer_eagle", **{"init": "random", **overrides}), target.args)
+        plan_draft(draft_config("multi_layer_eagle", **{"init": "random", **overrides}), target.args)
     assert e.value.key == key
+    with pytest.raises(TypeError, match="aux_layer_ids"):  # not a key of its schema (Hydra: no such key)
+        draft_config("multi_layer_eagle", init="random", aux_layer_ids=[1, 2])
 
 
 def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
     plan, head = _head(target, k=2)
     head.save(tmp_path / "mtp")
     loaded_plan = plan_draft(
-        DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=2),
+        draft_config("multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=2),
         target.args,
     )
     loaded = load_head(loaded_plan, target, 1, torch.device("cpu"), torch.float32)
@@ -211,7 +211,7 @@ def test_checkpoint_round_trip_and_module_count_check(target, tmp_path):
     assert loaded.lm_head is target.lm_head and loaded.embed is target.model.embed_tokens
     with pytest.raises(ConfigError, match="num_steps"):
         plan_draft(
-            DraftConfig(algorithm="multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=3),
+            draft_config("multi_layer_eagle", init="checkpoint", path=str(tmp_path / "mtp"), num_steps=3),
             target.args,
         )
 

@@ -70,12 +70,7 @@ def test_set_up_runs_only_the_stages_named(outputs):
         (["eval.top_p=1.5"], ["eval.top_p=1.5", "(0, 1]"]),
         (["eval.temperature=-1"], ["eval.temperature=-1.0", ">= 0"]),
         (["eval.peers=[vllm]"], ["eval.peers='vllm'", "hf_generate"]),
-        # a key the chosen draft does not read (each algorithm's own config: engine/drafts/config.py)
-        (["draft=ngram", "draft.block_size=8"], ["draft.block_size=8", "ngram does not read it", "draft.ngram_max"]),
-        (
-            ["draft=eagle", "draft.init=random", "draft.aux_layer_ids=[1,2]"],
-            ["draft.aux_layer_ids=[1, 2]", "eagle does not read it", "draft.init_seed"],
-        ),
+        (["draft=eagle", "draft.algorithm=eagle3"], ["draft.algorithm='eagle3'", "EagleConfig's", "draft=eagle3"]),
         (["eval.peers=[torch_compile]", "eval.temperature=0.7"], ["eval.peers='torch_compile'", "eval.temperature=0"]),
         (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
         (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
@@ -86,6 +81,42 @@ def test_bad_values_are_named(overrides, needles, outputs):
     text = plan_error("model=tiny", *overrides, outputs=outputs)
     for n in needles:
         assert n in text, text
+
+
+@pytest.mark.parametrize(
+    "overrides, needles",
+    [
+        # a key the chosen draft does not have: draft=<name>'s schema is its dataclass (engine/drafts)
+        (["draft=ngram", "draft.block_size=8"], ["draft.block_size='8': no such key", "draft.ngram_max"]),
+        (
+            ["draft=eagle", "draft.init=random", "draft.aux_layer_ids=[1,2]"],
+            ["draft.aux_layer_ids='[1,2]': no such key", "draft.init_seed"],
+        ),
+        (["draft=dflash", "draft.num_stepz=4"], ["draft.num_stepz='4': no such key", "draft.num_steps"]),
+        # a value of the wrong type for that schema
+        (["draft=ngram", "draft.ngram_max=three"], ["draft.ngram_max='three': wrong type", "Integer"]),
+        (["draft=dflash", "draft.block_size=[8]"], ["draft.block_size='[8]': wrong type"]),
+    ],
+)
+def test_a_draft_key_its_option_lacks_is_hydra_s_error_in_one_line(overrides, needles):
+    """Hydra composes draft=<name> over its algorithm's schema: a key outside it, or a value of another type,
+    fails composition, reported as the pipeline's one line (key, value, what is valid) before any load."""
+    from pipeline.compose_check import compose_problems
+
+    errors, _ = compose_problems(["model=tiny", "device=cpu", *overrides])
+    assert len(errors) == 1, errors
+    for n in needles:
+        assert n in str(errors[0]), errors[0]
+
+
+def test_a_draft_key_added_with_a_plus_is_still_unknown():
+    """`+draft.key=value` slips past Hydra's struct mode; the conversion to the run config names it, with
+    the keys of the chosen algorithm."""
+    from engine.errors import ConfigError
+
+    with pytest.raises(ConfigError) as e:
+        to_run_config(compose_cfg("model=tiny", "draft=ngram", "+draft.init=random"))
+    assert "draft.init='random': unknown key" in str(e.value) and "ngram_max" in str(e.value)
 
 
 def test_all_problems_reported_at_once(outputs):

@@ -9,16 +9,15 @@ import os
 import pytest
 import torch
 from helpers.models import pair, random_prompts
-from helpers.spec import AUX, build, setup, spec_generator
+from helpers.spec import AUX, build, setup, spec_generator, weights
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import round_name
 from engine.program import run_steps
 from engine.round import round_program
 from engine.sampling import Draws, SamplingParams
 from engine.verify import accept_greedy, verify, verify_greedy
-from pipeline.config import DraftConfig
 
 CUDA = torch.cuda.is_available()
 KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
@@ -39,12 +38,7 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
     device) no step of a greedy or sampled round is a break under any capturing policy; SDPA attention
     breaks under breakable and not under full."""
     _, target = pair()
-    cfg = DraftConfig(
-        algorithm=algorithm,
-        init="random",
-        num_steps=3,
-        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
-    )
+    cfg = draft_config(algorithm, num_steps=3, **weights(algorithm, ("eagle3", "dflash")))
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
@@ -204,12 +198,7 @@ def _fused_pair(algorithm, device):
     fused_target.use_fused_kernels()
     fhead = head.copy(device)
     fhead.bind(fused_target)
-    cfg = DraftConfig(
-        algorithm=algorithm,
-        init="random",
-        num_steps=3,
-        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
-    )
+    cfg = draft_config(algorithm, num_steps=3, **weights(algorithm, ("eagle3", "dflash")))
     plan = plan_draft(cfg, fused_target.args)
     fdraft = make_draft(plan, fhead, fused_target, 2, 3, cfg=cfg)
     assert fhead.fused and fhead.attention_kernel
@@ -267,7 +256,7 @@ def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
 
     _, fused, params, base = fused_eagle3
     target, head = fused.model, fused.draft.head
-    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
+    cfg = draft_config("eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
     plan = plan_draft(cfg, target.args)
     draft = make_draft(plan, head, target, 2, 3, cfg=cfg)
     gs = GraphSet(target, draft, 2, 3, "debug", "debug", [2], [8], features=True).capture()  # the prompts pad to 8
@@ -284,7 +273,7 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     from engine.graphs.graph_set import GraphSet
 
     _, target = pair()
-    cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
+    cfg = draft_config("eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of)
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)

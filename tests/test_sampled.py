@@ -12,12 +12,11 @@ import torch
 from helpers.spec import AUX
 from helpers.stats import chi_square_ok
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.generate import Generator, SpecDecoder
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.sampling import SamplingParams
-from pipeline.config import DraftConfig
 
 T, TOP_P = 0.7, 0.9
 SAMPLED = SamplingParams(temperature=T, top_p=TOP_P, max_new_tokens=3, ignore_eos=True)
@@ -41,7 +40,7 @@ def draft_for(target: LlamaModel, algorithm: str, batch: int, k: int, graphs=Non
     """A random draft head (its q unlike p), the EAGLE3 one over a draft vocabulary of 16 of the target's
     24 tokens (a shuffled d2t): its q is mapped to target ids."""
     kw = {"draft_vocab_size": 16} if algorithm == "eagle3" else {}
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=k, aux_layer_ids=AUX, **kw)
+    cfg = draft_config(algorithm, init="random", num_steps=k, aux_layer_ids=AUX, **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of)
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
@@ -169,7 +168,7 @@ def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, pol
     params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=24, ignore_eos=True)
     prompts, seeds = [[5, 6, 7, 8], [1, 2, 3], [9, 4, 4, 4, 2]], [3, 4, 5]
     aux = AUX if algorithm in ("eagle3", "dflash") else None
-    cfg = DraftConfig(algorithm=algorithm, init="random", num_steps=3, aux_layer_ids=aux)
+    cfg = draft_config(algorithm, init="random", num_steps=3, aux_layer_ids=aux)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, torch.device("cuda"), torch.bfloat16)

@@ -106,10 +106,10 @@ def eval_reference(served: Served, prompts: list[list[int]], max_tokens: int) ->
     plan = env.draft_plan
     if plan is not None and plan.aux is not None:
         loaded.model.set_aux_layers(plan.aux.input_of)
-    head = load_head(plan, loaded.model, cfg.draft.init_seed, env.device, env.dtype)
+    head = load_head(plan, loaded.model, getattr(cfg.draft, "init_seed", 0), env.device, env.dtype)  # as stage load
     params = SamplingParams(max_new_tokens=max_tokens)
-    draft = make_draft(plan, head, loaded.model, 1, cfg.draft.num_steps, cfg=cfg.draft)
-    gen = Generator(loaded.model, 1, draft, cfg.draft.num_steps if plan is not None else 0)
+    draft = make_draft(plan, head, loaded.model, 1, cfg.draft.k, cfg=cfg.draft)
+    gen = Generator(loaded.model, 1, draft, cfg.draft.k)
     return [gen.generate([p], params, loaded.tokenizer.eos_token_ids)[0].tokens for p in prompts]
 
 
@@ -557,15 +557,13 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     from helpers.models import random_prompts
     from helpers.spec import build, setup
 
+    from engine.drafts.registry import draft_config
     from engine.generate import SpecDecoder
     from engine.graphs.graph_set import round_name
     from engine.serve.scheduler import GenerationRequest, Scheduler
-    from pipeline.config import DraftConfig
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
-    draft = make_draft(
-        plan, head, target, 3, DraftConfig(algorithm="eagle3").num_steps, cfg=DraftConfig(algorithm="eagle3"), graphs=gs
-    )
+    draft = make_draft(plan, head, target, 3, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
     sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     sched.warm_up()  # throwaway requests, greedy and sampled: they leave no trace in what follows
     assert sched.stats.rounds == sched.stats.submitted == 0 and not sched.waiting

@@ -13,11 +13,10 @@ from helpers.models import pair
 from helpers.runs import compose_cfg
 from helpers.spec import AUX
 
-from engine.drafts.registry import load_head, plan_draft
+from engine.drafts.registry import draft_config, load_head, plan_draft
 from engine.drafts.storage import FP8, SCALE_SUFFIX, dequantize, quantize, read_state, write_checkpoint
 from engine.errors import PlanError
 from pipeline.__main__ import run
-from pipeline.config import DraftConfig
 
 CHECKPOINTS = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints"
 
@@ -43,7 +42,7 @@ def test_an_fp8_checkpoint_plans_and_loads_like_its_bf16_form(tmp_path):
     """A head saved, rewritten as fp8 and back as bf16: the plan reads the same shapes from all three,
     the fp8 file is about half the bf16 one, and the loaded weights agree within fp8's rounding."""
     _, target = pair()
-    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
+    cfg = draft_config("eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
     head = load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32)
     head.save(tmp_path / "fp32")
     bf16 = write_checkpoint(tmp_path / "fp32", tmp_path / "bf16", "bf16")
@@ -51,11 +50,11 @@ def test_an_fp8_checkpoint_plans_and_loads_like_its_bf16_form(tmp_path):
     assert fp8.stat().st_size < 0.6 * bf16.stat().st_size
     heads = {}
     for form in ("fp32", "bf16", "fp8"):
-        plan = plan_draft(DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / form)), target.args)
+        plan = plan_draft(draft_config("eagle3", init="checkpoint", path=str(tmp_path / form)), target.args)
         assert (
             plan.checkpoint.shapes
             == plan_draft(
-                DraftConfig(algorithm="eagle3", init="checkpoint", path=str(tmp_path / "fp32")), target.args
+                draft_config("eagle3", init="checkpoint", path=str(tmp_path / "fp32")), target.args
             ).checkpoint.shapes
         )
         heads[form] = load_head(plan, target, 0, torch.device("cpu"), torch.float32).state_dict()
@@ -74,7 +73,7 @@ def test_an_fp8_checkpoint_plans_and_loads_like_its_bf16_form(tmp_path):
 def test_an_fp8_head_drafts_end_to_end(tmp_path, outputs):
     """An eval with an fp8 checkpoint plans, loads and drafts; greedy output stays the target's."""
     _, target = pair()
-    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
+    cfg = draft_config("eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
     load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32).save(tmp_path / "h")
     write_checkpoint(tmp_path / "h", tmp_path / "h8", "fp8")
     ctx = run(
@@ -112,7 +111,7 @@ def test_a_broken_checkpoint_file_is_one_clear_error_before_any_weights_load(tmp
     from pipeline.paths import REPO
 
     _, target = pair()
-    cfg = DraftConfig(algorithm="eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
+    cfg = draft_config("eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
     load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32).save(tmp_path / "good")
     data = (tmp_path / "good" / "model.safetensors").read_bytes()
     cases = {

@@ -4,28 +4,24 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import spread_init, tiny_target
+from helpers.models import spread_init, synth, tiny_target
 
 from engine.drafts.eagle3.vocab import build_draft_vocab
-from engine.train.selfdistill import Sample, cut_share, synthesize
+from engine.train.selfdistill import Sample, cut_share
 
 
 def test_synthesize_prompts_and_answers_from_the_target(outputs):
     target = tiny_target(outputs)
-    samples = synthesize(
-        target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1
-    )
+    samples = synth(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1)
     assert len(samples) == 5
     tok = target.tokenizer
     for s in samples:
         assert s.prompt_ids == tok.encode_chat(s.user)  # the chat template around the synthesised message
         assert 0 < len(s.answer_ids) <= 12 and s.ids[: len(s.prompt_ids)] == s.prompt_ids
     assert len({s.user for s in samples}) > 1  # sampled, not one message repeated
-    again = synthesize(
-        target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1
-    )
+    again = synth(target, n=5, batch_size=4, max_prompt_tokens=24, max_answer_tokens=12, seed=1, min_prompt_chars=1)
     assert [s.ids for s in again] == [s.ids for s in samples]  # seeded
-    whole = synthesize(
+    whole = synth(
         target,
         n=5,
         batch_size=4,
@@ -40,7 +36,7 @@ def test_synthesize_prompts_and_answers_from_the_target(outputs):
     # looks every 5 steps give the same ones (each batch also draws from its own seeded generator, so
     # steps run past a batch's end cannot shift the next batch's draws)
     for sync_every in (1, 5):
-        other = synthesize(
+        other = synth(
             target,
             n=5,
             batch_size=4,
@@ -79,7 +75,7 @@ def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
     kw = dict(
         n=4, batch_size=4, max_prompt_tokens=24, max_answer_tokens=6, seed=3, min_prompt_chars=0, prompt_temperature=0.0
     )
-    samples = synthesize(target, system_prompts=systems, **kw)
+    samples = synth(target, system_prompts=systems, **kw)
     # the messages are what the target writes after each row's own prefix
     prefixes = [steered[0], plain[0], steered[0], plain[0]]
     users = [
@@ -88,7 +84,7 @@ def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
     ]
     assert [s.user for s in samples] == users
     assert all(s.prompt_ids == tok.encode_chat(s.user) for s in samples)  # answered under the default
-    assert [s.user for s in synthesize(target, **kw)] != users  # without them: other messages
+    assert [s.user for s in synth(target, **kw)] != users  # without them: other messages
 
 
 def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outputs):
@@ -120,15 +116,15 @@ def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outpu
         prompt_temperature=0.0,
         system_prompts=systems,
     )
-    samples = synthesize(target, n=len(systems), **kw)
+    samples = synth(target, n=len(systems), **kw)
     assert [s.cut for s in samples] == [not e for e in ended]
     assert cut_share(samples) == pytest.approx(1 - sum(ended) / len(ended))
-    kept = synthesize(target, n=sum(ended), drop_cut=True, **kw)
+    kept = synth(target, n=sum(ended), drop_cut=True, **kw)
     assert [s.user for s in kept] == [s.user for s, e in zip(samples, ended) if e] and cut_share(kept) == 0
     # under a system message whose greedy message is always cut, no sample: the tries are bounded, and said so
     cut_only = [sp for sp, e in zip(systems, ended) if not e][:1]
     with pytest.warns(UserWarning, match="0 of 8 samples .* or cut at max_prompt_tokens=5"):
-        assert synthesize(target, n=8, drop_cut=True, **{**kw, "system_prompts": cut_only}) == []
+        assert synth(target, n=8, drop_cut=True, **{**kw, "system_prompts": cut_only}) == []
 
     meta = {"data": "key"}
     save_samples(outputs / "cache", samples, meta, 1.0)
@@ -272,9 +268,7 @@ def test_target_batch_top_is_the_targets_greedy_token_on_its_own_answers(outputs
     target = loaded.model
     spread_init(target, seed=4)  # peaked answers, no near-ties
     target.set_aux_layers([1, 2, 3])
-    samples = synthesize(
-        loaded, n=6, batch_size=6, max_prompt_tokens=12, max_answer_tokens=16, seed=2, min_prompt_chars=1
-    )
+    samples = synth(loaded, n=6, batch_size=6, max_prompt_tokens=12, max_answer_tokens=16, seed=2, min_prompt_chars=1)
     vocab = VocabMap(*build_draft_vocab([s.ids for s in samples[:3]], target.args.vocab_size, 48))
     cache = StaticKVCache(target.args, 6, 64, torch.device("cpu"), torch.float32)
     batch = target_batch(target, cache, samples, vocab, 64, "cpu")

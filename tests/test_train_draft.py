@@ -20,15 +20,15 @@ from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
 from engine.drafts.dflash.train import dflash_forward_packed
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.train import ttt_forward
+from engine.drafts.train_contract import Batch, ttt_loss
 from engine.model import StaticKVCache, run_steps
+from engine.train.acceptance import chain_acceptance, chain_lengths, simulated_loop
 from engine.train.average import WeightAverage
-from engine.train.objective import Batch, chain_acceptance, chain_lengths, simulated_loop, ttt_loss
 from kernels.runtime import triton
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 from pipeline.tracking import default_tracking_uri
-from stages.train_draft import model_card, settings
 
 
 def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
@@ -238,22 +238,22 @@ def test_ttt_forward_on_the_triton_ops_under_bf16_autocast_on_gpu():
 
 def test_training_forward_follows_attention_and_kernels():
     from engine.drafts.registry import TRAIN_SPECS
-    from engine.train.trainer import training_forward
+    from engine.train.trainer import train_attention, train_kernels, training_forward
 
-    s = settings(to_run_config(compose_cfg(*TRAIN, "device=cpu")), torch.device("cpu"))
-    fast = dataclasses.replace(s, attention="flex", kernels="triton")
-    forward = lambda name, cfg: (lambda f: (f.func, f.keywords))(training_forward(TRAIN_SPECS[name], cfg))  # noqa: E731
+    t = to_run_config(compose_cfg(*TRAIN, "device=cpu")).train
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")  # only their type is read
+    fast = ("flex", "triton")
+    forward = lambda name, ak: (lambda f: (f.func, f.keywords))(training_forward(TRAIN_SPECS[name], *ak))  # noqa: E731
     eagle3, dflash, mtp = (TRAIN_SPECS[n] for n in ("eagle3", "dflash", "multi_layer_eagle"))
+    plain = (train_attention(t.attention, eagle3, cpu), train_kernels(t.kernels, cpu))  # CPU: auto is eager, torch
+    assert plain == ("eager", "torch")
     assert forward("eagle3", fast) == (eagle3.forward, {"attention": ttt_attention_flex, "ops": TRITON_OPS})
     assert forward("dflash", fast) == (dflash_forward_packed, {"ops": TRITON_OPS})  # the trained anchors only
-    assert forward("dflash", s) == (dflash.forward, {})
+    assert forward("dflash", plain) == (dflash.forward, {})
     assert forward("multi_layer_eagle", fast) == (mtp.forward, {})  # neither exists there
-    assert forward("eagle3", s) == (eagle3.forward, {})  # CPU: eager attention, torch kernels
-    from stages.train_draft import flex_trains
-
-    cuda = torch.device("cuda")  # only its type is read
-    assert flex_trains("dflash", cuda) and flex_trains("eagle3", cuda) and not flex_trains("multi_layer_eagle", cuda)
-    assert not flex_trains("dflash", torch.device("cpu"))
+    assert forward("eagle3", plain) == (eagle3.forward, {})
+    assert train_attention("auto", dflash, cuda) == train_attention("auto", eagle3, cuda) == "flex"
+    assert train_attention("auto", mtp, cuda) == "eager" == train_attention("auto", dflash, cpu)
 
 
 def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch):
@@ -266,19 +266,11 @@ def test_triton_train_kernels_need_cuda_or_the_interpreter(outputs, monkeypatch)
 def test_lr_schedule_warms_up_then_follows_steps_or_time_down_to_the_floor():
     from engine.train.trainer import lr_at
 
-    s = settings(
-        to_run_config(
-            compose_cfg(
-                *TRAIN,
-                "train.lr=1e-3",
-                "train.warmup_steps=10",
-                "train.steps=110",
-                "train.min_lr_ratio=0.25",
-                "device=cpu",
-            )
-        ),
-        torch.device("cpu"),
-    )
+    s = to_run_config(
+        compose_cfg(
+            *TRAIN, "train.lr=1e-3", "train.warmup_steps=10", "train.steps=110", "train.min_lr_ratio=0.25", "device=cpu"
+        )
+    ).train
     assert lr_at(0, 0.0, s) == pytest.approx(1e-4) and lr_at(9, 0.0, s) == pytest.approx(1e-3)
     assert lr_at(60, 0.0, s) == pytest.approx(1e-3 * (0.25 + 0.75 * 0.5))  # half way down the cosine
     assert lr_at(110, 0.0, s) == pytest.approx(2.5e-4) == lr_at(500, 0.0, s)  # the floor, and it stays
@@ -370,7 +362,7 @@ def test_train_draft_stage_trains_exports_resumes_and_drafts(outputs, tmp_path):
     assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == 96
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
     with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
-        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # train.save_dtype
+        assert f.get_tensor("lm_head.weight").dtype == torch.bfloat16  # the export's dtype
         d2t = f.get_tensor("d2t")
     card = (head_dir / "README.md").read_text()
     assert "accept_length" in card and "of them cut at" in card  # the share of user messages cut
@@ -443,7 +435,7 @@ def test_a_loss_that_goes_nan_stops_the_run_with_one_clear_error(outputs):
     """A diverged run stops at the first logged step whose loss is not finite and its MLflow run is FAILED,
     rather than spending its time budget training on NaN; no head is exported."""
     with pytest.raises(FloatingPointError, match=r"train_loss=nan at step \d+ .*train.kernels=torch"):
-        run(compose_cfg(*TRAIN, "train.steps=40", "train.lr=1e30", "train.grad_clip=1e30"))
+        run(compose_cfg(*TRAIN, "train.steps=40", "train.lr=1e30"))
     client = MlflowClient(default_tracking_uri(outputs))
     (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
     assert r.info.status == "FAILED"
@@ -578,8 +570,8 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
     assert facts["head_last"]["metrics"]["val_loss"] == pytest.approx(m["last_val_loss"], abs=1e-4)
     assert facts["head_last"]["metrics"]["train_steps"] == 30
     card = (out / "head" / "README.md").read_text()
-    # the command: the recipe and what differs from it (the recipe's EMA is 0.999, its lr 3e-3)
-    assert "+experiment=train_eagle3_smollm2 train.ema_decay=0.9 train.lr=0.005`" in card
+    # the command: the job's command line; a run composed in-process has none, so the card names the recipe
+    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in card and "decay 0.9" in card
     assert "exponential moving average" in card
     assert "last step's own weights" in (out / "head_last" / "README.md").read_text()
 
@@ -594,11 +586,8 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
 @pytest.mark.parametrize(
     "override, key",
     [
-        (["draft=ngram"], "draft.algorithm"),
         (["train.heldout=1.5"], "train.heldout"),
-        (["train.data.graph=full"], "train.data.graph"),
-        (["train.data.graph=fast"], "train.data.graph"),
-        (["train.data.sync_every=0"], "train.data.sync_every"),
+        (["train.data.batch_size=0"], "train.data.batch_size"),
         (["train.max_len=4096"], "train.max_len"),
         (["train.steps=0"], "train.steps"),
         (["train.attention=flex"], "train.attention"),  # FlexAttention trains on CUDA only
@@ -607,7 +596,6 @@ def test_ema_head_is_exported_beside_the_last_steps_weights_and_resumes(outputs)
         (["train.kernels=fused"], "train.kernels"),
         (["train.min_lr_ratio=1.5"], "train.min_lr_ratio"),
         (["train.ema_decay=1"], "train.ema_decay"),
-        (["train.data.prompt_top_p=0"], "train.data.prompt_top_p"),
         (["draft.lm_head=tied"], "draft.lm_head"),
         (["draft.lm_head=target"], "draft.draft_vocab_size"),  # TRAIN sets a draft vocabulary
         (["draft.intermediate_size=0"], "draft.intermediate_size"),
@@ -621,28 +609,45 @@ def test_bad_train_config_is_one_clear_error(outputs, override, key):
     assert not (outputs / "train").exists()  # nothing written
 
 
+def test_a_draft_without_a_trainer_is_one_clear_error(outputs):
+    with pytest.raises(PlanError) as e:
+        build_plan(to_run_config(compose_cfg("model=tiny", "device=cpu", "task=train_draft", "draft=ngram")))
+    assert "draft.algorithm='ngram': no trainer for this draft" in str(e.value), e.value
+
+
 # ------------------------------------------------------------------------------------------ the shipped head
 SHIPPED = Path(__file__).resolve().parents[1] / "engine" / "drafts" / "checkpoints" / "smollm2-135m-instruct-eagle3"
 
 
-def test_model_card_command_is_the_recipe_and_what_differs_from_it():
-    """The card's command is the run's experiment with the levers whose value is not its recipe's: the
-    shipped head is the recipe's own run; turning the recipe's weight decay and EMA off shows as overrides,
-    and the card's words for them go."""
+def test_a_head_card_is_the_template_filled_from_its_training_json(tmp_path):
+    """engine/train/card.py writes README.md from card.md, the head's training.json and config.json and the
+    algorithm's own words (its TrainSpec): the shipped head's facts give its command, its settings' words
+    (weight decay, EMA) and its figures; other settings change those words and nothing is left unfilled."""
+    import shutil
+
+    from engine.drafts.registry import TRAIN_SPECS
+    from engine.train.card import TEMPLATE, card_text, stored_tensors, write_card
+
+    spec = TRAIN_SPECS["eagle3"]
+    for name in ("training.json", "config.json", "model.safetensors"):
+        shutil.copy(SHIPPED / name, tmp_path / name)
+    write_card(tmp_path, spec.summary, spec.objective)
+    card = (tmp_path / "README.md").read_text()
     facts = json.loads((SHIPPED / "training.json").read_text())
-    card = model_card(facts)
-    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in (SHIPPED / "README.md").read_text()
-    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in card
+    config = json.loads((SHIPPED / "config.json").read_text())
+    tensors = stored_tensors(SHIPPED / "model.safetensors")
+    assert card == card_text(facts, config, tensors, spec.summary, spec.objective)
+    assert card.startswith("# eagle3 draft head for smollm2-135m-instruct") and "{" not in card
+    assert TEMPLATE.split("{")[0] in card and "## How it was trained" in card and "## Acceptance measured" in card
+    assert "(`python -m pipeline +experiment=train_eagle3_smollm2`)" in card  # no command recorded: the recipe
+    assert "`LlamaForCausalLMEagle3`: `d2t`, `fc`, `lm_head`, `midlayer.*`, `norm`, `t2d`" in card
+    assert f"{facts['draft_vocab_size']}-token draft vocabulary" in card
     assert "weight decay 0.1" in card and "moving average" in card
-    facts["train"].update(weight_decay=0.0, ema_decay=0.0, lr=1e-3)
-    card = model_card(facts)
-    assert "+experiment=train_eagle3_smollm2 train.ema_decay=0 train.weight_decay=0 train.lr=0.001`" in card
+    k = facts["train"]["eval_k"]
+    assert f"accept_length {facts['metrics'][f'val_accept_length_k{k}']:.2f} (bonus token included)" in card
+    facts["train"].update(weight_decay=0.0, ema_decay=0.0)
+    facts.update(command="python -m pipeline +experiment=train_eagle3_smollm2 train.lr=0.001", lm_head="target")
+    card = card_text(facts, config, tensors, spec.summary, spec.objective)
+    assert "(`python -m pipeline +experiment=train_eagle3_smollm2 train.lr=0.001`)" in card
     assert "weight decay" not in card and "moving average" not in card
-    facts["experiment"] = "train_mtp_smollm2"  # another recipe, its own values: lr 2e-3, T 0.5, EMA, 600 s
-    facts["train"].update(max_time_s=480.0)
-    assert (
-        "(`python -m pipeline +experiment=train_mtp_smollm2 train.ema_decay=0 train.weight_decay=0 "
-        "train.lr=0.001 train.max_time_s=480`)"
-    ) in model_card(facts)
-    facts["train"].update(max_time_s=None)  # a run stopped by steps only: the override that says so
-    assert "train.lr=0.001 train.max_time_s=null`)" in model_card(facts)
+    assert "the target's lm_head" in card and "target's whole vocabulary" in card

@@ -12,11 +12,10 @@ from helpers.runs import compose_cfg
 from helpers.train import assert_trained_beats_random, tiny_train
 
 from engine.drafts.eagle.train import eagle_forward
-from engine.drafts.registry import load_head, plan_draft
+from engine.drafts.registry import draft_config, load_head, plan_draft
+from engine.drafts.train_contract import Batch
 from engine.program import run_steps
-from engine.train.objective import Batch
 from pipeline.__main__ import run
-from pipeline.config import DraftConfig
 
 
 def test_first_step_equals_the_heads_inference_program():
@@ -24,7 +23,7 @@ def test_first_step_equals_the_heads_inference_program():
     the same pairs: the logits agree position by position."""
     _, target = pair()
     head = load_head(
-        plan_draft(DraftConfig(algorithm="eagle", init="random"), target.args),
+        plan_draft(draft_config("eagle", init="random"), target.args),
         target,
         0,
         torch.device("cpu"),

@@ -38,7 +38,7 @@ lengths + a + 2 (the extend), the first one at the prompt's length + 1 (`begin`)
 
 Each algorithm is one folder (engine/drafts/<name>/) that exports an `Algorithm` record: its plan
 function (config files only), its head class (the `DraftHead` protocol), the factory of its per-run
-Draft object, its training objective (`engine.train.objective.TrainSpec`) and its recipe. The registry
+Draft object, its training objective (`engine.drafts.train_contract.TrainSpec`) and its recipe. The registry
 (engine/drafts/registry.py) is the table of those records; nothing outside a folder branches on a name.
 """
 
@@ -272,14 +272,6 @@ class DraftHead(Protocol):
         """config.json + model.safetensors in the public layout of `architecture`."""
         ...
 
-    def card_summary(self, facts: dict) -> str:
-        """The model card's description of the head (stages/train_draft.py writes the card)."""
-        ...
-
-    def card_objective(self, facts: dict) -> str:
-        """The model card's training objective."""
-        ...
-
 
 @runtime_checkable
 class FeatureHead(DraftHead, Protocol):
@@ -384,7 +376,7 @@ class Algorithm:
     plan: Callable[[Any, "ModelArgs"], DraftPlan]
     make: Callable[[DraftPlan, Optional[torch.nn.Module], DraftContext], Draft]
     head: Optional[type] = None
-    train: Any = None  # engine.train.objective.TrainSpec (typed there: it reads FeatureKind from here)
+    train: Any = None  # engine.drafts.train_contract.TrainSpec (typed there: it reads FeatureKind from here)
     recipe: Optional[str] = None
     describe: Callable[[DraftPlan], list[str]] = vocab_details
     needs_baseline: bool = False  # proposes the no-draft baseline's outputs (the oracle)

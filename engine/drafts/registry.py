@@ -1,7 +1,9 @@
 """The draft registry: the table of algorithms, one per folder, and the three calls the stages make.
 
     DRAFTS[name]                  -> Algorithm    each folder's record (engine/drafts/base.py)
+    SCHEMAS[name]                 -> dataclass    the `draft=<name>` option's Hydra schema (engine/drafts/config.py)
     algorithm(name)               -> Algorithm    the lookup: an unknown name is one ConfigError listing ALGORITHMS
+    draft_config(name, **keys)    -> its schema   a draft config outside Hydra (tests, scripts)
     plan_draft(cfg, target_args)  -> DraftPlan    config.json + safetensors header only (the folder's plan)
     load_head(plan, target, ...)  -> head | None  weights (or random init), sharing target storage
     make_draft(plan, head, ...)   -> Draft | None per-eval draft object (its own KV cache)
@@ -12,22 +14,23 @@ Adding a draft is a folder exporting an `Algorithm` and one row here; nothing el
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from engine.drafts import dflash, eagle, eagle3, lookup, multi_layer
 from engine.drafts.base import Algorithm, Draft, DraftContext, DraftPlan
-from engine.drafts.config import own_config
+from engine.drafts.config import NoDraft
+from engine.drafts.train_contract import TrainSpec
 from engine.errors import ConfigError
 from engine.model import LlamaModel, ModelArgs, init_normal_
-from engine.train.objective import TrainSpec
 
 DRAFTS: dict[str, Algorithm] = {
     a.name: a
     for a in (eagle3.ALGORITHM, eagle.ALGORITHM, multi_layer.ALGORITHM, lookup.NGRAM, lookup.ORACLE, dflash.ALGORITHM)
 }
 ALGORITHMS = ("none", *DRAFTS)  # every valid draft.algorithm
+SCHEMAS: dict[str, type] = {"none": NoDraft, **{name: a.config for name, a in DRAFTS.items()}}
 # The trainable ones, and how each trains (stage train_draft).
 TRAIN_SPECS: dict[str, TrainSpec] = {name: a.train for name, a in DRAFTS.items() if a.train is not None}
 
@@ -47,13 +50,26 @@ def train_spec(name: str, key: str = "draft.algorithm") -> TrainSpec:
     return spec
 
 
+def draft_config(name: str, **keys: Any):
+    """The `draft=<name>` schema with `keys` set (an unknown name or key: a ConfigError or TypeError)."""
+    if name not in SCHEMAS:
+        raise ConfigError("draft.algorithm", name, "unknown draft algorithm", ALGORITHMS)
+    return SCHEMAS[name](**keys)
+
+
 def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
-    if cfg.num_steps < 1:
-        raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
     if cfg.algorithm == "none":
         return None
     spec = algorithm(cfg.algorithm)
-    cfg = own_config(spec.config, cfg)
+    if not isinstance(cfg, spec.config):  # draft=X with draft.algorithm=Y: X's keys, not Y's
+        raise ConfigError(
+            "draft.algorithm",
+            cfg.algorithm,
+            f"the draft config's keys are {type(cfg).__name__}'s, not {cfg.algorithm}'s",
+            f"draft={cfg.algorithm} (the option sets the algorithm and its keys)",
+        )
+    if cfg.num_steps < 1:
+        raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
     try:
         plan = dataclasses.replace(spec.plan(cfg, target), spec=spec)
         head = None
@@ -105,5 +121,5 @@ def make_draft(
         return None
     if graphs is not None and graphs.draft is not None:
         return graphs.draft
-    ctx = DraftContext(target, batch_size, k, own_config(plan.spec.config, cfg), references, prompt_lens)
+    ctx = DraftContext(target, batch_size, k, cfg, references, prompt_lens)
     return plan.spec.make(plan, head, ctx)

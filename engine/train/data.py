@@ -22,20 +22,25 @@ target's pass ends at its final hidden state and only the draft vocabulary's row
 
 from __future__ import annotations
 
+import gc
+import hashlib
 import json
 import os
 import random
+import shutil
+import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.base import FeatureKind
-from engine.train.objective import Batch
-from engine.train.selfdistill import Sample
+from engine.drafts.train_contract import Batch
+from engine.train import distributed
+from engine.train.selfdistill import Sample, cut_share
 
 if TYPE_CHECKING:
     from engine.train.target_graphs import TargetGraphs
@@ -78,6 +83,41 @@ def load_samples(path: Path, meta: dict) -> Optional[list[Sample]]:
         return [Sample(r["user"], r["prompt_ids"], r["answer_ids"], r.get("cut", False)) for r in map(json.loads, f)]
 
 
+def cached_samples(
+    root: Path, meta: dict, make: Callable[[dict, tuple[int, int]], list[Sample]]
+) -> tuple[list[Sample], float, dict[str, float], bool]:
+    """The samples `meta` describes, from their folder under `root` (named by a hash of `meta`), else made
+    by `make(phase_s, (rank, ranks))` and saved -> (samples, synthesis seconds, by phase, reused).
+
+    Under torchrun every rank makes its shard (saved under the folder's shards/), rank 0 joins them in
+    rank order after a barrier, and every rank reads the whole set back."""
+    path = root / hashlib.sha1(json.dumps(meta, sort_keys=True).encode()).hexdigest()[:12]
+    samples = load_samples(path, meta)
+    if samples is not None:
+        print(f"[train_draft] reusing {len(samples)} samples from {path}", flush=True)
+        return (samples, *synth_seconds(path), True)
+    t0, phase_s = time.perf_counter(), {}
+    rank, ranks = distributed.rank(), distributed.world_size()
+    samples = make(phase_s, (rank, ranks))
+    if torch.cuda.is_available():  # the generation's KV cache and graph pools (49.5 GiB reserved at 1024
+        gc.collect()  # rows on SmolLM2) go back to the driver: other runs may share the GPU
+        torch.cuda.empty_cache()
+    if ranks == 1:
+        synth_s = time.perf_counter() - t0
+        save_samples(path, samples, meta, synth_s, phase_s)
+        return samples, synth_s, phase_s, False
+    shards = path / "shards"
+    save_samples(shards / str(rank), samples, meta, time.perf_counter() - t0, phase_s)
+    distributed.barrier()
+    synth_s = time.perf_counter() - t0
+    if rank == 0:
+        joined = [x for r in range(ranks) for x in load_samples(shards / str(r), meta)]
+        save_samples(path, joined, meta, synth_s, phase_s)
+        shutil.rmtree(shards)
+    distributed.barrier()
+    return load_samples(path, meta), synth_s, phase_s, False
+
+
 DEGENERATE_SHARE = 0.5  # one token above this share of the answers' tokens: the data teaches nothing
 
 
@@ -89,6 +129,49 @@ def top_token(samples: list[Sample]) -> tuple[int, int, int]:
         return -1, 0, 0
     tok, n = counts.most_common(1)[0]
     return tok, n, sum(counts.values())
+
+
+def describe_data(
+    samples: list[Sample],
+    train: list[Sample],
+    heldout: list[Sample],
+    synth_s: float,
+    phase_s: dict[str, float],
+    reused: bool,
+    max_prompt_tokens: int,
+    decode: Callable[[list[int]], str],
+) -> tuple[dict, dict[str, float], str]:
+    """A training run's data in words and figures -> (its facts for training.json, its MLflow figures, the
+    lines the run prints: a WARNING when one token fills the answers)."""
+    facts = {
+        "samples": len(samples),
+        "answer_tokens": sum(len(s.answer_ids) for s in samples),
+        "prompts_cut": cut_share(samples),
+        "data_s": synth_s,
+    }
+    tok, n, total = top_token(samples)
+    figures = {
+        "data_s": synth_s,
+        "data_reused": float(reused),
+        **{f"data_{k}": facts[k] for k in ("samples", "prompts_cut", "answer_tokens")},
+        "data_train_samples": len(train),
+        "data_heldout_samples": len(heldout),
+        **{f"data_{k}_s": v for k, v in phase_s.items()},
+        "data_top_token_share": n / max(total, 1),
+    }
+    text = (
+        f"[train_draft] {facts['samples']} samples ({facts['answer_tokens']} answer tokens, "
+        f"{facts['prompts_cut']:.0%} of the user messages cut at {max_prompt_tokens} tokens) in "
+        f"{synth_s:.1f}s ({', '.join(f'{k} {v:.1f}s' for k, v in phase_s.items()) or 'phases unknown'}); "
+        f"{len(train)} train / {len(heldout)} held out"
+    )
+    if n > DEGENERATE_SHARE * total:
+        text += (
+            f"\nWARNING: degenerate data: token {tok} ({decode([tok])!r}) is {n} of the {total} answer tokens "
+            f"({n / total:.0%}): a target that repeats one token teaches a head nothing, and its held-out "
+            "acceptance will read high. A random target needs wider weights: model=tiny_trainable"
+        )
+    return facts, figures, text
 
 
 def split(samples: list[Sample], heldout: float, seed: int) -> tuple[list[Sample], list[Sample]]:

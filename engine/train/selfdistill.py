@@ -9,7 +9,8 @@
     3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
        target distributions are recomputed from these ids during training, so the data stays small;
 
-Everything runs batched through `engine.generate.Generator`, on whatever device the target is on, with
+Everything runs batched through the `generator` the caller passes in (an `engine.generate.Generator`
+over the target, with its graphs or none), on whatever device the target is on, with
 the decode bookkeeping on the device (`sync_every`: the host looks every few steps, not every step; the
 same tokens as the eval loop). Each generation batch draws from its own seeded generator, so the
 samples depend on the seed, the sizes and the device's kernels, not on the host's looks (sync_every).
@@ -31,9 +32,12 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from engine.generate import Generator
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
+
+# The user messages' sampling and the generator seed: fixed (no recipe varies them), and in the data's
+# cache key and training.json beside the train.data settings.
+FIXED = {"prompt_temperature": 1.0, "prompt_top_p": 0.95, "seed": 0}
 
 
 @dataclass(frozen=True)
@@ -55,16 +59,15 @@ def cut_share(samples: Sequence[Sample]) -> float:
 
 def synthesize(
     target: LoadedModel,
+    generator,
     n: int,
-    batch_size: int = 16,
     max_prompt_tokens: int = 64,
     max_answer_tokens: int = 256,
-    prompt_temperature: float = 1.0,
-    prompt_top_p: float = 0.95,
+    prompt_temperature: float = FIXED["prompt_temperature"],
+    prompt_top_p: float = FIXED["prompt_top_p"],
     answer_temperature: float = 0.0,
-    seed: int = 0,
+    seed: int = FIXED["seed"],
     min_prompt_chars: int = 8,
-    graphs=None,
     sync_every: int = 16,
     system_prompts: Sequence[str] = (),
     drop_cut: bool = False,
@@ -73,7 +76,8 @@ def synthesize(
 ) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
     are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
-    `graphs`: an engine.graphs GraphSet for the target's decode (CUDA graphs), or None (eager).
+    `generator`: an engine.generate.Generator over target.model (its rows: the generation batch; its
+    graphs, if any, the decode's), built by the caller.
     `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
     `system_prompts`: the system messages the user messages are written under, row by row (the answers
     are always asked for under the template's default, as the eval asks).
@@ -82,9 +86,9 @@ def synthesize(
     `shard`: (rank, ranks): this rank's slice of the generation batches' seeds; only rank 0 shows progress."""
     tok, model = target.tokenizer, target.model
     turns = [tok.user_turn(sp or None) for sp in (system_prompts or [""])]
+    gen, batch_size = generator, generator.batch_size
     prefixes = [turns[i % len(turns)][0] for i in range(batch_size)]
     end_ids = turns[0][1]
-    gen = Generator(model, batch_size, graphs=graphs)
     rng = torch.Generator(device=model.lm_head.weight.device)  # seeded per batch below
     ask = SamplingParams(temperature=prompt_temperature, top_p=prompt_top_p, max_new_tokens=max_prompt_tokens)
     answer = SamplingParams(temperature=answer_temperature, max_new_tokens=max_answer_tokens)

@@ -1,9 +1,12 @@
 """The draft-training loop: AdamW, warmup + cosine LR, bf16 autocast on CUDA, held-out evaluation,
 checkpoints in the public format, resume, a wall-clock budget.
 
-    Trainer(head, target, train, heldout, vocab, cfg, out_dir, log, spec).fit() -> final held-out metrics
+    Trainer(head, target, train, heldout, vocab, cfg, out_dir, log, spec, seed).fit() -> final held-out metrics
 
-`spec` (engine/train/objective.py's TrainSpec, from the draft's folder) is how the algorithm trains: its
+`cfg` is the run's `train` config (engine/train/config.py) as it is; its `auto` choices (attention,
+kernels) are resolved here, against the algorithm and the device (`train_attention`, `train_kernels`).
+
+`spec` (engine/drafts/train_contract.py's TrainSpec, from the draft's folder) is how the algorithm trains: its
 forward, features and loss; everything else here is the same for every draft.
 
 Checkpoint layout (`out_dir/checkpoint/`): the head as `config.json` + `model.safetensors` (loads like
@@ -32,7 +35,6 @@ import contextlib
 import functools
 import math
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -41,54 +43,49 @@ from tqdm.auto import tqdm
 
 from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.ttt import TRITON_OPS
+from engine.drafts.train_contract import TrainSpec
 from engine.errors import ConfigError
 from engine.model import StaticKVCache
 from engine.train import checkpoints, distributed
+from engine.train.acceptance import chain_acceptance, chain_lengths, simulated_loop
 from engine.train.average import WeightAverage
+from engine.train.config import TrainConfig
 from engine.train.data import VocabMap, batches, target_batch
-from engine.train.objective import TrainSpec, chain_acceptance, chain_lengths, simulated_loop
 from engine.train.selfdistill import Sample
 from engine.train.target_graphs import TargetGraphs
+from kernels.runtime import triton
+
+GRAD_CLIP = 0.5  # the gradient's global norm is clipped to this
 
 
-@dataclass
-class TrainSettings:
-    steps: int
-    lr: float
-    warmup_steps: int
-    weight_decay: float
-    grad_clip: float
-    ttt_steps: int
-    loss_decay: float
-    max_tokens: int  # padded tokens per batch
-    max_len: int  # sequence cut
-    eval_every: int
-    save_every: int
-    eval_k: int  # drafts per chain for the held-out accept_length
-    loop_horizon: Optional[int]  # new tokens per answer of the replayed held-out loop (its max_new_tokens)
-    attention: str  # the training forward's attention: eager (materialized scores) | flex (FlexAttention)
-    max_time_s: Optional[float]
-    seed: int
-    label_temperature: float = 1.0  # training labels softmax(z / T); held-out figures always at T = 1
-    min_lr_ratio: float = 0.1  # the cosine schedule ends at lr * min_lr_ratio
-    kernels: str = "torch"  # the step's fused kernels: torch | triton (kernels/soft_ce.py, rms_norm.py, rope.py)
-    ema_decay: float = 0.0  # > 0: evaluate and end on an EMA of the weights (engine/train/average.py); 0: off
+def train_attention(setting: str, spec: TrainSpec, device: torch.device) -> str:
+    """train.attention with auto resolved: FlexAttention where the draft has a flex forward on CUDA."""
+    if setting == "auto":
+        return "flex" if spec.flex and device.type == "cuda" else "eager"
+    return setting
 
 
-def training_forward(spec: TrainSpec, s: TrainSettings) -> Callable:
+def train_kernels(setting: str, device: torch.device) -> str:
+    """train.kernels with auto resolved: the fused Triton kernels on CUDA where triton is installed."""
+    if setting == "auto":
+        return "triton" if device.type == "cuda" and triton is not None else "torch"
+    return setting
+
+
+def training_forward(spec: TrainSpec, attention: str, kernels: str) -> Callable:
     """The training step's forward: the draft's packed forward (train.attention=flex, where it has one:
     only the trained positions, per-step objective.Rows), else its forward with FlexAttention
     (train.attention=flex) and the Triton RMSNorm and RoPE (train.kernels=triton) where it has them.
     Evaluation keeps the plain forward (the materialized attention: no backward there)."""
-    options = {"ops": TRITON_OPS} if s.kernels == "triton" and spec.forward_ops else {}
-    if s.attention == "flex" and spec.packed_forward is not None:
+    options = {"ops": TRITON_OPS} if kernels == "triton" and spec.forward_ops else {}
+    if attention == "flex" and spec.packed_forward is not None:
         return functools.partial(spec.packed_forward, **options)
-    if s.attention == "flex" and spec.flex_attention is not None:
+    if attention == "flex" and spec.flex_attention is not None:
         options["attention"] = spec.flex_attention
     return functools.partial(spec.forward, **options)
 
 
-def lr_at(step: int, elapsed_s: float, s: TrainSettings) -> float:
+def lr_at(step: int, elapsed_s: float, s: TrainConfig) -> float:
     """Linear warmup, then cosine to lr * min_lr_ratio over the run's progress: the larger of steps done
     and, with a time budget, time used, so a run stopped by `max_time_s` still ends on a decayed LR."""
     if step < s.warmup_steps:
@@ -108,16 +105,19 @@ class Trainer:
         train: list[Sample],
         heldout: list[Sample],
         vocab: VocabMap,
-        settings: TrainSettings,
+        settings: TrainConfig,
         out_dir: Path,
         log: Callable[[dict, int], None],
         spec: TrainSpec,
+        seed: int = 0,
     ):
-        self.spec = spec
+        self.spec, self.seed = spec, seed
         self.head, self.target, self.s, self.out_dir, self.log = head, target, settings, out_dir, log
         self.train_samples, self.heldout = train, heldout
         self.vocab = vocab
         self.device = target.lm_head.weight.device
+        self.attention = train_attention(settings.attention, spec, self.device)
+        self.kernels = train_kernels(settings.kernels, self.device)
         shapes = [  # (rows, width) of every batch, the same each epoch
             (len(g), min(max(len(x.ids) for x in g), settings.max_len))
             for split in (train, heldout)
@@ -144,8 +144,8 @@ class Trainer:
         self.start_metrics: dict[str, float] = {}  # held-out figures at step 0 (none when resumed past it)
         self.elapsed_s = 0.0  # training time so far, across resumes
         self._order: tuple[int, list[list[Sample]]] = (-1, [])
-        self.train_forward = training_forward(spec, settings)
-        self.loss = functools.partial(spec.loss, kernel=settings.kernels)  # (logits, batch, decay)
+        self.train_forward = training_forward(spec, self.attention, self.kernels)
+        self.loss = functools.partial(spec.loss, kernel=self.kernels)  # (logits, batch, decay)
 
     # -- state ------------------------------------------------------------------------------------
     @property
@@ -215,7 +215,7 @@ class Trainer:
         if self._order[0] != self.epoch:
             self._order = (
                 self.epoch,
-                batches(self.train_samples, self.s.max_tokens, self.s.max_len, self.s.seed + self.epoch),
+                batches(self.train_samples, self.s.max_tokens, self.s.max_len, self.seed + self.epoch),
             )
         return self._order[1]
 
@@ -272,7 +272,7 @@ class Trainer:
             a, m = chain_acceptance(length, batch.mask, min(k, len(logits)))
             accepted[: len(a)] += a.cpu().float()
             anchors += int(m)
-            n_tok, n_rounds, _ = simulated_loop(length, batch.mask, self.s.loop_horizon)
+            n_tok, n_rounds, _ = simulated_loop(length, batch.mask, self.s.loop_eval_tokens)
             loop_tokens, loop_rounds = loop_tokens + n_tok, loop_rounds + n_rounds
         self.head.train()
         out = {
@@ -312,7 +312,7 @@ class Trainer:
             self.opt.zero_grad(set_to_none=True)
             loss, stats, own, tokens = self._backward(order[self.index])
             distributed.sum_gradients(self.params)
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, s.grad_clip)
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, GRAD_CLIP)
             self.opt.step()
             if self.ema is not None:
                 self.ema.update(self.step)
@@ -336,7 +336,7 @@ class Trainer:
                 if not math.isfinite(row["train_loss"]):  # stop at once: every step after it trains on NaN
                     raise FloatingPointError(
                         f"train_draft: train_loss={row['train_loss']} at step {self.step} (grad_norm "
-                        f"{row['grad_norm']}, lr {lr:g}, train.kernels={s.kernels}); valid: a finite loss. "
+                        f"{row['grad_norm']}, lr {lr:g}, train.kernels={self.kernels}); valid: a finite loss. "
                         f"Try a lower train.lr, or train.kernels=torch to rule out the Triton kernels"
                     )
                 self.log(row, self.step)

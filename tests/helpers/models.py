@@ -63,3 +63,11 @@ def random_prompts(n, seed=4):
 def tiny_target(outputs, device: str = "cpu", dtype=torch.float32):
     cfg = to_run_config(compose_cfg("model=tiny", f"device={device}"))
     return load_model(cfg.model, outputs / "weights", torch.device(device), dtype)
+
+
+def synth(target, batch_size: int, **kw):
+    """`synthesize` over a plain (eager) Generator of `batch_size` rows."""
+    from engine.generate import Generator
+    from engine.train.selfdistill import synthesize
+
+    return synthesize(target, Generator(target.model, batch_size), **kw)

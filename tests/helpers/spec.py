@@ -5,24 +5,24 @@ from __future__ import annotations
 
 import torch
 
-from engine.drafts.registry import load_head, make_draft, plan_draft
+from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.generate import Generator
 from engine.graphs.graph_set import GraphSet
 from engine.program import Step
 from helpers.models import pair
-from pipeline.config import DraftConfig
 
 AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
 
 
+def weights(algorithm: str, reads_aux) -> dict:
+    """A random head's keys for a draft with weights (none for ngram and oracle); AUX for `reads_aux`."""
+    if algorithm in ("ngram", "oracle"):
+        return {}
+    return {"init": "random", **({"aux_layer_ids": AUX} if algorithm in reads_aux else {})}
+
+
 def build(target, algorithm, batch, params, references=None, prompts=None, k=3, **kw):
-    cfg = DraftConfig(
-        algorithm=algorithm,
-        init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-        num_steps=k,
-        aux_layer_ids=AUX if algorithm in ("eagle3", "dflash") else None,
-        **kw,
-    )
+    cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3", "dflash")), **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, target.lm_head.weight.device, torch.float32)
@@ -97,12 +97,7 @@ def setup(
     target.init_buffers(torch.device(device))
     plan = head = draft = None
     if algorithm != "none":
-        cfg = DraftConfig(
-            algorithm=algorithm,
-            init="checkpoint" if algorithm in ("ngram", "oracle") else "random",  # weightless: the default
-            num_steps=k,
-            aux_layer_ids=AUX if algorithm == "eagle3" else None,
-        )
+        cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3",)))
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())
         head = load_head(plan, target, 0, torch.device(device), torch.float32)
@@ -126,7 +121,7 @@ def setup(
 
 
 def spec_generator(target, plan, head, gs, k, batch, params, references=None, prompts=None):
-    cfg = DraftConfig(algorithm=plan.algorithm if plan else "none", num_steps=k)
+    cfg = draft_config(plan.algorithm, num_steps=k) if plan else draft_config("none")
     return generator(target, plan, head, k, batch, cfg, references, prompts, graphs=gs)
 
 

@@ -37,7 +37,7 @@ def assert_triton_ops_match_torch_ops(forward, head, batch, steps: int, trained:
     """A training forward with the Triton norms and RoPE (train.kernels=triton) gives the torch ops'
     logits and, through the loss's backward, their gradients (fp32); the `trained` parameters get one."""
     from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS
-    from engine.train.objective import ttt_loss
+    from engine.drafts.train_contract import ttt_loss
 
     head.requires_grad_(True)
     out = {}

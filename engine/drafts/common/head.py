@@ -34,7 +34,7 @@ class HeadBase(nn.Module):
     """Shared plumbing of every weighted draft head (the `DraftHead` protocol of engine/drafts/base.py):
     draft args, RoPE tables, its own cache, the target's embedding and lm_head (not submodules), the
     three-step program over `pre`/`post`, copy and save. Subclasses define the layers, `pre`, `post`,
-    `feature_width` and the card text; heads with other programs (multi-layer, DFlash) override them."""
+    `feature_width`; heads with other programs (multi-layer, DFlash) override them."""
 
     architecture: str
     n_aux: int = 1
@@ -151,10 +151,6 @@ class HeadBase(nn.Module):
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""
         return draft_ids
-
-    def card_objective(self, f: dict) -> str:
-        """The model card's training objective (heads trained with training-time test)."""
-        return f"Training-time test with {f['train']['ttt_steps']} unrolled steps"
 
     def save(self, path: str | Path) -> None:
         path = Path(path)

@@ -9,7 +9,7 @@ features, then each later step on the draft's own previous output:
 and every step predicts the token after its input token. Training unrolls exactly this for every anchor
 of a sequence at once, with teacher forcing on tokens (d_s = x_{j+s+1}: a chain is only continued at
 inference while its drafts are right) and the draft's own hidden states. With `p = j + s` the position
-of step s (engine/train/objective.py's alignment), what changes from step to step is the hidden input
+of step s (engine/drafts/train_contract.py's alignment), what changes from step to step is the hidden input
 (step s at p reads step s-1's output at p-1) and the keys a query sees:
 
     step-0 keys at positions <= p - s    (causal with an offset of s: the anchor's prefix)
@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import torch
 from torch import Tensor
 
-from engine.train.objective import _shift
+from engine.drafts.train_contract import shift
 from kernels.rms_norm import rms_norm
 from kernels.rope import rope, rope_reference
 
@@ -47,8 +47,8 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], group: in
     pos = torch.arange(t, device=q.device)
     prefix = pos[None, :] <= pos[:, None] - s  # [T, T]: step-0 keys of the anchor's prefix
     scores = scores.masked_fill(~prefix, float("-inf"))
-    diag_k = [_shift(keys[i], s - i, 2).repeat_interleave(group, 1) for i in range(1, s + 1)]
-    diag_v = [_shift(values[i], s - i, 2).repeat_interleave(group, 1) for i in range(1, s + 1)]
+    diag_k = [shift(keys[i], s - i, 2).repeat_interleave(group, 1) for i in range(1, s + 1)]
+    diag_v = [shift(values[i], s - i, 2).repeat_interleave(group, 1) for i in range(1, s + 1)]
     if diag_k:
         diag = torch.stack([(q * k).sum(-1) for k in diag_k], -1).float() * scale  # [B, H, T, s]
         scores = torch.cat([scores, diag], -1)  # [B, H, T, T + s]

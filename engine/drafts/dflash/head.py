@@ -232,27 +232,3 @@ class DFlashHead(HeadBase):
             kernel=self.attention_kernel,
             meta=self.graph_meta(),
         )
-
-    # -- model card (stages/train_draft.py) ----------------------------------------------------------
-    def card_summary(self, f: dict) -> str:
-        return (
-            f"A DFlash block-diffusion drafter (`{self.architecture}`: `fc`, `hidden_norm`, {self.args.num_layers} "
-            f"Llama layers `layers.*` with {self.args.num_kv_heads} key/value heads, `norm`):\n"
-            f"one forward proposes a block of {self.block_size - 1} tokens "
-            f"from `[bonus, mask x {self.block_size - 1}]` (mask token id {self.mask_token_id}), conditioned on "
-            f"the target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
-            "injected as extra keys and values into every layer"
-            + (
-                f" (each block query reads the last {self.sliding_window} positions: `sliding_attention` layers)"
-                if self.sliding_window
-                else ""
-            )
-            + ".\nThe token embedding and the lm_head are the target's and are not stored here."
-        )
-
-    def card_objective(self, f: dict) -> str:
-        return (
-            f"The block of {self.block_size} tokens of every answer anchor at once (exactly the attention of "
-            "inference), "
-            f"block positions 1..{f['train']['ttt_steps']}"
-        )

@@ -33,18 +33,30 @@ from engine.errors import ConfigError
 from engine.model import ModelArgs
 
 
-@dataclass(frozen=True)
+@dataclass
 class DFlashConfig(HeadKeys):
-    """The `draft.*` keys draft.algorithm=dflash reads (engine/drafts/config.py)."""
+    """draft=dflash (engine/drafts/config.py)."""
 
-    aux_layer_ids: Optional[list[int]]  # target layers injected as key/values (null: checkpoint's)
-    aux_layer_convention: str  # input_of | output_of
-    block_size: Optional[int]  # tokens a block (null: checkpoint's)
-    mask_token_id: Optional[int]  # the mask token (null: checkpoint's)
-    num_layers: Optional[int]  # random init: decoder layers
-    intermediate_size: Optional[int]  # random init: the layers' MLP width (null: the target's)
-    num_kv_heads: Optional[int]  # random init: the layers' key/value heads (null: the target's)
-    sliding_window: Optional[int]  # context positions a block query reads (null: checkpoint's; 0: all)
+    algorithm: str = "dflash"
+    # Target layers injected as keys and values: no default, these or the checkpoint's
+    # dflash_config.target_layer_ids.
+    aux_layer_ids: Optional[list[int]] = None
+    aux_layer_convention: str = "input_of"  # input_of (sglang, EAGLE) | output_of (TensorRT-LLM, SpecForge)
+    # Tokens per block (the bonus token + block_size - 1 mask tokens; num_steps <= block_size - 1), the
+    # mask token (an id of the target vocabulary) and the drafter's decoder layers. null: the
+    # checkpoint's; with draft.init=random: num_steps + 1, the target's last token id, 1 layer.
+    block_size: Optional[int] = None
+    mask_token_id: Optional[int] = None
+    num_layers: Optional[int] = None
+    intermediate_size: Optional[int] = None  # draft.init=random: the layers' MLP width (null: the target's)
+    # draft.init=random: the drafter's key/value heads (null: the target's; a divisor of its query heads).
+    # The context reaches a block only through each layer's keys and values: more heads widen that path.
+    num_kv_heads: Optional[int] = None
+    # The context window of each block query, in positions (a Hugging Face `sliding_attention` layer: a
+    # query at position p reads context positions > p - sliding_window). null: the checkpoint's (none
+    # with draft.init=random); 0: no window. A drafter trained on short samples loses its way over
+    # contexts longer than it saw; the window keeps it within them.
+    sliding_window: Optional[int] = None
 
 
 def spread_ids(num_layers: int, n: int = 5) -> list[int]:

@@ -19,7 +19,7 @@ blk keys, and is exact for every anchor, not an approximation of inference.
     block scores  [B, H, T, blk, blk]
 
 `block_attention` materializes those scores (CPU, evaluation, and the reference). Outputs follow the
-trainer's layout (engine/train/objective.py): logits[s][:, p] is the prediction for label index p (the
+trainer's layout (engine/drafts/train_contract.py): logits[s][:, p] is the prediction for label index p (the
 target's distribution of x_{p+2}) made by the block anchored at j = p - s, at block index s + 1; so the
 EAGLE-3 loss (`ttt_loss`, step s weighted decay ** s as in DFlash's position-decayed loss) and
 `chain_acceptance` apply unchanged. Labels are over the full target vocabulary: the drafter predicts
@@ -48,8 +48,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel
+from engine.drafts.train_contract import Batch, Rows, shift
 from engine.errors import ConfigError
-from engine.train.objective import Batch, Rows, _shift
 
 
 def context_visible(anchor: Tensor, index: Tensor, key: Tensor, window: int) -> Tensor:
@@ -143,7 +143,7 @@ def dflash_forward(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) 
     w = head.lm_head.weight.detach()  # [vocab, hidden]: the target's, frozen
     # Block index s + 1 of anchor j predicts label index j + s: shift right by s into label layout, on the
     # hidden states (the zero rows stay zero through the norm and the lm_head), not on the logits.
-    return [F.linear(ops.norm(head.norm, _shift(h[:, :, s + 1], s, 1)), w) for s in range(steps)]
+    return [F.linear(ops.norm(head.norm, shift(h[:, :, s + 1], s, 1)), w) for s in range(steps)]
 
 
 # --------------------------------------------------------------------------------- the packed training step

@@ -87,15 +87,6 @@ class EagleHead(HeadBase):
         """out_hidden [..., hidden] -> logits [..., vocab]: the target's lm_head on h (no final norm)."""
         return gemv(h, self.lm_head.weight) if self.fused else self.lm_head(h)
 
-    def card_summary(self, f: dict) -> str:
-        """The model card's description (stages/train_draft.py writes the card)."""
-        return (
-            f"A one-layer EAGLE head in the EAGLE reference layout (`{self.architecture}`: `fc` over the next "
-            "token's embedding and the target's final hidden state, then `layers.0.*`, a decoder layer without "
-            "an input norm). It predicts the next feature, which the target's lm_head reads. The token "
-            "embedding and the lm_head are the target's and are not stored here."
-        )
-
 
 def eagle_config(target: ModelArgs) -> dict:
     """config.json of a one-layer EAGLE head of the target's shape (random init, training)."""

@@ -13,9 +13,11 @@ from engine.drafts.eagle.head import EagleHead, eagle_config
 from engine.model import ModelArgs
 
 
-@dataclass(frozen=True)
+@dataclass
 class EagleConfig(HeadKeys):
-    """The `draft.*` keys draft.algorithm=eagle reads (engine/drafts/config.py)."""
+    """draft=eagle: the common keys of a draft with weights (engine/drafts/config.py)."""
+
+    algorithm: str = "eagle"
 
 
 def plan_eagle(cfg, target: ModelArgs) -> DraftPlan:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, ttt_attend, ttt_attention
-from engine.train.objective import Batch, _shift
+from engine.drafts.train_contract import Batch, shift
 
 
 def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
@@ -39,5 +39,5 @@ def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: 
         h = x + ttt_attend(att, x, cos, sin, keys, values, attention, ops)
         h = h + layer.mlp(ops.norm(layer.post_attention_layernorm, h))  # [B, T, H]
         logits.append(head.lm_head(h))
-        g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
+        g = shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
     return logits

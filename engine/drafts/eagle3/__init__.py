@@ -1,7 +1,7 @@
 """EAGLE3: one Llama layer over fused aux features, a reduced draft vocabulary (`d2t`/`t2d`), the public
 `LlamaForCausalLMEagle3` checkpoint format, trained with training-time test.
 
-    head.py   Eagle3Head, its config.json (`eagle3_config`) and card text
+    head.py   Eagle3Head and its config.json (`eagle3_config`)
     plan.py   aux layer ids, fc width, vocabulary checks; its words in the plan line
     train.py  the TTT forward (engine/drafts/common/ttt.py)
     vocab.py  the reduced draft vocabulary from the training data
@@ -15,7 +15,7 @@ from engine.drafts.eagle3.head import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.plan import Eagle3Config, describe_eagle3, plan_eagle3
 from engine.drafts.eagle3.train import ttt_forward
 from engine.drafts.eagle3.vocab import fit_draft_vocab
-from engine.train.objective import TrainSpec
+from engine.drafts.train_contract import TrainSpec
 
 ALGORITHM = Algorithm(
     config=Eagle3Config,
@@ -24,7 +24,13 @@ ALGORITHM = Algorithm(
     make=make_feature,
     head=Eagle3Head,
     train=TrainSpec(
-        FeatureKind.aux, ttt_forward, flex_attention=ttt_attention_flex, forward_ops=True, prepare=fit_draft_vocab
+        FeatureKind.aux,
+        ttt_forward,
+        flex_attention=ttt_attention_flex,
+        forward_ops=True,
+        prepare=fit_draft_vocab,
+        summary="A one-layer EAGLE-3 head in the public format (`{architecture}`: {tensors}), reading the target's "
+        "hidden states after layers\n{aux_layer_ids_output_of} (`output_of` convention), {vocabulary}.\n{not_stored}",
     ),
     recipe="+experiment=train_eagle3_smollm2",
     describe=describe_eagle3,

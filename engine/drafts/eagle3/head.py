@@ -141,28 +141,6 @@ class Eagle3Head(HeadBase):
     def to_target(self, draft_ids: Tensor) -> Tensor:
         return draft_ids if self.shares_lm_head else draft_ids + self.d2t[draft_ids]
 
-    def card_summary(self, f: dict) -> str:
-        """The model card's description (stages/train_draft.py writes the card)."""
-        if self.shares_lm_head:
-            tensors, vocab = (
-                "`fc`, `midlayer.*`, `norm`",
-                "predicting over the target's whole vocabulary through the "
-                "target's lm_head.\nThe token embedding and the lm_head are the target's and are not "
-                "stored here (config.json has no `draft_vocab_size`: sglang's "
-                "`load_lm_head_from_target`).",
-            )
-        else:
-            tensors, vocab = (
-                "`fc`, `midlayer.*`, `norm`,\n`lm_head`, `d2t`, `t2d`",
-                f"with a {f['draft_vocab_size']}-token draft vocabulary.\nThe token embedding is the "
-                "target's and is not stored here.",
-            )
-        return (
-            f"A one-layer EAGLE-3 head in the public format (`{self.architecture}`: {tensors}), reading the "
-            f"target's hidden states after layers\n{f['aux_layer_ids_output_of']} (`output_of` convention), "
-            f"{vocab}"
-        )
-
 
 def eagle3_config(
     target: ModelArgs,

@@ -16,15 +16,22 @@ from engine.errors import ConfigError
 from engine.model import ModelArgs
 
 
-@dataclass(frozen=True)
+@dataclass
 class Eagle3Config(HeadKeys):
-    """The `draft.*` keys draft.algorithm=eagle3 reads (engine/drafts/config.py)."""
+    """draft=eagle3 (engine/drafts/config.py)."""
 
-    aux_layer_ids: Optional[list[int]]  # target layers whose hidden states it reads (null: checkpoint's, else defaults)
-    aux_layer_convention: str  # input_of | output_of
-    draft_vocab_size: Optional[int]  # random init: a reduced draft vocabulary
-    lm_head: str  # random init: own | target
-    intermediate_size: Optional[int]  # random init: the MLP width
+    algorithm: str = "eagle3"
+    # Target layers whose hidden states feed the draft. null: the checkpoint's
+    # eagle_config.eagle_aux_hidden_state_layer_ids (output_of), else [2, N//2, N-3] (input_of).
+    aux_layer_ids: Optional[list[int]] = None
+    aux_layer_convention: str = "input_of"  # input_of (sglang, EAGLE) | output_of (TensorRT-LLM, SpecForge)
+    draft_vocab_size: Optional[int] = None  # draft.init=random: reduced draft vocabulary (null: the target's)
+    # draft.init=random: own (an lm_head of the head's own over draft_vocab_size tokens) | target (the
+    # target's lm_head, shared and frozen: the whole vocabulary, nothing stored; draft_vocab_size null)
+    lm_head: str = "own"
+    # draft.init=random: the draft layer's MLP width (null: the target's). A narrower MLP leaves room in
+    # a size budget for a larger draft vocabulary.
+    intermediate_size: Optional[int] = None
 
 
 LM_HEADS = ("own", "target")  # draft.lm_head of a random-init EAGLE3 head

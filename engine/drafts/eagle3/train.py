@@ -7,7 +7,7 @@ import torch
 from torch import Tensor
 
 from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, ttt_attend, ttt_attention
-from engine.train.objective import Batch, _shift
+from engine.drafts.train_contract import Batch, shift
 
 
 def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
@@ -24,5 +24,5 @@ def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: Fo
         h = g + ttt_attend(att, x, cos, sin, keys, values, attention, ops)
         h = h + m.mlp(ops.norm(m.post_attention_layernorm, h))  # [B, T, H]
         logits.append(head.lm_head(ops.norm(head.norm, h)))
-        g = _shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
+        g = shift(h, 1, 1)  # step s+1 at p reads step s's output at p-1
     return logits

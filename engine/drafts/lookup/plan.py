@@ -12,17 +12,20 @@ from engine.errors import ConfigError
 from engine.model import ModelArgs
 
 
-@dataclass(frozen=True)
+@dataclass
 class NgramConfig(DraftKeys):
-    """The `draft.*` keys draft.algorithm=ngram reads (engine/drafts/config.py)."""
+    """draft=ngram (prompt lookup; engine/drafts/config.py)."""
 
-    ngram_max: int  # longest suffix tried first
-    ngram_min: int  # shortest suffix that may match
+    algorithm: str = "ngram"
+    ngram_max: int = 3  # longest suffix tried first
+    ngram_min: int = 1  # shortest suffix that may match
 
 
-@dataclass(frozen=True)
+@dataclass
 class OracleConfig(DraftKeys):
-    """draft.algorithm=oracle reads the common keys only."""
+    """draft=oracle: the common keys only."""
+
+    algorithm: str = "oracle"
 
 
 def plan_ngram(cfg, target: ModelArgs) -> DraftPlan:

@@ -165,17 +165,6 @@ class MultiLayerEagleHead(HeadBase):
             meta=self.graph_meta(),
         )
 
-    def card_summary(self, f: dict) -> str:
-        return (
-            f"A multi-layer EAGLE (MTP-style) draft of {self.num_modules} modules (`{self.architecture}`: per module "
-            "`enorm`, `hnorm`, `eh_proj`, one Llama decoder layer and `shared_head.norm`); module i reads module "
-            "i-1's hidden state (module 0: the target's final hidden state) and proposes draft token i+1. The "
-            "token embedding and lm_head are the target's and are not stored here."
-        )
-
-    def card_objective(self, f: dict) -> str:
-        return f"Teacher-forced multi-token prediction, one module per draft position ({self.num_modules} modules)"
-
 
 def multi_layer_config(target: ModelArgs, num_modules: int, intermediate_size: Optional[int] = None) -> dict:
     """config.json of `num_modules` modules of the target's width (random init, training);

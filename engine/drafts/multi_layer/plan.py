@@ -14,11 +14,14 @@ from engine.errors import ConfigError
 from engine.model import ModelArgs
 
 
-@dataclass(frozen=True)
+@dataclass
 class MultiLayerConfig(HeadKeys):
-    """The `draft.*` keys draft.algorithm=multi_layer_eagle reads (engine/drafts/config.py)."""
+    """draft=multi_layer_eagle (engine/drafts/config.py)."""
 
-    intermediate_size: Optional[int]  # random init: each module's MLP width
+    algorithm: str = "multi_layer_eagle"
+    # draft.init=random: each module's MLP width (null: the target's). A narrower MLP leaves room in a
+    # size budget for four modules.
+    intermediate_size: Optional[int] = None
 
 
 def plan_multi_layer(cfg, target: ModelArgs) -> DraftPlan:

@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.drafts.train_contract import Batch, shift, shift_left
 from engine.model import apply_rope
-from engine.train.objective import Batch, _shift, _shift_left
 
 
 def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -41,6 +41,6 @@ def multi_layer_forward(head, batch: Batch, steps: int) -> list[Tensor]:
     sin = head.rope_sin[batch.positions][:, None].to(emb.dtype)
     h, out = batch.feats.to(emb.dtype), []
     for i, mod in enumerate(head.layers):
-        h = _causal_layer(mod, mod.fuse_input(_shift_left(emb, i), h), cos, sin)  # [B, T, H]: h^i_p
-        out.append(_shift(head.lm_head(mod.shared_head.norm(h)), i, 1))
+        h = _causal_layer(mod, mod.fuse_input(shift_left(emb, i), h), cos, sin)  # [B, T, H]: h^i_p
+        out.append(shift(head.lm_head(mod.shared_head.norm(h)), i, 1))
     return out

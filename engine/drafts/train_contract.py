@@ -1,6 +1,5 @@
-"""The training objective every draft shares: the batch, the loss against the target's distribution, and
-the held-out acceptance read from per-step greedy chains. Each draft's folder supplies the forward
-(engine/drafts/<name>/train.py) in the alignment below, and a `TrainSpec` naming it.
+"""The contract between a draft's training forward and the shared trainer: the batch, what a forward
+returns, the shared loss, and the record (`TrainSpec`) each algorithm's folder exports.
 
 A chain anchored at position j (the target holds positions 0..j) drafts step s = 0, 1, ... at position
 p = j + s; every step at p reads the token x_{p+1} and predicts x_{p+2}. A forward returns per-step logits
@@ -24,16 +23,10 @@ Loss: cross-entropy against the target distribution (forward KL up to a constant
 by `decay ** s`, as EAGLE-3 does; `kernels/soft_ce.py` computes it per position from the label logits
 (kernel "triton": fused, without the fp32 [B, T, Vd] tensors of the plain-torch path; for `Rows`
 `linear_soft_cross_entropy`, whose forward also forms the gradient: the logits never stored).
-
-`chain_lengths` turns the per-step greedy matches into the drafts a chain anchored at each j gets
-accepted; `chain_acceptance` averages them over anchors (the per-position estimate: accept_rate_pos_i,
-accept_length at k drafts) and `simulated_loop` replays the greedy loop on them (rounds start where the
-previous one stopped: what the eval stage reports), on held-out samples.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -79,7 +72,7 @@ class Rows:
         return F.linear(self.hidden.to(self.weight.dtype), self.weight)
 
 
-def _shift(x: Tensor, n: int, dim: int) -> Tensor:
+def shift(x: Tensor, n: int, dim: int) -> Tensor:
     """Shift right by n along dim, zero-filled: out[..., p, ...] = x[..., p - n, ...]."""
     if n == 0:
         return x
@@ -88,7 +81,7 @@ def _shift(x: Tensor, n: int, dim: int) -> Tensor:
     return torch.cat([pad, x.narrow(dim, 0, t - min(n, t))], dim)
 
 
-def _shift_left(x: Tensor, n: int) -> Tensor:
+def shift_left(x: Tensor, n: int) -> Tensor:
     """out[:, p] = x[:, p + n] along dim 1, zero-filled at the end (position-indexed step n -> by anchor)."""
     if n == 0:
         return x
@@ -135,92 +128,6 @@ def ttt_loss(
     return total, stats
 
 
-@torch.no_grad()
-def chain_lengths(logits: list[Tensor], batch: Batch, k: int) -> Tensor:
-    """Drafts a greedy chain of k anchored at j gets accepted (teacher-forced tokens) -> [B, T] int64.
-
-    Step s of the chain at anchor j is logits[s] at p = j + s; it counts while every step before it
-    was right and its label is a trained answer token."""
-    b, t = batch.mask.shape
-    ok = torch.ones(b, t, dtype=torch.bool, device=batch.mask.device)
-    length = torch.zeros(b, t, dtype=torch.long, device=batch.mask.device)
-    for s in range(min(k, len(logits))):
-        right = (logits[s].argmax(-1) == batch.top) & batch.mask  # [B, T] at position p = j + s
-        ok = ok & _shift_left(right, s)  # [B, T] indexed by anchor j
-        length += ok
-    return length
-
-
-@torch.no_grad()
-def chain_acceptance(length: Tensor, mask: Tensor, k: int) -> tuple[Tensor, Tensor]:
-    """Greedy chain drafting of k tokens from every anchor whose k positions are all trained on.
-
-    length [B, T] (chain_lengths over k steps), mask [B, T]
-    -> (accepted [k]: chains whose drafts 1..i+1 were all right, i.e. the count behind
-        accept_rate_pos_i; anchors: the number of chains). accept_length = 1 + sum(accepted) / anchors.
-    """
-    t = mask.shape[1]
-    usable = mask.clone()
-    for s in range(1, k):
-        usable[:, : t - s] &= mask[:, s:]
-    usable[:, t - k + 1 :] = False  # [B, T] anchors with all k positions in the row and trained on
-    return torch.stack([((length > i) & usable).sum() for i in range(k)]), usable.sum()
-
-
-def _trained_span(mask: Tensor) -> tuple[Tensor, Tensor]:
-    """mask [B, T] -> (first trained position [B] (T when none), one past the last [B] (0 when none))."""
-    pos = torch.arange(mask.shape[1], device=mask.device)
-    return torch.where(mask, pos, mask.shape[1]).amin(1), torch.where(mask, pos, -1).amax(1) + 1
-
-
-def loop_anchors(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> Tensor:
-    """Where the greedy draft-and-verify loop, replayed on teacher-forced chain lengths, starts its rounds.
-
-    At inference a round anchored at j commits its accepted drafts plus the target's bonus token and the
-    next round is anchored at j + accepted + 1; the first round follows the prompt (anchor p0 + 1, with
-    p0 the first trained position: the first answer token comes from the prefill). Since the samples are
-    the target's greedy answers, this is the loop's own sequence of rounds, without running it.
-    `horizon` is the loop's max_new_tokens (the prefill's token included): no round starts past it.
-
-    The rounds of a row are a path in the graph j -> j + length[j] + 1 (rounds at or past the row's end
-    go to a sink, node T). The path from the first anchor is marked by pointer doubling, on the device and
-    without a host sync: after level i the marks hold the path's first 2^i nodes, and level i + 1 adds
-    their images under the 2^i-th power of the jump (the jump then squared by one gather); ceil(log2(T+1))
-    levels cover any path. About 30 small kernels for a batch, instead of a Python walk per row.
-
-    length [B, T] (chain_lengths), mask [B, T] -> anchors [B, T] bool, on length's device
-    """
-    b, t = mask.shape
-    pos = torch.arange(t, device=length.device)
-    first, stop = _trained_span(mask)  # [B]: rounds anchor in first + 1 .. stop - 1
-    end = stop if horizon is None else torch.minimum(stop, first + horizon)  # [B]
-    jump = torch.cat([pos + length + 1, length.new_full((b, 1), t)], 1)  # [B, T+1], node T: the sink
-    jump = torch.where(jump < end[:, None], jump, t)
-    start = torch.where((mask.sum(1) >= 2) & (first + 1 < end), first + 1, t)  # [B]
-    marks = torch.zeros(b, t + 1, dtype=torch.uint8, device=length.device)
-    marks[torch.arange(b, device=length.device), start] = 1
-    for _ in range(max(1, math.ceil(math.log2(t + 1)))):
-        marks = marks.scatter_reduce(1, jump, marks, "amax")  # keeps its own marks, adds their images
-        jump = jump.gather(1, jump)
-    return marks[:, :t].bool()
-
-
-def simulated_loop(length: Tensor, mask: Tensor, horizon: Optional[int] = None) -> tuple[int, int, Tensor]:
-    """The greedy loop replayed on teacher-forced chain lengths (`loop_anchors`): the round that crosses
-    `horizon` counts its whole acceptance, as the eval stage counts a verify. Late tokens of long greedy
-    answers (repetition) are the easiest to draft, so the figure depends on the horizon; the eval stage
-    generates 256.
-
-    length [B, T] (chain_lengths), mask [B, T] -> (tokens: accepted + 1 summed over rounds, rounds,
-    anchors [B, T] bool, on length's device)
-    """
-    anchors = loop_anchors(length, mask, horizon)
-    pos = torch.arange(mask.shape[1], device=length.device)
-    _, stop = _trained_span(mask)
-    tokens = torch.minimum(length + 1, stop[:, None] - pos)[anchors].sum()
-    return int(tokens), int(anchors.sum()), anchors
-
-
 @dataclass(frozen=True)
 class TrainSpec:
     """How one draft algorithm trains on the shared self-distilled data (its folder's `Algorithm.train`).
@@ -237,6 +144,8 @@ class TrainSpec:
                 only this algorithm constrains (e.g. DFlash: train.ttt_steps within the block)
     prepare     (student, sequences, always) -> None: fit what the training data decides before training
                 (EAGLE3: the reduced draft vocabulary from the most frequent tokens; `always`: EOS ids)
+    summary, objective  the model card's words for the head and its training: templates over the card's
+                fields (engine/train/card.py: training.json, config.json, the stored tensors)
     """
 
     features: FeatureKind
@@ -247,6 +156,8 @@ class TrainSpec:
     loss: Callable = ttt_loss
     check: Optional[Callable] = None
     prepare: Optional[Callable] = None
+    summary: str = "A `{architecture}` draft head."
+    objective: str = "Training-time test with {train[ttt_steps]} unrolled steps"
 
     @property
     def flex(self) -> bool:
