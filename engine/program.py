@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Callable, Optional
 
-HOST_KEYS = ("kv_len", "state")  # per-call values a break reads; never captured
+from engine.graphs.breakable import HOST_KEYS, eager_env, phase, phases
 
 
 @dataclass
@@ -47,12 +47,18 @@ def chain(*fns: Callable[[dict], None]) -> Callable[[dict], None]:
 
 
 def run_steps(steps: list[Step], env: dict, on_phase: Optional[Callable[[str], None]] = None) -> dict:
-    phase = None
-    for s in steps:
-        if on_phase is not None and s.phase != phase:
-            phase = s.phase
-            on_phase(phase)
-        s.fn(env)
+    """Eagerly, or under a breakable capture (engine/graphs/breakable.py): a break runs eagerly between
+    the captured graphs, and a change of phase begins a new graph."""
+    with phases(on_phase):
+        current = None
+        for s in steps:
+            if s.phase != current:
+                current = s.phase
+                phase(current)
+            if s.is_break:
+                eager_env(s.fn, env)
+            else:
+                s.fn(env)
     return env
 
 

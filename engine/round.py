@@ -46,6 +46,7 @@ import torch
 from torch import Tensor
 
 from engine.drafts.base import Draft
+from engine.graphs.breakable import captured
 from engine.graphs.runner import InputSpec, allocate
 from engine.model import LlamaModel, StaticKVCache
 from engine.program import Step, merge_runs, scoped, with_phase
@@ -83,11 +84,21 @@ def round_buffers(k: int, draft: Optional[Draft], rows: int, device) -> dict[str
 
 
 def side_breaks(steps: list[Step], policy: str, attention_kernel: bool) -> list[Step]:
-    """One side's steps with the breaks its graph policy needs (see the module docstring)."""
+    """One side's steps with the breaks its graph policy needs (see the module docstring): every step
+    eager (policy none), its breaks and eager marks kept, or everything captured."""
     if policy == "none":
         return [replace(s, is_break=True) for s in steps]
-    keep = policy in ("breakable", "piecewise", "debug") and not attention_kernel
-    return [replace(s, is_break=s.host or (s.is_break and keep)) for s in steps]
+    if policy in ("breakable", "piecewise", "debug") and not attention_kernel:
+        return steps
+    return [replace(s, is_break=s.host, fn=s.fn if s.host else _captured(s.fn)) for s in steps]
+
+
+def _captured(fn):
+    def run(env: dict) -> None:
+        with captured():  # its eager marks (the attention) are captured too
+            fn(env)
+
+    return run
 
 
 def _accept_greedy(k: int, kernels: bool, draft: Optional[Draft]):

@@ -14,9 +14,11 @@ from test_speculative import AUX, build
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
+from engine.graphs.breakable import Capture
 from engine.graphs.graph_set import round_name
+from engine.model import Attention
 from engine.program import run_steps
-from engine.round import round_program
+from engine.round import round_buffers, round_program
 from engine.sampling import Draws, SamplingParams
 from engine.verify import accept_greedy, verify, verify_greedy
 from pipeline.config import DraftConfig
@@ -63,20 +65,37 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
             draft_policy=draft_policy or policy,
         )
 
+    buffers = round_buffers(3, draft, 2, torch.device("cpu"))
+    buffers["live"].fill_(False)  # every write goes to the dummy slot
+
+    def eager_parts(policy, draft_policy=None) -> list[tuple[str, str, object]]:
+        """(phase, kind, what) of each eager part of the round under a breakable capture (dry)."""
+        env = {**buffers, "kv_len": 8}
+        with torch.inference_mode():
+            parts = (
+                Capture(None, torch.device("cpu"), dry=True)
+                .run(lambda: run_steps(program(policy, draft_policy=draft_policy), dict(env)))
+                .parts
+            )
+        return [
+            (phase, kind, part[1][0] if kind == "call" else part[0]) for kind, phase, part in parts if kind != "graph"
+        ]
+
     assert _phases(program("full")) == ["draft", "verify", "extend"]
-    assert not any(s.is_break for s in program("full"))
-    breakable = [s.name for s in program("breakable") if s.is_break]
-    assert breakable and all("attn" in n for n in breakable)  # SDPA over the live kv_len
+    assert eager_parts("full") == []  # one graph per phase
+    breakable = eager_parts("breakable")  # SDPA over the live kv_len: every attention, only the attentions
+    assert {p for p, _, _ in breakable} >= {"draft", "verify"}
+    assert all(kind == "call" and isinstance(m, Attention) for _, kind, m in breakable)
+    assert sum(p == "verify" for p, _, _ in breakable) == target.args.num_layers
     target.attention_kernel = head.attention_kernel = True
     try:
         assert not any(s.is_break for s in program("breakable"))
         assert not any(s.is_break for s in program("breakable", sampled=True))  # draws and accept on the device
     finally:
         target.attention_kernel = head.attention_kernel = False
-    mixed = program("full", draft_policy="none")  # a side without graphs: its steps run eagerly
-    assert all(s.is_break for s in mixed if s.phase == "draft") and not any(
-        s.is_break for s in mixed if s.phase == "verify"
-    )
+    mixed = eager_parts("full", draft_policy="none")  # a side without graphs: its steps run eagerly
+    assert mixed and all(p in ("draft", "extend") and kind == "env" for p, kind, _ in mixed)
+    assert all(s.is_break for s in program("full", draft_policy="none") if s.phase == "draft")
 
 
 def test_a_sampled_round_runs_before_any_row_starts():

@@ -18,7 +18,8 @@ from engine.drafts.common.ttt import TORCH_OPS, TRITON_OPS, ttt_attention_flex
 from engine.drafts.dflash.train import dflash_forward_packed
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.train import ttt_forward
-from engine.model import StaticKVCache, run_steps
+from engine.model import StaticKVCache
+from engine.program import run_steps
 from engine.train.average import WeightAverage
 from engine.train.objective import Batch, chain_acceptance, chain_lengths, simulated_loop, ttt_loss
 from kernels.runtime import triton

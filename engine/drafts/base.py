@@ -54,7 +54,7 @@ from torch import Tensor
 from engine import aux_layers
 from engine.drafts.config import DraftKeys
 from engine.graphs.runner import InputSpec, allocate
-from engine.program import Step, run_steps
+from engine.program import run_steps
 
 if TYPE_CHECKING:
     from engine.drafts.checkpoint import HeadCheckpoint
@@ -285,28 +285,18 @@ class DraftHead(Protocol):
 class FeatureHead(DraftHead, Protocol):
     """A one-step head that the EAGLE-family loop (engine/drafts/common/feature.py) chains: EAGLE3, EAGLE."""
 
-    def program(self, cache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
-        """One draft forward as steps: pre (segment), attention (break), post (segment).
+    def attn_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len, dtype=None, **kw):
+        """positions [b, t], valid [b, t] or None, kv_len (int or engine.ops.Live) -> the call's AttnInputs."""
+        ...
 
-        env in:  tokens [b, t], hidden [b, t, F or H], positions [b, t], valid [b, t], kv_len,
-                 input_embeds [b, t, H] (embeds_input)
-        env out: out_hidden [b, t, H], ids [b, t] (greedy, target ids; not with `sampled` on the fused
-                 path), logits [b, t, V] (`sampled`, or the unfused path)
-        """
+    def forward(self, hidden: Tensor, cache, a, tokens=None, embeds=None, sampled: bool = False):
+        """hidden [b, t, F or H], tokens [b, t] (or embeds [b, t, H]) -> DraftOut: out_hidden [b, t, H],
+        ids [b, t] (greedy, target ids; not with `sampled` on the fused path), logits [b, t, V]
+        (`sampled`, or the unfused path)."""
         ...
 
     def logits(self, h: Tensor) -> Tensor:
-        """out_hidden [..., H] -> the draft's logits [..., V] (what `post` forms from it)."""
-        ...
-
-    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
-        """env hidden [b, t, F or H], tokens [b, t] (or embeds [b, t, H]) -> env g [b, t, H] (the residual),
-        q [b, heads, t, head_dim] (RoPE'd; k/v written into `cache` at the rows' slots)."""
-        ...
-
-    def post(self, env: dict, sampled: bool = False) -> None:
-        """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t] and / or
-        logits [b, t, V] (as `program` says)."""
+        """out_hidden [..., H] -> the draft's logits [..., V]."""
         ...
 
 

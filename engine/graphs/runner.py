@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.graphs.backends import BACKENDS, DYNAMIC_KV
+from engine.ops import Live
 from engine.program import Step, run_steps
 
 
@@ -110,7 +111,7 @@ class GraphRunner:
     # -- capture -----------------------------------------------------------------------------------
     def _env(self, b: int, t: int) -> dict:
         env = {k: (buf[:b] if self.inputs[k].per_row else buf[:b, :t]) for k, buf in self.buffers.items()}
-        env["kv_len"] = self.static_kv_len
+        env["kv_len"] = Live(self.static_kv_len)  # a replay sets its value: eager calls read it then
         return env
 
     def capture(self) -> "GraphRunner":
@@ -158,7 +159,7 @@ class GraphRunner:
         clone: bool = True,
     ) -> tuple[dict, bool]:
         """rows: the live batch when `live` has no positions (a round over its state buffers);
-        host: per-call values its breaks read (engine.program.HOST_KEYS); on_phase: called where
+        host: per-call values its breaks read (engine.graphs.breakable.HOST_KEYS); on_phase: called where
         each phase begins (phase timing); clone=False: outputs are views of the static buffers, valid
         until the next call (a caller that copies them out at once)."""
         if self.meta is not None and self.meta != {k: v for k, v in self.current_meta().items() if k in self.meta}:
@@ -183,8 +184,8 @@ class GraphRunner:
             if x is not None:
                 self._view(k, b, t).copy_(x)
         self._reset(key[0], key[1], b, t)
-        env.update(host or {})
-        env["kv_len"] = kv_len if self.dynamic_kv else self.static_kv_len
+        env.update({k: v for k, v in (host or {}).items() if k != "kv_len"})
+        env["kv_len"].value = kv_len if self.dynamic_kv else self.static_kv_len
         captured.replay(env, on_phase)
         self.stats.replays += 1
         return {k: self._slice(env.get(k), key, b, t, clone) for k in self.outputs[mode]}, True
