@@ -36,14 +36,15 @@ import torch
 from torch import Tensor
 
 from engine.adaptive_k import AdaptiveK, Mix, measure_round_costs
-from engine.drafts.base import Draft, FeatureKind, SpecState
+from engine.drafts.base import Draft, FeatureKind, RoundState, SpecState
 from engine.errors import ConfigError
+from engine.graphs.breakable import phases
 from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel, StaticKVCache
+from engine.ops import Live
 from engine.phase_clock import PhaseClock
-from engine.program import run_steps
-from engine.round import round_buffers, round_program
+from engine.round import Round, round_buffers
 from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
 
 
@@ -182,7 +183,7 @@ class SpecDecoder:
         self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
-        self._programs: dict[tuple[int, int, bool], list] = {}  # (rows, k, sampled) -> the eager round program
+        self._rounds: dict[tuple[int, int, bool], Round] = {}  # (rows, k, sampled) -> the eager round
         self._last_end = None  # the clock mark at the end of the last round of the running batch
         self.phase_hook = None  # called with each phase's name as it begins, then None (profilers)
         pin = self.device.type == "cuda"
@@ -303,20 +304,11 @@ class SpecDecoder:
         self._live_host[:b] = torch.tensor(state.live)
         self.buffers["live"][:b].copy_(self._live_host[:b], non_blocking=True)
 
-    def _program(self, b: int, k: int, sampled: bool) -> list:
+    def _round(self, b: int, k: int, sampled: bool) -> Round:
         key = (b, k, sampled)
-        if key not in self._programs:
-            self._programs[key] = round_program(
-                self.model,
-                self.cache,
-                self.device_draft,
-                k,
-                b,
-                sampled=sampled,
-                target_policy=self.policies[0],
-                draft_policy=self.policies[1],
-            )
-        return self._programs[key]
+        if key not in self._rounds:
+            self._rounds[key] = Round(self.model, self.cache, self.device_draft, k, b, sampled, self.policies)
+        return self._rounds[key]
 
     def run_round(
         self,
@@ -340,9 +332,10 @@ class SpecDecoder:
         if runner is not None:
             out, _ = runner({}, kv_len, self.mode, rows=b, host=host, on_phase=on_phase, clone=False)
             return out["out"][:, : k + 2]
-        env = {name: t[:b] for name, t in self.buffers.items()}
-        run_steps(self._program(b, k, sampled), {**env, **host}, on_phase)
-        return env["out"][:, : k + 2]
+        s = RoundState.of({**{name: t[:b] for name, t in self.buffers.items()}, "state": state})
+        with phases(on_phase):
+            self._round(b, k, sampled)(s, Live(kv_len))
+        return s.out[:, : k + 2]
 
     @torch.inference_mode()
     def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7, sampled: bool = False) -> AdaptiveK:

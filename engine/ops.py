@@ -39,28 +39,28 @@ def rows_kernel(x: Tensor, max_rows: Optional[int] = None) -> bool:
 
 
 class Live:
-    """A host value read at call time (the live kv_len): a breakable graph's eager call reads it at
-    replay, after the runner set it, instead of the value it saw at capture. `live + n` is a view that
-    reads the same value plus n (a scoped program's offset)."""
+    """A host value read at call time (the live kv_len, the host's mirror of the batch): a breakable
+    graph's eager call reads it at replay, after the runner set it, instead of the value it saw at
+    capture. `live + n` is a view that reads the same int plus n (a verify's k + 1, a draft step's i)."""
 
     __slots__ = ("_value", "base", "offset")
 
-    def __init__(self, value: int = 0, base: Optional["Live"] = None, offset: int = 0):
+    def __init__(self, value=None, base: Optional["Live"] = None, offset: int = 0):
         self._value, self.base, self.offset = value, base, offset
 
     @property
-    def value(self) -> int:
+    def value(self):
         return self._value if self.base is None else self.base.value + self.offset
 
     @value.setter
-    def value(self, v: int) -> None:
+    def value(self, v) -> None:
         self._value = v
 
     def __add__(self, n: int) -> "Live":
         return Live(base=self, offset=n)
 
     @staticmethod
-    def of(x: "int | Live") -> "Live":
+    def of(x) -> "Live":
         return x if isinstance(x, Live) else Live(x)
 
 

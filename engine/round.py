@@ -1,60 +1,46 @@
-"""The speculative round as one device program: propose k -> verify k + 1 -> accept -> extend -> advance.
+"""The speculative round in one place: propose k -> verify k + 1 -> accept -> extend, over a typed state.
 
-The round's state lives on the device, in buffers allocated once (a graph replays over their addresses),
-and the program reads and advances it in place, so a round needs no host input (device drafts) and
-costs one device->host copy: `out`, read by the host to emit tokens.
+The state lives on the device in buffers allocated once (a graph replays over their addresses); a round
+reads and advances it in place and costs one device->host copy: `out`, read by the host to emit tokens.
 
-    last     [B]        int64  each row's last emitted token (not yet in the target cache)
-    lengths  [B]        int64  tokens in the target cache (= the position of `last`)
-    live     [B]        bool   rows still generating; others ride along writing only the dummy slot
-    draft    [B, K]     int64  the round's draft tokens (the first k): the chain writes them (device
-                               drafts), or the host copies them in (n-gram, oracle)
-    out      [B, K + 2] int64  [a, the emitted tokens]: d_1..d_a then the bonus at index a (first k + 2)
-    temperature, top_p [B] fp32, seed [B] int64, speculate [B] bool
-                               each row's sampling (temperature 0: greedy) and whether it takes draft tokens,
-                               written by the host when a row starts (engine/sampling.py RowSettings)
+    RoundState, b rows, K the most draft tokens any round of the run takes:
+    last [b] int64         each row's last emitted token (not yet in the target cache)
+    lengths [b] int64      tokens in the target cache (= the position of `last`)
+    live [b] bool          rows still generating; others ride along writing only the dummy slot
+    draft [b, K] int64     the round's draft tokens (the first k): a device draft writes them, the host
+                           copies a host draft's (n-gram, oracle) in
+    out [b, K + 2] int64   [a, the emitted tokens]: d_1..d_a then the bonus at index a
+    temperature, top_p [b] fp32, seed [b] int64, speculate [b] bool: each row's sampling (0: greedy)
+    q [b, K, Vd] fp32      a sampled round's proposal distributions; own: the draft's own state buffers
 
-    + the draft's own state (`draft.state_specs`: EAGLE's carried hidden state and next token, the
-      multi-layer draft's per-module pool, q [B, K, Vd]: the sampled proposals' distributions, ...)
+    propose  the device draft's k proposals -> draft                                  (phase draft)
+    verify   the target on [last, draft] at lengths + 0..k -> accept on the device -> out (phase verify)
+    extend   the draft catches up on the verified positions; lengths += a + 1, last = bonus (phase extend)
 
-K is the most draft tokens any round of the run takes; a round of k <= K (k = 0: the plain decode
-step of the no-draft baseline; serve's k that follows the load) uses the first columns.
-
-Phases (engine/program.py: each is its own graph replay, so a clock can time them):
-
-    draft    the k-step chain (device drafts): draft.propose_steps -> draft (sampled rounds: sampled rows
-             draw each proposal from the draft's q and keep q)
-    verify   tokens [b, k+1] = [last, draft] at positions lengths + 0..k, valid = live -> the target's
-             forward (scoped under "t."); accept on the device -> out: greedy (the argmax epilogue's ids,
-             kernels/accept.py) or, in the sampled variant, each row by its own rule (kernels/sample.py:
-             rejection sampling against q, greedy rows exactly greedy, counter-based random numbers)
-    extend   draft.commit_steps over the k + 1 verified positions (features, emitted, accepted), then
-             lengths += a + 1 and last = bonus for live rows
-
-Breaks: a side's attention is a break only when it must see the live kv_len (SDPA under breakable /
-piecewise); a side with graph policy none runs every step eagerly between the other side's graphs.
-With the Triton attention kernel (each row's live length read on the device) neither the greedy nor
-the sampled round has a break at all: three graphs, one per phase.
+Each phase is its own graph (engine/graphs/breakable.py `phase`). A side (target, draft) under policy
+none runs eagerly as a whole; under breakable / debug with SDPA its attentions run eagerly (the live
+kv_len); otherwise (full, or the Triton attention) it is captured whole. k = 0 is plain decoding.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Optional
 
 import torch
 from torch import Tensor
 
-from engine.drafts.base import Draft
-from engine.graphs.breakable import captured
+from engine.drafts.base import Draft, FeatureKind, RoundState, Verified
+from engine.graphs.breakable import captured, eager, phase
 from engine.graphs.runner import InputSpec, allocate
 from engine.model import LlamaModel, StaticKVCache
-from engine.program import Step, merge_runs, scoped, with_phase
+from engine.ops import Live
+from engine.program import Step
 from kernels.accept import accept_greedy as accept_kernel
 from kernels.accept import accept_greedy_reference, advance, advance_reference, write_out_reference
 from kernels.sample import accept, accept_reference
 
 PHASES = ("draft", "verify", "extend")  # in this order in every round
+FEATURES = {FeatureKind.aux: "aux_hidden_states", FeatureKind.final: "hidden_states"}  # what the extend reads
 
 
 def round_specs(k: int, draft: Optional[Draft]) -> dict[str, InputSpec]:
@@ -83,86 +69,82 @@ def round_buffers(k: int, draft: Optional[Draft], rows: int, device) -> dict[str
     return {**own, **(draft.buf if draft is not None and draft.on_device else {})}
 
 
-def side_breaks(steps: list[Step], policy: str, attention_kernel: bool) -> list[Step]:
-    """One side's steps with the breaks its graph policy needs (see the module docstring): every step
-    eager (policy none), its breaks and eager marks kept, or everything captured."""
+def side(fn, policy: str, attention_kernel: bool):
+    """fn as its side's graph policy runs it: eagerly as a whole (none), split at its eager marks
+    (breakable / debug with SDPA: the live kv_len), or captured whole (full, the Triton attention)."""
     if policy == "none":
-        return [replace(s, is_break=True) for s in steps]
+        return eager(fn)
     if policy in ("breakable", "piecewise", "debug") and not attention_kernel:
-        return steps
-    return [replace(s, is_break=s.host, fn=s.fn if s.host else _captured(s.fn)) for s in steps]
+        return fn
+
+    def whole(*args):
+        with captured():
+            return fn(*args)
+
+    return whole
 
 
-def _captured(fn):
-    def run(env: dict) -> None:
-        with captured():  # its eager marks (the attention) are captured too
-            fn(env)
+class Round:
+    """One round over the first `rows` rows of the target's cache and of a device draft's (None: no
+    draft, or a host draft whose tokens the caller copies into `draft`)."""
 
-    return run
+    def __init__(self, target: LlamaModel, cache, draft, k: int, rows: int, sampled: bool, policies: tuple[str, str]):
+        self.target, self.k, self.sampled = target, k, sampled
+        self.cache = cache.rows(rows)
+        self.draft = draft if draft is not None and draft.on_device and k > 0 else None
+        self.draft_cache = self.draft.cache.rows(rows) if self.draft is not None else None
+        self.kernels = target.fused  # the Triton kernels run (CUDA, or the interpreter in tests)
+        self.forward = side(self.verify_forward, policies[0], target.attention_kernel)
+        if self.draft is not None:
+            self.propose = side(self.draft.propose_into, policies[1], self.draft.attention_kernel)
+            self.extend = side(self.draft.extend, policies[1], self.draft.attention_kernel)
 
+    def __call__(self, s: RoundState, kv_len: Live) -> None:
+        k = self.k
+        if self.draft is not None:
+            phase("draft")
+            self.propose(s, self.draft_cache, k, kv_len, self.sampled)  # -> s.draft[:, :k]
+        phase("verify")
+        v = self.verify(s, kv_len)
+        phase("extend")
+        if self.draft is not None:
+            self.extend(s, self.draft_cache, v, kv_len, self.sampled)
+        (advance if self.kernels else advance_reference)(s.lengths, s.last, s.live, v.accepted, v.bonus)
 
-def _accept_greedy(k: int, kernels: bool, draft: Optional[Draft]):
-    """-> out [b, k+2] = [a, the emitted tokens], accepted, bonus, emitted (views of out where they can
-    be), from the target's argmax ids. kernels: one launch (kernels/accept.py), else plain torch."""
+    def verify(self, s: RoundState, kv_len: Live) -> Verified:
+        k, b = self.k, s.live.shape[0]
+        tokens = torch.cat([s.last[:, None], s.draft[:, :k]], 1)  # [b, k+1]: x_L, d_1..d_k
+        positions = s.lengths[:, None] + torch.arange(k + 1, device=s.lengths.device)  # [b, k+1]: L..L+k
+        valid = s.live[:, None].expand(b, k + 1)  # finished rows write the dummy slot
+        logits, ids, feats = self.forward(tokens, positions, valid, kv_len + (k + 1))
+        drafted, out = s.draft[:, :k], s.out  # [b, k], [b, K+2]
+        if not self.sampled:  # keep d_i while it is the target's argmax; the bonus: the argmax after
+            if self.kernels:
+                accepted, bonus = accept_kernel(ids, drafted, out, s.speculate)
+            else:
+                accepted, bonus = accept_greedy_reference(ids, drafted, s.speculate)  # [b], [b]
+                write_out_reference(drafted, accepted, bonus, out)
+        else:  # each row by its own rule: rejection sampling against q (one-hot for host drafts)
+            d = self.draft
+            accepted, bonus = (accept if self.kernels else accept_reference)(
+                logits,
+                drafted,
+                s.q[:, :k] if d is not None else None,
+                d.vocab_map if d is not None else None,
+                s.temperature,
+                s.top_p,
+                s.seed,
+                s.lengths,
+                s.speculate,
+                out,
+            )
+        return Verified(out[:, 1 : k + 2], out[:, 0], bonus, feats)
 
-    def fn(env: dict) -> None:
-        drafted, out = env["draft"][:, :k], env["out"]  # [b, k], [b, K+2]
-        if kernels:
-            accepted, bonus = accept_kernel(env["t.ids"], drafted, out, env["speculate"])
-        else:
-            accepted, bonus = accept_greedy_reference(env["t.ids"], drafted, env["speculate"])  # [b], [b]
-            write_out_reference(drafted, accepted, bonus, out)
-        env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1 : k + 2]
-
-    return fn
-
-
-def _accept_sampled(k: int, kernels: bool, draft: Optional[Draft]):
-    """The same from the target's logits [b, k+1, V], each row by its own rule (kernels/sample.py: four
-    launches, else plain torch): against the device draft's q, or a one-hot q (host drafts, k = 0)."""
-    rule = accept if kernels else accept_reference
-
-    def fn(env: dict) -> None:
-        drafted, out = env["draft"][:, :k], env["out"]
-        q = env["d_q"][:, :k] if draft is not None else None  # [b, k, Vd]
-        accepted, bonus = rule(
-            env["t.logits"],
-            drafted,
-            q,
-            draft.vocab_map if draft is not None else None,
-            env["temperature"],
-            env["top_p"],
-            env["seed"],
-            env["lengths"],
-            env["speculate"],
-            out,
-        )
-        env["accepted"], env["bonus"], env["emitted"] = out[:, 0], bonus, out[:, 1 : k + 2]
-
-    return fn
-
-
-ACCEPT = {False: _accept_greedy, True: _accept_sampled}  # sampled -> the accept step's builder
-
-
-def _verify_inputs(k: int):
-    def fn(env: dict) -> None:
-        live, lengths = env["live"], env["lengths"]  # [b], [b]
-        b = live.shape[0]
-        env["t.tokens"] = torch.cat([env["last"][:, None], env["draft"][:, :k]], 1)  # [b, k+1]
-        env["t.positions"] = lengths[:, None] + torch.arange(k + 1, device=lengths.device)  # [b, k+1]
-        env["t.valid"] = live[:, None].expand(b, k + 1)
-
-    return fn
-
-
-def _advance(kernels: bool):
-    def fn(env: dict) -> None:
-        (advance if kernels else advance_reference)(
-            env["lengths"], env["last"], env["live"], env["accepted"], env["bonus"]
-        )
-
-    return fn
+    def verify_forward(self, tokens: Tensor, positions: Tensor, valid: Tensor, kv_len: Live) -> tuple:
+        """The target on the k + 1 positions -> (logits, ids, the draft's features) (its side's policy)."""
+        out = self.target(tokens, positions, self.cache, valid=valid, kv_len=kv_len, greedy=not self.sampled)
+        kind = self.draft.features if self.draft is not None else FeatureKind.none
+        return out.logits, out.ids, getattr(out, FEATURES[kind]) if kind in FEATURES else None
 
 
 def round_program(
@@ -176,32 +158,11 @@ def round_program(
     target_policy: str = "none",
     draft_policy: str = "none",
 ) -> list[Step]:
-    """The round over the first `rows` rows of the target's cache and of the draft's: a list of steps
-    in phases draft, verify, extend. `draft` is a device draft (its steps run here) or None (no draft,
-    or a host draft whose tokens the caller copies into `draft`)."""
-    steps: list[Step] = []
-    device_draft = draft is not None and draft.on_device and k > 0
-    cache = cache.rows(rows)
-    draft_cache = draft.cache.rows(rows) if device_draft else None
-    if device_draft:
-        chain = side_breaks(draft.propose_steps(draft_cache, k, sampled=sampled), draft_policy, draft.attention_kernel)
-        steps += with_phase(chain, "draft")
-    verify_steps = side_breaks(target.program(cache, greedy=not sampled), target_policy, target.attention_kernel)
-    kernels = target.fused  # the Triton kernels run (CUDA, or the interpreter in tests)
-    accept_step = ACCEPT[sampled](k, kernels, draft if device_draft else None)
-    steps += with_phase(
-        [Step("verify_in", _verify_inputs(k))]
-        + scoped("t.", merge_runs(verify_steps), k + 1)
-        + [Step("accept", accept_step)],
-        "verify",
-    )
-    tail: list[Step] = []
-    if device_draft:
-        tail += side_breaks(draft.commit_steps(draft_cache, k, sampled=sampled), draft_policy, draft.attention_kernel)
-    steps += with_phase(tail + [Step("advance", _advance(kernels))], "extend")
-    steps = merge_runs(steps)
-    meta: dict = {}
-    for s in steps:
-        meta.update(s.meta)
-    steps[0].meta = meta  # what the runner checks against the models at every call
-    return steps
+    """The round as a program (one step over the state buffers by name) for the graph runners."""
+    r = Round(target, cache, draft, k, rows, sampled, (target_policy, draft_policy))
+
+    def run(env: dict) -> None:
+        r(RoundState.of(env), Live.of(env["kv_len"]))
+
+    meta = {"aux_layer_ids": target.aux_layer_ids, **(r.draft.graph_meta() if r.draft is not None else {})}
+    return [Step("round", run, meta=meta)]

@@ -1,4 +1,4 @@
-"""The round as a device program (engine/round.py): its phases and breaks per policy, the on-device
+"""The round (engine/round.py): its phases and eager calls per policy, the on-device
 acceptance against `verify`, every draft on the fused kernels (under TRITON_INTERPRET=1 on CPU)
 lossless and equal to its unfused self, and the state buffers a round advances by itself."""
 
@@ -28,19 +28,11 @@ KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------ program
-def _phases(steps) -> list[str]:
-    out = []
-    for s in steps:
-        if not out or out[-1] != s.phase:
-            out.append(s.phase)
-    return out
-
-
 @pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash"])
 def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
-    """Phases draft -> verify -> extend; with the Triton attention (each row's live length read on the
-    device) no step of a greedy or sampled round is a break under any capturing policy; SDPA attention
-    breaks under breakable and not under full."""
+    """Phases draft -> verify -> extend, one graph each under full; under breakable with SDPA each
+    attention runs eagerly and nothing else does; with the Triton attention (each row's live length read
+    on the device) nothing of a greedy or sampled round does; a side under policy none runs eagerly."""
     _, target = pair()
     cfg = DraftConfig(
         algorithm=algorithm,
@@ -68,34 +60,30 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
     buffers = round_buffers(3, draft, 2, torch.device("cpu"))
     buffers["live"].fill_(False)  # every write goes to the dummy slot
 
-    def eager_parts(policy, draft_policy=None) -> list[tuple[str, str, object]]:
-        """(phase, kind, what) of each eager part of the round under a breakable capture (dry)."""
+    def capture(policy, sampled=False, draft_policy=None) -> list[tuple[str, str, object]]:
+        """(phase, kind, what) of each part of the round under a breakable capture (dry): kind graph, or
+        call (what: the eager call's first argument, an Attention module or a whole side's RoundState)."""
         env = {**buffers, "kv_len": 8}
+        steps = program(policy, sampled, draft_policy)
         with torch.inference_mode():
-            parts = (
-                Capture(None, torch.device("cpu"), dry=True)
-                .run(lambda: run_steps(program(policy, draft_policy=draft_policy), dict(env)))
-                .parts
-            )
-        return [
-            (phase, kind, part[1][0] if kind == "call" else part[0]) for kind, phase, part in parts if kind != "graph"
-        ]
+            parts = Capture(None, torch.device("cpu"), dry=True).run(lambda: run_steps(steps, dict(env))).parts
+        return [(phase, kind, part[1][0] if kind == "call" else None) for kind, phase, part in parts]
 
-    assert _phases(program("full")) == ["draft", "verify", "extend"]
-    assert eager_parts("full") == []  # one graph per phase
+    def eager_parts(*args, **kw):
+        return [p for p in capture(*args, **kw) if p[1] != "graph"]
+
+    assert capture("full") == [(p, "graph", None) for p in ("draft", "verify", "extend")]  # one graph per phase
     breakable = eager_parts("breakable")  # SDPA over the live kv_len: every attention, only the attentions
     assert {p for p, _, _ in breakable} >= {"draft", "verify"}
     assert all(kind == "call" and isinstance(m, Attention) for _, kind, m in breakable)
     assert sum(p == "verify" for p, _, _ in breakable) == target.args.num_layers
-    target.attention_kernel = head.attention_kernel = True
+    target.attention_kernel = head.attention_kernel = True  # each row's live length read on the device
     try:
-        assert not any(s.is_break for s in program("breakable"))
-        assert not any(s.is_break for s in program("breakable", sampled=True))  # draws and accept on the device
+        assert eager_parts("breakable") == [] and eager_parts("breakable", sampled=True) == []
     finally:
         target.attention_kernel = head.attention_kernel = False
-    mixed = eager_parts("full", draft_policy="none")  # a side without graphs: its steps run eagerly
-    assert mixed and all(p in ("draft", "extend") and kind == "env" for p, kind, _ in mixed)
-    assert all(s.is_break for s in program("full", draft_policy="none") if s.phase == "draft")
+    mixed = eager_parts("full", draft_policy="none")  # a side without graphs: its work runs eagerly, whole
+    assert [(p, type(s).__name__) for p, _, s in mixed] == [("draft", "RoundState"), ("extend", "RoundState")]
 
 
 def test_a_sampled_round_runs_before_any_row_starts():

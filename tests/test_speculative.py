@@ -9,7 +9,7 @@ from test_model import _prompts, pair
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.generate import Generator
-from engine.program import Step
+from engine.graphs.breakable import eager
 from engine.sampling import Draws, SamplingParams
 from engine.verify import verify
 from pipeline.config import DraftConfig
@@ -83,22 +83,29 @@ def test_uneven_acceptance_stop_token_and_length_inside_a_block(target):
 
 
 def tap(draft, phase: str, fn) -> None:
-    """A host step at the end of the draft's steps of `phase` (propose | commit), a break under every
-    graph policy: fn(env, k) sees the round's env (env["state"]: the host mirror, not yet advanced).
-    Attach before the round is built (before a GraphSet captures it); at capture time it is skipped."""
-    inner = getattr(draft, f"{phase}_steps")
+    """A host hook after the draft's proposal or extend (phase propose | commit), eager under every
+    graph policy that splits: fn(s, k, extra) sees the RoundState s (s.state.value: the host mirror, not
+    yet advanced) and the proposal's logits (propose) or the Verified (commit). Attach before the round
+    is built (before a GraphSet captures it); at capture time (no host state) it is skipped."""
+    name = {"propose": "propose_into", "commit": "extend"}[phase]
+    inner = getattr(draft, name)
 
-    def hook(env, k):
-        if env.get("state") is not None:
-            fn(env, k)
+    def hook(s, k, extra):
+        if s.state.value is not None:
+            fn(s, k, extra)
 
-    setattr(
-        draft,
-        f"{phase}_steps",
-        lambda cache, k, **kw: (
-            inner(cache, k, **kw) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)]
-        ),
-    )
+    hook = eager(hook, host=True)
+
+    def propose(s, cache, k, kv_len, sampled=False):
+        logits = inner(s, cache, k, kv_len, sampled)
+        hook(s, k, logits)
+        return logits
+
+    def extend(s, cache, v, kv_len, sampled=False):
+        inner(s, cache, v, kv_len, sampled)
+        hook(s, v.emitted.shape[1] - 1, v)
+
+    setattr(draft, name, propose if phase == "propose" else extend)
 
 
 def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):
@@ -119,8 +126,8 @@ def partial_oracle(draft, references, prompt_lens, seed=0) -> None:
     per row: acceptance is partial and different per row while the draft state is the real one."""
     g = torch.Generator().manual_seed(seed)
 
-    def prefix(env, k):
-        env["draft"][:, :k] = oracle_prefix(env["draft"][:, :k], env["state"], references, prompt_lens, g, k)
+    def prefix(s, k, logits):
+        s.draft[:, :k] = oracle_prefix(s.draft[:, :k], s.state.value, references, prompt_lens, g, k)
 
     tap(draft, "propose", prefix)
 
@@ -138,8 +145,8 @@ def test_draft_state_consistent_after_partial_acceptance(target):
     fresh.head = draft.head
     checked = []
 
-    def check(env, k):
-        state, emitted, accepted = env["state"], env["emitted"], env["accepted"]
+    def check(s, k, v):
+        state, emitted, accepted = s.state.value, v.emitted, v.accepted
         for i in range(len(prompts)):
             if not state.live[i]:
                 continue
@@ -240,7 +247,7 @@ def test_input_embeds_prompt_equals_token_prompt(target):
     def traced(prompt_list, prompt_embeds):
         gen = build(target, "eagle3", 2, params)
         seen = []
-        tap(gen.draft, "propose", lambda env, k: seen.append(env["draft"][:, :k].clone()))
+        tap(gen.draft, "propose", lambda s, k, logits: seen.append(s.draft[:, :k].clone()))
         return gen.generate(prompt_list, params, prompt_embeds=prompt_embeds), seen
 
     ref, ref_props = traced(prompts, None)

@@ -30,13 +30,14 @@ _active: Optional["Capture"] = None  # the capture in progress
 _on_phase: Optional[Callable[[str], None]] = None  # an eager run's phase callback
 
 
-def eager(fn: Callable) -> Callable:
-    """Mark `fn` as a call that must run eagerly between the captured graphs of a breakable graph."""
+def eager(fn: Callable, host: bool = False) -> Callable:
+    """Mark `fn` as a call that must run eagerly between the captured graphs of a breakable graph.
+    host=True (a hook that reads host state): eager inside `captured()` too."""
 
     @functools.wraps(fn)
     def call(*args, **kwargs):
         c = _active
-        if c is None or not c.splitting:
+        if c is None or not (c.splitting or host and c.split and c.graph is not None):
             return fn(*args, **kwargs)
         return c.record(fn, args, kwargs)
 
@@ -168,11 +169,11 @@ class Capture:
 
     def _eagerly(self, run: Callable[[], object]) -> object:
         self._end()
-        self.splitting = False  # marks nested in an eager call are plain calls
+        saved, self.splitting = self.splitting, False  # marks nested in an eager call are plain calls
         try:
             return run()
         finally:
-            self.splitting = True
+            self.splitting = saved
             self._begin()
 
     def record(self, fn, args, kwargs):

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from engine.graphs.backends import BACKENDS, DYNAMIC_KV
+from engine.graphs.breakable import HOST_KEYS
 from engine.ops import Live
 from engine.program import Step, run_steps
 
@@ -111,7 +112,8 @@ class GraphRunner:
     # -- capture -----------------------------------------------------------------------------------
     def _env(self, b: int, t: int) -> dict:
         env = {k: (buf[:b] if self.inputs[k].per_row else buf[:b, :t]) for k, buf in self.buffers.items()}
-        env["kv_len"] = Live(self.static_kv_len)  # a replay sets its value: eager calls read it then
+        env.update({k: Live() for k in HOST_KEYS})  # a replay sets their values: eager calls read them then
+        env["kv_len"].value = self.static_kv_len
         return env
 
     def capture(self) -> "GraphRunner":
@@ -184,7 +186,8 @@ class GraphRunner:
             if x is not None:
                 self._view(k, b, t).copy_(x)
         self._reset(key[0], key[1], b, t)
-        env.update({k: v for k, v in (host or {}).items() if k != "kv_len"})
+        for k, v in (host or {}).items():
+            env[k].value = v
         env["kv_len"].value = kv_len if self.dynamic_kv else self.static_kv_len
         captured.replay(env, on_phase)
         self.stats.replays += 1

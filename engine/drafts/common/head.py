@@ -26,7 +26,6 @@ from torch import Tensor, nn
 
 from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
 from engine.ops import AttnInputs, Live
-from engine.program import Step
 
 
 @dataclass
@@ -155,25 +154,6 @@ class HeadBase(nn.Module):
         g, q = self.qkv_in(tokens, embeds, hidden, cache, a)  # g [b, t, H]: the layer's residual; q: RoPE'd
         h, delta = self.mlp_out(g, self.attention(q, cache, a), a)  # attention: eager under a breakable graph
         return self.out(h, delta, sampled)
-
-    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
-        """One draft forward as a program step (engine/program.py) over an env dict.
-
-        env in:  tokens [b, t], hidden [b, t, F or hidden], positions [b, t], valid [b, t], kv_len,
-                 input_embeds [b, t, hidden] (embeds_input)
-        env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), ids [b, t] (the greedy
-                 proposal, target ids), logits [b, t, draft vocab] (unfused path, or `sampled`: the
-                 fused greedy path takes the argmax inside the lm_head kernel and writes no logits, the
-                 sampled one writes the logits and no ids)
-        """
-
-        def run(env: dict) -> None:
-            a = self.attn_inputs(env["positions"], env["valid"], env["kv_len"])
-            embeds = env["input_embeds"] if embeds_input else None
-            out = self(env["hidden"], cache, a, tokens=env["tokens"], embeds=embeds, sampled=sampled)
-            env.update(out_hidden=out.hidden, logits=out.logits, ids=out.ids)
-
-        return [Step("draft", run, meta=self.graph_meta())]
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""

@@ -55,7 +55,6 @@ from torch import Tensor, nn
 from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.ops import AttnInputs, Op
-from engine.program import Step
 from kernels.gemv import add_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -226,39 +225,6 @@ class DFlashHead(HeadBase):
             x, delta = layer(x, delta, cache, a)  # attention: eager under a breakable graph
         k = slice(1, num_drafts + 1)
         return self.out(x[:, k], delta[:, k], sampled)  # [b, k, ...]
-
-    def context_program(self, cache: StaticKVCache) -> list[Step]:
-        """Write the context k/v of every layer: one step, no attention.
-
-        env in:  feats [b, t, F], positions [b, t], valid [b, t] (False: the dummy slot)
-        env out: nothing (the cache)
-        """
-
-        def write(env):
-            feats = env["feats"].to(self.fc.weight.dtype)  # [b, t, F]
-            a = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, feats.dtype
-            )
-            self.write_context(feats, cache, a)
-
-        return [Step("dflash_context", write, meta=self.graph_meta())]
-
-    def block_program(self, cache: StaticKVCache, num_drafts: int, sampled: bool = False) -> list[Step]:
-        """The block forward as a program step.
-
-        env in:  tokens [b, B] = [x_L, m, ..., m], positions [b, B] = L..L+B-1, valid [b, B], kv_len
-        env out: ids [b, num_drafts] (the greedy drafts) at block indices 1..num_drafts, and on the
-                 unfused path, or `sampled` (then without ids on the fused path), the logits behind them
-                 [b, num_drafts, vocab]
-        """
-
-        def run(env: dict) -> None:
-            dtype = self.embed.weight.dtype
-            a = self.block_inputs(env["positions"], env["valid"], env["kv_len"], dtype)
-            out = self(env["tokens"], cache, a, num_drafts, sampled)
-            env.update(logits=out.logits, ids=out.ids)
-
-        return [Step("dflash_block", run, meta=self.graph_meta())]
 
     # -- model card (stages/train_draft.py) ----------------------------------------------------------
     def card_summary(self, f: dict) -> str:

@@ -46,7 +46,6 @@ from torch import Tensor, nn
 from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
 from engine.ops import AttnInputs, Op
-from engine.program import Step
 from kernels.fused import add_rmsnorm
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
@@ -171,30 +170,6 @@ class MultiLayerEagleHead(HeadBase):
         x = mod.fused_in(tokens, hidden)  # [b, t, H]
         x, delta = mod(x, None, cache, a)  # attention: eager under a breakable graph
         return mod.out(x, delta, pick, sampled)
-
-    def module_program(self, i: int, caches: StepCaches, logits: str, sampled: bool = False) -> list[Step]:
-        """Module i's forward as a program step over its own pool `caches[i]`.
-
-        env in:  tokens [b, t], hidden [b, t, H], positions [b, t], valid [b, t], kv_len,
-                 logits_index [b] (logits="index")
-        env out: out_hidden [b, t, H]; ids [b, 1] (the greedy token) at the last position ("last") or
-                 at logits_index ("index"), [b, t] ("all"), absent ("none"); on the unfused path, or
-                 `sampled` (then without ids on the fused path), the logits behind them ([b, 1 or t, vocab])
-        """
-        cache = caches[i]
-
-        def run(env: dict) -> None:
-            picks = {
-                "last": lambda x: x[:, -1:],
-                "index": lambda x: x[torch.arange(x.shape[0], device=x.device), env["logits_index"]][:, None],
-                "all": lambda x: x,
-                "none": None,
-            }
-            a = self.attn_inputs(env["positions"], env["valid"], env["kv_len"])
-            out = self.module_forward(i, env["tokens"], env["hidden"], cache, a, picks[logits], sampled)
-            env.update(out_hidden=out.hidden, logits=out.logits, ids=out.ids)
-
-        return [Step(f"mtp{i}", run, meta=self.graph_meta())]
 
     def card_summary(self, f: dict) -> str:
         return (
