@@ -469,7 +469,7 @@ class LlamaModel(nn.Module):
         greedy: bool = False,
         causal: bool = False,
     ) -> list:
-        """The forward as one step over an env dict (engine/program.py), for the round program: its
+        """The forward as one step over an env dict (engine/graphs/program.py), for the round program: its
         attention runs eagerly inside a breakable graph's capture (Attention.attend is marked eager).
 
         env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
@@ -478,7 +478,7 @@ class LlamaModel(nn.Module):
                  [b, t, h]; with `greedy`, ids [b, t or 1] (the fused rows kernel writes no logits).
         The aux layers are read now: a program keeps the ids it was built with, in `Step.meta`.
         """
-        from engine.program import Step
+        from engine.graphs.program import Step
 
         aux_ids = self.aux_layer_ids
 

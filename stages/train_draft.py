@@ -42,8 +42,8 @@ import torch
 from engine.drafts.registry import train_spec
 from engine.errors import ConfigError, check_values, raise_all, raised
 from engine.graphs.backends import NEEDS_CUDA
-from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
+from engine.speculative.graph_set import GraphSet
 from engine.train import distributed
 from engine.train.data import DEGENERATE_SHARE, VocabMap, load_samples, save_samples, split, synth_seconds, top_token
 from engine.train.selfdistill import Sample, cut_share, synthesize
@@ -491,11 +491,11 @@ class TrainDraftStage(Stage):
 def loop_acceptance(
     plan, student, target, prompts, k: int, max_new_tokens: int, stop_ids: frozenset[int], env: StageEnv
 ) -> dict[str, float]:
-    """Acceptance through the real draft-and-verify loop (engine.generate) on held-out prompts: rounds
+    """Acceptance through the real draft-and-verify loop (engine.speculative.generate) on held-out prompts: rounds
     start where the previous one stopped, unlike the per-anchor chain estimate of the training eval."""
     from engine.drafts.registry import make_draft
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
 
     head = student.copy(env.device, target.lm_head.weight.dtype).eval()
     params = SamplingParams(max_new_tokens=max_new_tokens)

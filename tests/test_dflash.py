@@ -32,10 +32,10 @@ from engine.drafts.dflash.plan import describe_dflash
 from engine.drafts.dflash.train import AnchorPack, dflash_forward, dflash_forward_packed
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
 from engine.ops import AttnInputs
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 from engine.train.objective import Batch, step_valid, ttt_loss
 from pipeline.__main__ import run
 from pipeline.config import DraftConfig, to_run_config

@@ -25,10 +25,10 @@ from conftest import compose_cfg
 
 from engine.drafts.base import SpecState
 from engine.drafts.registry import DRAFTS, load_head, make_draft, plan_draft
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet
 from engine.loading import load_model
 from engine.sampling import RowSettings, SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet
 from pipeline.config import to_run_config
 from pipeline.paths import REPO
 

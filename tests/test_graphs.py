@@ -10,11 +10,11 @@ from test_model import _prompts, pair
 from test_speculative import AUX, generator
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
+from engine.graphs.program import Step
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
-from engine.program import Step
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 from pipeline.config import DraftConfig, to_run_config
 from pipeline.plan import PlanError, build_plan
 

@@ -7,9 +7,9 @@ import torch
 from conftest import spread_init, tiny_hf_config
 from transformers import LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine.generate import Generator
 from engine.model import LlamaModel, ModelArgs
 from engine.sampling import BONUS, Draws, SamplingParams, draw
+from engine.speculative.generate import Generator
 
 
 def pair(hf_cls=LlamaForCausalLM, hf_cfg=None, max_seq_len=128, seed=0):

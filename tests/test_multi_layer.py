@@ -17,9 +17,9 @@ from engine.drafts.multi_layer import StepCaches
 from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.drafts.registry import load_head, make_draft, plan_draft
 from engine.errors import ConfigError
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 from engine.train.objective import Batch
 from pipeline.config import DraftConfig
 

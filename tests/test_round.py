@@ -1,4 +1,4 @@
-"""The round (engine/round.py): its phases and eager calls per policy, the on-device
+"""The round (engine/speculative/round.py): its phases and eager calls per policy, the on-device
 acceptance against `verify`, every draft on the fused kernels (under TRITON_INTERPRET=1 on CPU)
 lossless and equal to its unfused self, and the state buffers a round advances by itself."""
 
@@ -13,14 +13,14 @@ from test_model import _prompts, pair
 from test_speculative import AUX, build
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
-from engine.generate import Generator
 from engine.graphs.breakable import Capture
-from engine.graphs.graph_set import round_name
+from engine.graphs.program import run_steps
 from engine.model import Attention
-from engine.program import run_steps
-from engine.round import round_buffers, round_program
 from engine.sampling import Draws, SamplingParams
-from engine.verify import accept_greedy, verify, verify_greedy
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import round_name
+from engine.speculative.round import round_buffers, round_program
+from engine.speculative.verify import accept_greedy, verify, verify_greedy
 from pipeline.config import DraftConfig
 
 CUDA = torch.cuda.is_available()
@@ -271,7 +271,7 @@ def test_a_sampled_round_on_the_fused_kernels_draws_what_the_plain_path_draws(fu
 def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
     """The fused target and EAGLE3 draft through the round runner (debug backend: the runner's buffers,
     padding and bucket logic) equal the eager fused round."""
-    from engine.graphs.graph_set import GraphSet
+    from engine.speculative.graph_set import GraphSet
 
     _, fused, params, base = fused_eagle3
     target, head = fused.model, fused.draft.head
@@ -288,8 +288,8 @@ def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
 def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     """Rounds of a batch of 1 draft 3 tokens and rounds of 4 rows none (the table), through the round
     runner (debug backend: every k captured) and its eager fallback; the output is the target's."""
-    from engine.adaptive_k import AdaptiveK
-    from engine.graphs.graph_set import GraphSet
+    from engine.speculative.adaptive_k import AdaptiveK
+    from engine.speculative.graph_set import GraphSet
 
     _, target = pair()
     cfg = DraftConfig(algorithm="eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
@@ -318,7 +318,7 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
 def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
     """k = 0 rounds do not advance the draft, so the next drafting round proposes from a stale state: its
     rows are not observed; the round after it is (a scripted policy records what the decoder feeds it)."""
-    from engine.adaptive_k import AdaptiveK
+    from engine.speculative.adaptive_k import AdaptiveK
 
     class Scripted(AdaptiveK):
         def __init__(self, ks):
@@ -348,8 +348,8 @@ def test_a_row_that_does_not_speculate_emits_what_k_0_would():
     import threading
 
     from engine.drafts.lookup.drafts import OracleDraft
-    from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
 
     _, target = pair()
     prompts, n = _prompts(2, seed=23), 10
@@ -397,8 +397,8 @@ def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
     other slots hold."""
     import threading
 
-    from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 4), batch=4)
     draft = make_draft(plan, head, target, 4, k, graphs=gs)

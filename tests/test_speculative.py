@@ -8,10 +8,10 @@ import torch
 from test_model import _prompts, pair
 
 from engine.drafts.registry import load_head, make_draft, plan_draft
-from engine.generate import Generator
 from engine.graphs.breakable import eager
 from engine.sampling import Draws, SamplingParams
-from engine.verify import verify
+from engine.speculative.generate import Generator
+from engine.speculative.verify import verify
 from pipeline.config import DraftConfig
 
 AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
@@ -295,7 +295,7 @@ def test_begin_on_row_slices_equals_whole_batch(target, algorithm):
 
 
 def test_round_stats_count_every_round_and_reset(target):
-    """The phase clock (engine/phase_clock.py) times every round's draft and verify, the last round's
+    """The phase clock (engine/speculative/phase_clock.py) times every round's draft and verify, the last round's
     draft extend included once the stats are read; reset_stats starts over."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     gen = build(target, "eagle3", 2, params)
@@ -319,7 +319,7 @@ def test_round_stats_count_every_round_and_reset(target):
 
 
 def test_phase_clock_reads_a_span_only_when_settled():
-    from engine.phase_clock import PhaseClock
+    from engine.speculative.phase_clock import PhaseClock
 
     clock = PhaseClock(torch.device("cpu"))
     a = clock.mark()

@@ -1,6 +1,6 @@
 """The draft interface every algorithm implements, and the round state it shares with the round.
 
-A round (engine/round.py), per row with L tokens in the target cache and x_L not yet in it: propose
+A round (engine/speculative/round.py), per row with L tokens in the target cache and x_L not yet in it: propose
 d_1..d_k, the target verifies [x_L, d_1..d_k] at L..L+k, a of them are accepted, the draft extends
 over the a + 1 verified positions. Host drafts (n-gram, oracle) return tokens from `propose(state, k)`;
 device drafts (`DeviceDraft`: EAGLE3, EAGLE, multi-layer EAGLE, DFlash) run inside the captured round:

@@ -1,4 +1,4 @@
-"""Graph backends: how a program (engine/program.py) is captured and replayed. A backend knows nothing
+"""Graph backends: how a program (engine/graphs/program.py) is captured and replayed. A backend knows nothing
 of buckets, padding or slicing: that is the runner's job.
 
     none       not a backend: the runner is not built, every call is eager
@@ -20,7 +20,7 @@ from typing import Callable, Optional
 import torch
 
 from engine.graphs.breakable import Capture
-from engine.program import Step, run_steps
+from engine.graphs.program import Step, run_steps
 
 NEEDS_CUDA = {"full", "breakable", "piecewise"}
 DYNAMIC_KV = {"debug", "breakable", "piecewise"}  # attention sees the live kv_len at replay

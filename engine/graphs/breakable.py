@@ -5,7 +5,7 @@
                       reads host values as they are at replay (engine.ops.Live: the live kv_len), and its
                       tensor result is copied into the tensor it returned at capture (the next graph reads
                       that address). Outside a capture, or inside `captured()`, it is a plain call.
-    eager_env(fn, env)  the same for a program step over an env dict (engine/program.py): it re-reads
+    eager_env(fn, env)  the same for a program step over an env dict (engine/graphs/program.py): it re-reads
                       the env it saw at capture, with the replay's host keys, and writes back what it wrote
     phase(name)       a phase boundary: a new graph begins; replay (and an eager run) calls on_phase(name)
     Capture(pool, device, split)   records parts while a callable runs; `replay(env, on_phase)` runs them

@@ -29,8 +29,8 @@ from torch import Tensor
 
 from engine.graphs.backends import BACKENDS, DYNAMIC_KV
 from engine.graphs.breakable import HOST_KEYS
+from engine.graphs.program import Step, run_steps
 from engine.ops import Live
-from engine.program import Step, run_steps
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -48,6 +48,19 @@ class InputSpec:
     pad: float | int | bool | None = 0  # padding rows' value; None: never reset (state nobody reads there)
     per_row: bool = False  # [batch, ...] without a seq dim (logits_index, a round's state)
     state: bool = False  # kept across calls (a round's state): the eager fallback runs over its rows too
+
+
+M = CaptureHiddenMode
+TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
+
+
+def token_inputs() -> dict[str, InputSpec]:
+    """A model forward's per-token inputs; a padding position is invalid (it writes the dummy slot)."""
+    return {
+        "tokens": InputSpec((), torch.long, 0),
+        "positions": InputSpec((), torch.long, 0),
+        "valid": InputSpec((), torch.bool, False),
+    }
 
 
 @dataclass

@@ -9,7 +9,7 @@
     3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
        target distributions are recomputed from these ids during training, so the data stays small;
 
-Everything runs batched through `engine.generate.Generator`, on whatever device the target is on, with
+Everything runs batched through `engine.speculative.generate.Generator`, on whatever device the target is on, with
 the decode bookkeeping on the device (`sync_every`: the host looks every few steps, not every step; the
 same tokens as the eval loop). Each generation batch draws from its own seeded generator, so the
 samples depend on the seed, the sizes and the device's kernels, not on the host's looks (sync_every).
@@ -31,9 +31,9 @@ from typing import Optional, Sequence
 import torch
 from tqdm.auto import tqdm
 
-from engine.generate import Generator
 from engine.loading import LoadedModel
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
 
 
 @dataclass(frozen=True)

@@ -31,7 +31,7 @@ Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + 
     at position p reads slots > p - W only (AttnInputs.qlo): a drafter trained on samples of a few
     hundred tokens meets no longer key distances at inference than it was trained on.
 
-In the round (engine/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
+In the round (engine/speculative/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
 context write over the k + 1 verified positions [b, k + 1] (phase extend, no attention).
 
 Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both are the target's):

@@ -35,17 +35,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.adaptive_k import AdaptiveK, Mix, measure_round_costs
 from engine.drafts.base import Draft, FeatureKind, RoundState, SpecState
 from engine.errors import ConfigError
 from engine.graphs.breakable import phases
-from engine.graphs.graph_set import GraphSet, round_name
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel, StaticKVCache
 from engine.ops import Live
-from engine.phase_clock import PhaseClock
-from engine.round import Round, round_buffers
 from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
+from engine.speculative.adaptive_k import AdaptiveK, Mix, measure_round_costs
+from engine.speculative.graph_set import GraphSet, round_name
+from engine.speculative.phase_clock import PhaseClock
+from engine.speculative.round import Round, round_buffers
 
 
 @dataclass
@@ -66,7 +66,7 @@ class SequenceResult:
 @dataclass
 class RoundStats:
     """Accumulated over a generator's batches: rounds and where their time went (stream time between
-    CUDA events at the phase boundaries of engine/round.py, engine/phase_clock.py)."""
+    CUDA events at the phase boundaries of engine/speculative/round.py, engine/speculative/phase_clock.py)."""
 
     rounds: int = 0
     draft_s: float = 0.0  # draft chain + draft extend
@@ -128,7 +128,7 @@ def sync(device: torch.device) -> None:
 class SpecDecoder:
     """Prefill, draft prefill and draft-and-verify rounds over a static cache of `batch_size` rows.
 
-    A round is the device program of engine/round.py over state buffers (last, lengths, live, the
+    A round is the device program of engine/speculative/round.py over state buffers (last, lengths, live, the
     draft's own): with `graphs` their round runner replays it (falling back to eager by itself for a
     batch larger than the largest capture size: the caller never reads a graph buffer), without it
     runs eagerly over buffers allocated here. The host keeps a mirror of the state (`SpecState`: the
@@ -151,7 +151,9 @@ class SpecDecoder:
         self.rounds, self.clock = 0, PhaseClock(self.device)
         self.runners: dict[tuple[int, bool], object] = {}  # (k, sampled) -> round runner
         self.prefill_runner, self.prefill_cache = None, None
-        self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
+        self.adaptive: Optional[AdaptiveK] = (
+            None  # set: each round's k from the load (engine/speculative/adaptive_k.py)
+        )
         self.ks_used: Counter = Counter()  # rounds per k
         device_draft = draft if draft is not None and draft.on_device else None
         if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
@@ -341,7 +343,7 @@ class SpecDecoder:
     def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7, sampled: bool = False) -> AdaptiveK:
         """Measure a round of every k in 0..k over each capture size (rows that are not live: every
         write goes to the dummy slot), greedy and with `sampled` the sampled variant too, then pick each
-        round's k from those costs and what served rounds cost (engine/adaptive_k.py)."""
+        round's k from those costs and what served rounds cost (engine/speculative/adaptive_k.py)."""
         ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
         self.buffers["live"].fill_(False)
         costs = [

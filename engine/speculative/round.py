@@ -31,10 +31,10 @@ from torch import Tensor
 
 from engine.drafts.base import Draft, FeatureKind, RoundState, Verified
 from engine.graphs.breakable import captured, eager, phase
+from engine.graphs.program import Step
 from engine.graphs.runner import InputSpec, allocate
 from engine.model import LlamaModel, StaticKVCache
 from engine.ops import Live
-from engine.program import Step
 from kernels.accept import accept_greedy as accept_kernel
 from kernels.accept import accept_greedy_reference, advance, advance_reference, write_out_reference
 from kernels.sample import accept, accept_reference
