@@ -1,28 +1,14 @@
 """The target model: one Llama-family transformer (Llama, SmolLM2, Qwen2-style) over a static KV cache.
 
-Design
-------
-One forward serves prefill, decode and verify: every call writes its tokens' keys and values into the
-preallocated cache at explicit per-token positions, then attends over the cache. Sequences of a batch
-have their own lengths; a token at position p sees the cache slots 0..p of its own row.
+    tokens [b, t] (or input_embeds [b, t, hidden]), positions [b, t], valid [b, t] (False: padding,
+    written to the dummy slot) -> logits [b, t or 1, vocab], hidden [b, t, hidden], aux hidden states
+    kv cache [layers, b, kv_heads, max_seq + 1, head_dim] (slot max_seq: the dummy)
 
-    tokens     [batch, seq]          token ids (or `input_embeds` [batch, seq, hidden])
-    positions  [batch, seq]          absolute position of each token in its sequence
-    valid      [batch, seq] bool     False for right-padding; those tokens write to the dummy slot
-    kv cache   [layers, batch, kv_heads, max_seq + 1, head_dim]   (slot max_seq: the dummy)
-
-Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj.weight`,
-...), so a safetensors directory loads with `load_state_dict` and the logits can be checked against
-transformers with the same weights. Embeddings may be tied to `lm_head` (same storage, not a copy).
-
-Aux hidden states: `set_aux_layers(ids)` (ids in the `input_of` convention: id i is the hidden state
-entering layer i; id N is the final pre-norm output) makes every forward also return those states,
-concatenated on the last dim, for EAGLE-family drafts.
-
-`forward` reads top to bottom (embed, layers, final norm, lm_head); the fused kernels hide in the
-ops each layer calls (engine/ops.py), and the attention is the one call a breakable graph runs
-eagerly (engine/graphs/breakable.py). RMSNorm computes in float32 and casts back, and RoPE uses
-cos/sin tables computed in float32, as transformers does, so fp32 logits match it to ~1e-6.
+One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row.
+`forward` reads top to bottom; the fused kernels hide in the ops each layer calls (engine/ops.py), and
+the attention is the one call a breakable graph runs eagerly. Parameter names are Hugging Face's
+(`model.layers.N.self_attn.q_proj.weight`); aux layer ids follow `input_of` (id N: the last layer's
+output). RMSNorm and RoPE compute in float32, as transformers does: fp32 logits match it to ~1e-6.
 """
 
 from __future__ import annotations
@@ -224,19 +210,27 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
 
+    def rotary_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [b, t, d_in] -> q [b, heads, t, head_dim] with RoPE (cos / sin [b, 1, t, head_dim])."""
+        b, t, _ = x.shape
+        return apply_rope(self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+
+    def rotary_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [b, t, d_in] -> k with RoPE, v: [b, kv_heads, t, head_dim] each."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
     def project(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
         """x [b, t, d_in] -> q [b, heads, t, head_dim]; writes this call's k/v at their slots."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         self.write_kv(x, cache, a)
-        return apply_rope(q, a.cos, a.sin)
+        return self.rotary_q(x, a.cos, a.sin)
 
     def write_kv(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> None:
         """x [b, t, d_in]: k/v projections, RoPE on k, written at a.slots (no queries: DFlash's context)."""
         b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        k = apply_rope(k, a.cos, a.sin)
+        k, v = self.rotary_kv(x, a.cos, a.sin)  # [b, kv_heads, t, d]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [b, kv_heads, S+1, d]
         idx = a.slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))

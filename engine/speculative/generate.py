@@ -1,28 +1,14 @@
 """Batched generation over the target's static KV cache: plain decoding and draft-and-verify, one loop.
 
-A round proposes k draft tokens (k = 0 without a draft), runs one target forward over the last
-emitted token and the drafts, verifies, and emits the accepted tokens plus one bonus token. With
-k = 0 a round is exactly one decode step, so the baseline and every draft share the prefill, the
-bookkeeping (stop tokens, max_new_tokens, timings) and the cache discipline below.
+    prefill  tokens [b, T] (right-padded), positions [b, T], valid = position < prompt_len
+    round    engine/speculative/round.py: [x_L, d_1..d_k] at L..L+k, verified; k = 0 is one decode step
 
-    prefill  tokens [b, T] (right-padded)  positions [b, T]   valid = position < prompt_len
-    round    tokens [b, k+1] = [x_L, d_1..d_k]   positions L..L+k   valid = row still live
-
-Rollback after a partial acceptance is free: validity is by position (a query at p sees cache slots
-0..p of its row), so slots written for rejected drafts are simply overwritten later. Finished rows
-ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
-plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
-
-`SpecDecoder` holds the parts every caller shares: the prefill forward, the rows' start (their sampling
-settings into the round's state buffers, the first token, the draft prefill) and one round (propose ->
-verify -> commit -> advance the host state) over a batch of rows. Each row samples with its own
-temperature, top-p and seed (engine/sampling.py; temperature 0: greedy), and a row may opt out of
-speculation (its output is then plain decoding's). Two callers drive it:
-
-    Generator.generate   eval: a batch of prompts from prefill to the last token (below)
-    engine.serve.scheduler     serve: a fixed set of slots that requests join and leave between rounds
-
-so served outputs at temperature 0 are the eval outputs, token for token.
+`SpecDecoder` is the host side of a round: the prefill, the rows' start (their sampling settings into
+the round's state buffers, the first token, the draft prefill), and one round (a host draft's
+proposal in, the round replayed or run eagerly, its `out` copied to the host once, the host mirror
+`SpecState` advanced). Rollback is free: validity is by position, so rejected slots are overwritten
+later; finished rows ride along writing the dummy slot. `Generator.generate` (eval) and
+engine/serve/scheduler.py (serve) drive it, so served greedy outputs are the eval's, token for token.
 """
 
 from __future__ import annotations
