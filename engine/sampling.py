@@ -103,10 +103,6 @@ class Draws:
     top_p: Tensor  # fp32
     seed: Tensor  # int64
 
-    @classmethod
-    def of(cls, env: dict) -> "Draws":
-        return cls(env["temperature"], env["top_p"], env["seed"])
-
 
 def draw(
     logits: Tensor,
