@@ -43,10 +43,10 @@ class Live:
     graph's eager call reads it at replay, after the runner set it, instead of the value it saw at
     capture. `live + n` is a view that reads the same int plus n (a verify's k + 1, a draft step's i)."""
 
-    __slots__ = ("_value", "base", "offset")
+    __slots__ = ("_value", "base", "offset", "_version")
 
     def __init__(self, value=None, base: Optional["Live"] = None, offset: int = 0):
-        self._value, self.base, self.offset = value, base, offset
+        self._value, self.base, self.offset, self._version = value, base, offset, 0
 
     @property
     def value(self):
@@ -54,7 +54,13 @@ class Live:
 
     @value.setter
     def value(self, v) -> None:
-        self._value = v
+        self._value, self._version = v, self._version + 1
+
+    @property
+    def version(self) -> int:
+        """Times the value was set (a replay sets it once): what is derived from it is stale after a set,
+        even of the same value, since the tensors beside it changed (a batch whose longest row stopped)."""
+        return self._version if self.base is None else self.base.version
 
     def __add__(self, n: int) -> "Live":
         return Live(base=self, offset=n)
@@ -69,7 +75,7 @@ class AttnInputs:
     """Per-call attention metadata shared by every layer: RoPE positions, cache slots, query bounds.
 
     The fused RoPE kernel reads the fp32 tables at `rope_pos`; the plain path gathers cos / sin rows (on
-    first use). The mask depends on the live kv_len (`kv_len.value` + `kv_extra`), built once per value.
+    first use). The mask depends on the live kv_len (`kv_len.value` + `kv_extra`), built once per set of it.
     `kernel`: the Triton attention (each row's live prefix from qpos; no mask). `causal`: fresh rows at
     positions 0..t-1 (SDPA's causal kernel). `max_rows`: batch_invariant off (see rows_kernel).
     """
@@ -87,7 +93,7 @@ class AttnInputs:
     kernel: bool = False
     causal: bool = False
     max_rows: Optional[int] = None
-    _mask: tuple = (None, None)  # (kv_len, mask) of the last mask built
+    _mask: tuple = (None, None)  # ((kv_len, its version), mask) of the last mask built
 
     @classmethod
     def build(
@@ -122,8 +128,9 @@ class AttnInputs:
         if self.kernel or self.causal:
             return None
         kv = min(self.kv_len.value + self.kv_extra, self.max_kv)
-        if self._mask[0] != kv:
-            self._mask = (kv, slot_mask(self.qpos, self.qlo, kv))
+        key = (kv, self.kv_len.version)  # once per call: a replay re-runs this over the positions it rewrote
+        if self._mask[0] != key:
+            self._mask = (key, slot_mask(self.qpos, self.qlo, kv))
         return self._mask[1]
 
     def rope_write(self, qkv: Tensor, cache, layer: int, heads: int, kv_heads: int) -> Tensor:

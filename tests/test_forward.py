@@ -95,3 +95,21 @@ def test_block_inputs_let_every_query_of_a_row_see_the_whole_block():
     assert a.qpos.tolist() == [[7, 7, 7, 7], [10, 10, 0, 0]]
     assert a.rope_pos.tolist() == [[4, 5, 6, 7], [9, 10, 0, 0]]
     assert a.mask().shape[-1] == 9 + dflash.block_size
+
+
+def test_a_replay_rebuilds_the_mask_even_at_an_unchanged_kv_len():
+    """A breakable replay re-runs each attention over positions a graph rewrote in place: the mask follows
+    them, also when the runner sets the same kv_len as the replay before (a batch whose longest row
+    stopped while the others moved on); within one call every layer shares it."""
+    from engine.ops import AttnInputs, Live
+    from kernels.decode_attention import slot_mask
+
+    live = Live(6)
+    a = AttnInputs.build(torch.tensor([[3, 4]]), None, torch.zeros(16, 8), torch.zeros(16, 8), 16, torch.float32)
+    a.kv_len = live
+    first = a.mask()
+    assert a.mask() is first  # the next layer of the same call
+    a.qpos.copy_(torch.tensor([[1, 2]]))  # the next replay's positions
+    live.value = 6
+    assert torch.equal(a.mask(), slot_mask(a.qpos, None, 6)) and not torch.equal(a.mask(), first)
+    assert (live + 1).version == live.version  # a view reads its root's
