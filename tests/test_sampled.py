@@ -167,8 +167,8 @@ def test_sampled_rounds_under_full_and_bcg_equal_the_debug_runner(algorithm, pol
     target.use_fused_kernels()
     params = SamplingParams(temperature=0.9, top_p=0.9, max_new_tokens=24, ignore_eos=True)
     prompts, seeds = [[5, 6, 7, 8], [1, 2, 3], [9, 4, 4, 4, 2]], [3, 4, 5]
-    aux = AUX if algorithm in ("eagle3", "dflash") else None
-    cfg = draft_config(algorithm, init="random", num_steps=3, aux_layer_ids=aux)
+    aux = {"aux_layer_ids": AUX} if algorithm in ("eagle3", "dflash") else {}  # eagle, MTP: no such key
+    cfg = draft_config(algorithm, init="random", num_steps=3, **aux)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of if plan.aux else ())
     head = load_head(plan, target, 0, torch.device("cuda"), torch.bfloat16)

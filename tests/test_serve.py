@@ -357,10 +357,12 @@ def test_models_health_and_metrics(servers):
     assert {k for k in m if k.startswith("specpipe_accept_rate{")} == {
         f"specpipe_accept_rate{{position={i}}}" for i in range(3)
     }
-    assert m["specpipe_graph_replays_total{phase=round_k3}"] > 0  # greedy rounds: every one replayed
+    # every round replayed, whatever k adaptive k chose from this host's timings; none ran eagerly
+    replays = [v for key, v in m.items() if key.startswith("specpipe_graph_replays_total{phase=round_k")]
+    assert sum(replays) == m["specpipe_rounds_total"] > 0
     assert m["specpipe_graph_replays_total{phase=prefill}"] > 0  # a join prefills through a staging row's graphs
-    for phase in ("round_k3", "round_k3_sampled"):  # none ran eagerly
-        assert m[f"specpipe_graph_fallbacks_total{{phase={phase}}}"] == 0
+    fallbacks = [v for key, v in m.items() if key.startswith("specpipe_graph_fallbacks_total{phase=round_k")]
+    assert len(fallbacks) == len(replays) and not any(fallbacks)
 
 
 def test_a_request_turns_speculation_off_and_its_usage_and_metrics_say_so(servers):

@@ -237,7 +237,7 @@ class Scheduler:
         lens = [5, min(40, self.dec.model.max_seq_len // 4)]  # row tiles of <= 16 and of more rows
         groups = [[(lens[0], 0.0)], [(lens[1], 1.0), (lens[0], 0.7)], [(lens[1], 0.0), (lens[0], 1.0), (lens[1], 0.0)]]
         with torch.inference_mode():
-            for group in groups[: self.n]:
+            for group in groups:  # each cut to the slots: one slot still sees a sampled join
                 reqs = [
                     GenerationRequest([1 + i % 50 for i in range(n)], 4, lambda e: None, t, 0.9 if t else 1.0, seed=j)
                     for j, (n, t) in enumerate(group[: self.n])
