@@ -3,7 +3,7 @@
 Composes the pipeline config exactly as `python -m pipeline` does (same overrides, tracking off), runs
 the plan's stages before the last (load, aux capture, graph capture), then generates on the first N
 prompts of the eval set twice under torch.profiler: without the draft (the decode step) and with it.
-The table splits a round into its phases (engine/round.py) and the host's share:
+The table splits a round into its phases (engine/speculative/round.py) and the host's share:
 
     phase     kernels / round    kernel us / round    stream us / round
     draft     the k-step chain (device drafts; a host draft's proposal)
@@ -13,7 +13,7 @@ The table splits a round into its phases (engine/round.py) and the host's share:
 
 Kernels come from CUPTI (graph replays included: each phase is its own replay, inside a profiler
 range of its name, and a kernel counts for the range whose device-side span it starts in); stream
-time from CUDA events at the phase boundaries (engine/phase_clock.py).
+time from CUDA events at the phase boundaries (engine/speculative/phase_clock.py).
 On a CPU host the kernel columns count CPU operator calls and their time instead. Also printed: the
 accept length, the projected tokens/s (tokens per round over round time) and, with --kernels, the
 kernels by total time. Writes the table (and, with PROFILE_TRACE=1, a Chrome trace) to --out.
@@ -35,10 +35,10 @@ from torch.autograd.profiler import record_function
 from torch.profiler import ProfilerActivity, profile
 
 from engine.drafts.registry import make_draft
-from engine.generate import Generator, check_capacity
 from engine.prompts import load_prompts
-from engine.round import PHASES
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator, check_capacity
+from engine.speculative.round import PHASES
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import REPO
 from pipeline.plan import build_plan

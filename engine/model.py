@@ -1,26 +1,14 @@
 """The target model: one Llama-family transformer (Llama, SmolLM2, Qwen2-style) over a static KV cache.
 
-Design
-------
-One forward serves prefill, decode and verify: every call writes its tokens' keys and values into the
-preallocated cache at explicit per-token positions, then attends over the cache. Sequences of a batch
-have their own lengths; a token at position p sees the cache slots 0..p of its own row.
+    tokens [b, t] (or input_embeds [b, t, hidden]), positions [b, t], valid [b, t] (False: padding,
+    written to the dummy slot) -> logits [b, t or 1, vocab], hidden [b, t, hidden], aux hidden states
+    kv cache [layers, b, kv_heads, max_seq + 1, head_dim] (slot max_seq: the dummy)
 
-    tokens     [batch, seq]          token ids (or `input_embeds` [batch, seq, hidden])
-    positions  [batch, seq]          absolute position of each token in its sequence
-    valid      [batch, seq] bool     False for right-padding; those tokens write to the dummy slot
-    kv cache   [layers, batch, kv_heads, max_seq + 1, head_dim]   (slot max_seq: the dummy)
-
-Parameter names follow Hugging Face's `LlamaForCausalLM` (`model.layers.N.self_attn.q_proj.weight`,
-...), so a safetensors directory loads with `load_state_dict` and the logits can be checked against
-transformers with the same weights. Embeddings may be tied to `lm_head` (same storage, not a copy).
-
-Aux hidden states: `set_aux_layers(ids)` (ids in the `input_of` convention: id i is the hidden state
-entering layer i; id N is the final pre-norm output) makes every forward also return those states,
-concatenated on the last dim, for EAGLE-family drafts.
-
-RMSNorm computes in float32 and casts back, and RoPE uses cos/sin tables computed in float32, as
-transformers does, so fp32 logits match it to ~1e-6.
+One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row.
+`forward` reads top to bottom; the fused kernels hide in the ops each layer calls (engine/ops.py), and
+the attention is the one call a breakable graph runs eagerly. Parameter names are Hugging Face's
+(`model.layers.N.self_attn.q_proj.weight`); aux layer ids follow `input_of` (id N: the last layer's
+output). RMSNorm and RoPE compute in float32, as transformers does: fp32 logits match it to ~1e-6.
 """
 
 from __future__ import annotations
@@ -33,11 +21,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.decoder import AUX_LIST, CAUSAL, DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
-from engine.program import Step, run_steps
+from engine.graphs.breakable import eager
+from engine.ops import THROUGHPUT_ROWS, AddNorm, AttnInputs, Live, LMHead, MLPOut, QKVIn
 from kernels.decode_attention import decode_attention
-from kernels.fused import add_rmsnorm, rotate_half
-from kernels.gemv import add_rmsnorm_gemv, gemv, interleave_gate_up
+from kernels.fused import rotate_half
+from kernels.gemv import interleave_gate_up
 
 
 @dataclass(frozen=True)
@@ -207,8 +195,8 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input.
 
-    Split in two for graphs with eager attention: `project` (q/k/v, RoPE, cache write: capturable) and
-    `attend` (SDPA over the live prefix of the cache: the break).
+    `project` (q/k/v, RoPE, cache write) feeds `forward` (the attention over the live prefix of the
+    cache: the one call a breakable graph runs eagerly).
     """
 
     def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None):
@@ -222,53 +210,57 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
 
+    def rotary_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        """x [b, t, d_in] -> q [b, heads, t, head_dim] with RoPE (cos / sin [b, 1, t, head_dim])."""
+        b, t, _ = x.shape
+        return apply_rope(self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+
+    def rotary_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
+        """x [b, t, d_in] -> k with RoPE, v: [b, kv_heads, t, head_dim] each."""
+        b, t, _ = x.shape
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
     def project(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
         """x [b, t, d_in] -> q [b, heads, t, head_dim]; writes this call's k/v at their slots."""
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
         self.write_kv(x, cache, a)
-        return apply_rope(q, a.cos, a.sin)
+        return self.rotary_q(x, a.cos, a.sin)
 
     def write_kv(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> None:
         """x [b, t, d_in]: k/v projections, RoPE on k, written at a.slots (no queries: DFlash's context)."""
         b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)  # [b, kv_heads, t, d]
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        k = apply_rope(k, a.cos, a.sin)
+        k, v = self.rotary_kv(x, a.cos, a.sin)  # [b, kv_heads, t, d]
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]  # [b, kv_heads, S+1, d]
         idx = a.slots[:, None, :, None].expand(b, self.n_kv, t, self.head_dim)
         k_cache.scatter_(2, idx, k.to(k_cache.dtype))
         v_cache.scatter_(2, idx, v.to(v_cache.dtype))
 
-    def attend(
-        self,
-        q: Tensor,
-        cache: StaticKVCache,
-        mask: Optional[Tensor],
-        a: AttnInputs,
-        causal: bool = False,
-        max_rows: Optional[int] = None,
-    ) -> Tensor:
-        """q [b, heads, t, d] -> [b, t, heads * d]. With a mask: SDPA over cache[:kv_len] (kv_len = the
-        mask's last dim). Without: the Triton kernel, which reads each query's live prefix (a.qpos).
-        `causal`: the queries are positions 0..t-1 just written to fresh rows, so SDPA's causal kernel
-        over slots 0..t-1 (flash on CUDA) is the same attention for every valid query.
-        `max_rows` (not batch-invariant, see _rows_kernel): a step of more rows runs the kernel with one
-        split, each (row, kv head) program walking its whole prefix: at hundreds of rows that fills the
-        GPU, where the cache-sized split count would launch 32 programs per (row, kv head), most empty."""
+    @eager  # SDPA over the live kv_len: eager between the captured segments of a breakable graph
+    def forward(self, q: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        return self.attend(q, cache, a)
+
+    def attend(self, q: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
+        """q [b, heads, t, d] -> [b, t, heads * d]. SDPA over cache[:kv_len] under `a.mask()`; with
+        `a.kernel` the Triton kernel, which reads each query's live prefix (a.qpos); with `a.causal` (the
+        queries are positions 0..t-1 just written to fresh rows) SDPA's causal kernel over slots 0..t-1.
+        `a.max_rows` (not batch-invariant): a step of more rows runs the kernel with one split, each
+        (row, kv head) program walking its whole prefix, which fills the GPU at hundreds of rows."""
         b, _, t, _ = q.shape
         k_cache, v_cache = cache.k[self.layer_idx], cache.v[self.layer_idx]
-        if causal:
+        gqa = self.n_kv != self.n_heads
+        if a.causal:
             out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True, enable_gqa=self.n_kv != self.n_heads
+                q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True, enable_gqa=gqa
             )
-        elif mask is None:
-            one_split = max_rows is not None and b * t > max_rows
+        elif a.kernel:
+            one_split = a.max_rows is not None and b * t > a.max_rows
             out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None, qlo=a.qlo)
         else:
+            mask = a.mask()  # [b, 1, t, kv_len]
             kv_len = mask.shape[-1]
             out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=self.n_kv != self.n_heads
+                q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=gqa
             )  # [b, heads, t, d]
         return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
@@ -285,81 +277,36 @@ class MLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
-ROWS_KERNEL_TOKENS = 16  # tokens per row up to which the fused path runs the rows kernels (kernels/gemv.py)
-THROUGHPUT_ROWS = 64  # batch_invariant=False: rows (batch x tokens) above which a step runs on cuBLAS
-
-
-def _rows_kernel(x: Tensor, max_rows: Optional[int] = None) -> bool:
-    """[b, t, h] activations of a decode, verify or draft step (t <= ROWS_KERNEL_TOKENS, any b): the
-    batch-invariant rows kernels, whose result for a row never depends on the rows beside it; prefill
-    stays on cuBLAS. A choice by tokens per row, never by the row count, so a row's logits are the
-    same in decode, in a verify and beside any other rows; static per shape, so a graph keeps it.
-    `max_rows` (LlamaModel.batch_invariant False): more rows than that go to cuBLAS too. The rows
-    kernels re-read each weight per 16-row tile, so at hundreds of rows (self-distillation's batches)
-    cuBLAS is faster, and there no output is compared across batch sizes (the attention's split count
-    follows the same switch: Attention.attend)."""
-    return x.shape[1] <= ROWS_KERNEL_TOKENS and (max_rows is None or x.shape[0] * x.shape[1] <= max_rows)
-
-
 class DecoderLayer(nn.Module):
+    """A Llama layer over the residual stream carried as (x, delta) (engine/ops.py): its ops pick the
+    plain-torch or the fused path, once."""
+
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.qkv_in, self.mlp_out = QKVIn(self), MLPOut(self)
 
-    # The residual stream is carried as (x, delta): the add of a sublayer's output happens in the next
-    # norm, which lets the fused path do add + RMSNorm in one kernel; the plain path adds first.
-    def pre(
-        self,
-        x: Tensor,
-        delta: Optional[Tensor],
-        cache: StaticKVCache,
-        a: AttnInputs,
-        fused: bool,
-        max_rows: Optional[int] = None,
+    def forward(
+        self, x: Tensor, delta: Optional[Tensor], cache: StaticKVCache, a: AttnInputs, keep: Optional[list] = None
     ) -> tuple[Tensor, Tensor]:
-        """-> (the residual stream entering this layer, q [b, heads, t, d]); writes k/v to the cache.
-        `max_rows`: _rows_kernel's row limit (None: batch-invariant, any rows)."""
-        att, norm = self.self_attn, self.input_layernorm
-        if not fused:
-            h = x if delta is None else x + delta
-            return h, att.project(norm(h), cache, a)
-        if _rows_kernel(x, max_rows):  # decode / verify: norm fused into the projection's prologue
-            h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, self.qkv_weight, self.qkv_bias)
-        else:
-            h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
-            qkv = F.linear(n, self.qkv_weight, self.qkv_bias)  # [b, t, (heads + 2 kv) * d]
-        return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv)
-
-    def post(self, h: Tensor, o: Tensor, fused: bool, max_rows: Optional[int] = None) -> tuple[Tensor, Tensor]:
-        """-> (the stream after attention, the MLP output: the delta the next norm adds)."""
-        norm = self.post_attention_layernorm
-        if not fused:
-            h = h + self.self_attn.o_proj(o)
-            return h, self.mlp(norm(h))
-        o_proj, down = self.self_attn.o_proj, self.mlp.down_proj
-        # decode / verify: three row kernels; the norm in a prologue, SwiGLU in an epilogue
-        if _rows_kernel(h, max_rows):
-            h, act = add_rmsnorm_gemv(
-                h,
-                gemv(o, o_proj.weight, o_proj.bias),
-                norm.weight,
-                norm.variance_epsilon,
-                self.gate_up_weight,
-                self.gate_up_bias,
-                swiglu=True,
-            )  # [b, t, h], [b, t, inter]
-            return h, gemv(act, down.weight, down.bias)
-        h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
-        return h, self.mlp(n)  # prefill: cuBLAS through the gate / up views of the interleaved weight
+        """-> (the stream after attention, the MLP output: the delta the next norm adds). keep: a list
+        the stream entering this layer is appended to (an aux hidden state)."""
+        h, q = self.qkv_in(x, delta, cache, a)  # h = x + delta; q [b, heads, t, d]; k/v into the cache
+        if keep is not None:
+            keep.append(h)
+        return self.mlp_out(h, self.self_attn(q, cache, a), a)  # attention: eager under a breakable graph
 
     def fuse_projections(self) -> None:
-        """q/k/v and gate/up weights become views of one tensor each: one matmul instead of 3 and 2."""
+        """The fused path: q/k/v and gate/up weights become views of one tensor each (one matmul
+        instead of 3 and 2), and the ops run the kernels."""
         att, mlp = self.self_attn, self.mlp
         self.qkv_weight, self.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
         self.gate_up_weight, self.gate_up_bias = fuse_gate_up(mlp)
+        self.qkv_in.fuse()
+        self.mlp_out.fuse()
 
 
 def fuse_linears(mods: list[nn.Linear]) -> tuple[Tensor, Optional[Tensor]]:
@@ -407,9 +354,11 @@ class ForwardOutput:
     aux_hidden_states: Optional[Tensor] = None  # [batch, seq, hidden * len(aux_layers)]
     input_embeds: Optional[Tensor] = None  # [batch, seq, hidden]: what the first layer took
 
+    ids: Optional[Tensor] = None  # [batch, n_logits]: the argmax (greedy; the fused rows kernel forms no logits)
+
     @classmethod
     def from_env(cls, env: dict) -> "ForwardOutput":
-        return cls(env["logits"], env.get("hidden"), env.get("aux"), env.get("embeds"))
+        return cls(env.get("logits"), env.get("hidden"), env.get("aux"), env.get("embeds"), env.get("ids"))
 
 
 class LlamaModel(nn.Module):
@@ -420,6 +369,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+        self.final_norm, self.head = AddNorm(self.model.norm), LMHead(self.lm_head)
         self.init_buffers()
         self.aux_layer_ids: tuple[int, ...] = ()
         self.attention_kernel = False  # True: Triton decode attention (live prefix only), else SDPA
@@ -457,80 +407,23 @@ class LlamaModel(nn.Module):
         return StaticKVCache(self.args, batch_size, self.max_seq_len, p.device, dtype or p.dtype)
 
     # -- forward ----------------------------------------------------------------------------------
-    def program(
-        self,
-        cache: StaticKVCache,
-        *,
-        embeds_input: bool = False,
-        logits_at_index: bool = False,
-        greedy: bool = False,
-        causal: bool = False,
-    ) -> list[Step]:
-        """The forward as segments and attention breaks over an env dict (see `engine.program.Step`).
-
-        env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
-                 (embeds_input), logits_index [b] (logits_at_index)
-        env out: logits [b, t or 1, vocab], hidden [b, t, h], aux [b, t, h * n_aux] or None,
-                 embeds [b, t, h] (what the first layer took); with `greedy`, ids [b, t or 1] (the
-                 argmax), and on the fused path no logits (the lm_head kernel takes the argmax itself)
-        The aux layers are read now: a program (and a graph captured from it) keeps the ids it was
-        built with, in `Step.meta`. `causal`: the rows are fresh, positions 0..t-1 (see Attention.attend):
-        every layer attends through SDPA's causal kernel, whatever kv_len, so a graph of it is static.
-        """
-        aux_ids, n, fused = self.aux_layer_ids, self.args.num_layers, self.fused
-        max_rows = None if self.batch_invariant else THROUGHPUT_ROWS
-
-        def start(env):
-            if causal:
-                env[CAUSAL] = True
-            x = env["input_embeds"] if embeds_input else self.model.embed_tokens(env["tokens"])
-            env["embeds"] = x  # [b, t, h]
-            return x
-
-        def finish(env):
-            norm = self.model.norm
-            if fused:
-                x, hidden = add_rmsnorm(env[STREAM], env[DELTA], norm.weight, norm.variance_epsilon)
-            else:
-                x = env[STREAM] + env[DELTA]
-                hidden = norm(x)
-            if n in aux_ids:
-                env[AUX_LIST].append(x)
-            env["aux"] = torch.cat(env[AUX_LIST], dim=-1) if env[AUX_LIST] else None
-            env["hidden"] = hidden  # [b, t, hidden]
-            if logits_at_index:
-                h = hidden[torch.arange(hidden.shape[0], device=hidden.device), env["logits_index"]][:, None]
-            else:
-                h = hidden  # [b, t or 1, hidden]
-            if fused and _rows_kernel(h, max_rows):  # the rows kernel: cuBLAS would pick its kernel by row count
-                if greedy:
-                    env["ids"] = gemv(h, self.lm_head.weight, argmax=True)  # [b, t]
-                    return
-                env["logits"] = gemv(h, self.lm_head.weight)
-            else:
-                env["logits"] = self.lm_head(h)  # [b, t or 1, vocab]
-            if greedy:
-                env["ids"] = env["logits"].argmax(-1)
-
-        return decoder_steps(
-            [Residual(layer, cache, fused, max_rows) for layer in self.model.layers],
-            cache,
-            AttnSource(self, cache.dummy_slot),
-            StepNames("embed+pre0", "attn{i}", "post{i}+pre{j}", "post{i}+head"),
-            start=start,
-            finish=finish,
-            capture=aux_ids,
+    def attn_inputs(
+        self, positions: Tensor, valid: Optional[Tensor], cache: StaticKVCache, dtype, kv_len, causal: bool = False
+    ) -> AttnInputs:
+        """This call's attention metadata; kv_len an int or a `Live` box (a graph's per-replay value)."""
+        live = Live.of(cache.max_seq_len if kv_len is None else kv_len)
+        return AttnInputs.build(
+            positions,
+            valid,
+            self.rope_cos,
+            self.rope_sin,
+            cache.dummy_slot,
+            dtype,
+            kv_len=live,
             kernel=self.attention_kernel,
-            causal=True,
-            max_rows=max_rows,
-            meta={"aux_layer_ids": aux_ids},
+            causal=causal,
+            max_rows=None if self.batch_invariant else THROUGHPUT_ROWS,
         )
-
-    def use_fused_kernels(self) -> None:
-        """Switch to the fused Triton path (kernels/fused.py); projections are fused in place."""
-        for layer in self.model.layers:
-            layer.fuse_projections()
-        self.fused = True
 
     def forward(
         self,
@@ -539,23 +432,75 @@ class LlamaModel(nn.Module):
         cache: StaticKVCache,
         *,
         valid: Optional[Tensor] = None,  # [batch, seq] bool; None: all valid
-        kv_len: Optional[int] = None,  # attend over cache[:kv_len]; must exceed every live position
+        kv_len: Optional[int | Live] = None,  # attend over cache[:kv_len]; must exceed every live position
         input_embeds: Optional[Tensor] = None,  # [batch, seq, hidden], replaces embedding of tokens
         logits_index: Optional[Tensor] = None,  # [batch]: compute logits at this seq index only
         causal: bool = False,  # positions are 0..seq-1 of fresh, right-padded rows (see Attention.attend)
+        greedy: bool = False,  # also the argmax ids (the fused rows kernel: the ids only, no logits)
     ) -> ForwardOutput:
-        """Eager: the program's steps run in order. With `causal`, padding queries read slots this call
-        did not write (their outputs are meaningless; no valid position reads them)."""
-        env = {
-            "tokens": tokens,
-            "positions": positions,
-            "valid": valid,
-            "input_embeds": input_embeds,
-            "logits_index": logits_index,
-            "kv_len": cache.max_seq_len if kv_len is None else kv_len,
-        }
-        program = self.program(
-            cache, embeds_input=input_embeds is not None, logits_at_index=logits_index is not None, causal=causal
-        )
-        run_steps(program, env)
-        return ForwardOutput.from_env(env)
+        """With `causal`, padding queries read slots this call did not write (their outputs are
+        meaningless; no valid position reads them). The aux layers are read at each call."""
+        x = input_embeds if input_embeds is not None else self.model.embed_tokens(tokens)  # [b, t, hidden]
+        a = self.attn_inputs(positions, valid, cache, x.dtype, kv_len, causal)
+        aux, delta, embeds = [], None, x
+        for i, layer in enumerate(self.model.layers):
+            x, delta = layer(x, delta, cache, a, keep=aux if i in self.aux_layer_ids else None)
+        x, hidden = self.final_norm(x, delta)  # [b, t, hidden]: the last stream, normed
+        if self.args.num_layers in self.aux_layer_ids:
+            aux.append(x)
+        h = hidden
+        if logits_index is not None:
+            h = hidden[torch.arange(hidden.shape[0], device=hidden.device), logits_index][:, None]  # [b, 1, hidden]
+        logits, ids = self.head(h, a, greedy)  # [b, t or 1, vocab], [b, t or 1]
+        return ForwardOutput(logits, hidden, torch.cat(aux, dim=-1) if aux else None, embeds, ids)
+
+    def program(
+        self,
+        cache: StaticKVCache,
+        *,
+        embeds_input: bool = False,
+        logits_at_index: bool = False,
+        greedy: bool = False,
+        causal: bool = False,
+    ) -> list:
+        """The forward as one step over an env dict (engine/graphs/program.py), for the round program: its
+        attention runs eagerly inside a breakable graph's capture (Attention.attend is marked eager).
+
+        env in:  tokens [b, t], positions [b, t], valid [b, t], kv_len (int), input_embeds [b, t, h]
+                 (embeds_input), logits_index [b] (logits_at_index)
+        env out: logits [b, t or 1, vocab], hidden [b, t, h], aux [b, t, h * n_aux] or None, embeds
+                 [b, t, h]; with `greedy`, ids [b, t or 1] (the fused rows kernel writes no logits).
+        The aux layers are read now: a program keeps the ids it was built with, in `Step.meta`.
+        """
+        from engine.graphs.program import Step
+
+        aux_ids = self.aux_layer_ids
+
+        def run(env: dict) -> None:
+            saved, self.aux_layer_ids = self.aux_layer_ids, aux_ids
+            try:
+                out = self(
+                    env["tokens"],
+                    env["positions"],
+                    cache,
+                    valid=env["valid"],
+                    kv_len=env["kv_len"],
+                    input_embeds=env["input_embeds"] if embeds_input else None,
+                    logits_index=env["logits_index"] if logits_at_index else None,
+                    causal=causal,
+                    greedy=greedy,
+                )
+            finally:
+                self.aux_layer_ids = saved
+            env.update(logits=out.logits, hidden=out.hidden_states, aux=out.aux_hidden_states)
+            env.update(embeds=out.input_embeds, ids=out.ids)
+
+        return [Step("forward", run, meta={"aux_layer_ids": aux_ids})]
+
+    def use_fused_kernels(self) -> None:
+        """Switch to the fused Triton path (kernels/fused.py); projections are fused in place."""
+        for layer in self.model.layers:
+            layer.fuse_projections()
+        self.final_norm.fuse()
+        self.head.fuse()
+        self.fused = True

@@ -2,7 +2,7 @@
 
     SamplingParams   one setting for a whole prompt set (eval)
     RowSettings      per row: temperature (0: greedy), top_p, seed, speculate. The host writes them into a
-                     round's state buffers when rows start (engine/generate.py, `SpecDecoder.start`); the
+                     round's state buffers when rows start (engine/speculative/generate.py, `SpecDecoder.start`); the
                      round's kernels read them there, so a captured sampled round needs no host input
     Draws            those buffers' rows, as a device program passes them to `draw`
     draw(...)        tokens from logits [b, t, V] (kernels/sample.py: the exponential race over Philox noise
@@ -102,10 +102,6 @@ class Draws:
     temperature: Tensor  # fp32, 0: greedy
     top_p: Tensor  # fp32
     seed: Tensor  # int64
-
-    @classmethod
-    def of(cls, env: dict) -> "Draws":
-        return cls(env["temperature"], env["top_p"], env["seed"])
 
 
 def draw(

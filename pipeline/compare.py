@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from engine.errors import ConfigError
-from engine.timing import decimals_for
+from engine.speculative.timing import decimals_for
 from pipeline.paths import outputs_dir
 from pipeline.tracking import default_tracking_uri
 

@@ -61,7 +61,7 @@ def accept_rate_figure(m: Metrics) -> Optional[Figure]:
 
 
 def phases_figure(m: Metrics) -> Optional[Figure]:
-    # draft_ms holds the chain and the extend (engine/generate.py RoundStats): split so the stack adds up.
+    # draft_ms holds the chain and the extend (engine/speculative/generate.py RoundStats): split so the stack adds up.
     draft, extend = m.get("draft_ms"), m.get("extend_ms") or 0.0
     spec = [
         ("draft chain", draft - extend if _ok(draft) else None, "tab:orange"),

@@ -122,12 +122,12 @@ class EvalConfig:
     chat_template: bool = True
     system_prompt: Optional[str] = None
     warmup: bool = True  # one untimed short generation first (kernel selection, allocator)
-    # Peers measured on the same prompts in the same job (engine/peers.py), e.g. [hf_generate].
+    # Peers measured on the same prompts in the same job (engine/peers/hf.py), e.g. [hf_generate].
     peers: list[str] = field(default_factory=list)
     # Also run the no-draft baseline on the same prompts (speedup, match_baseline).
     # null: on when a draft is configured.
     baseline: Optional[bool] = None
-    # Each round's draft tokens from the load (engine/adaptive_k.py; needs graphs), draft.num_steps at
+    # Each round's draft tokens from the load (engine/speculative/adaptive_k.py; needs graphs), draft.num_steps at
     # most; off: every round drafts draft.num_steps (a benchmark's fixed k).
     adaptive_k: bool = False
 
@@ -145,7 +145,7 @@ class ServeConfig:
     # Slots: rows of the target's static KV cache, of the draft's and of the graphs' buffers. A round
     # spans the slots up to the last occupied one (free slots among them ride along as padding rows).
     max_batch_size: int = 8
-    # Each round's draft tokens follow the live rows (engine/adaptive_k.py: k = 0..draft.num_steps from
+    # Each round's draft tokens follow the live rows (engine/speculative/adaptive_k.py: k = 0..draft.num_steps from
     # the measured round cost at each capture size and the running acceptance; needs graphs); off: a
     # fixed draft.num_steps.
     adaptive_k: bool = True

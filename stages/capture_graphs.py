@@ -5,7 +5,7 @@ Runs after `load` (the draft head already shares the target's embedding) and aft
 enforces the order, and every graph records the aux ids and embedding storage it was captured with,
 so a replay against a model that changed since raises instead of returning wrong tensors.
 
-Provides `graphs` (engine.graphs.graph_set.GraphSet: the runners, the caches they replay over, one
+Provides `graphs` (engine.speculative.graph_set.GraphSet: the runners, the caches they replay over, one
 memory pool). Logs `capture_s`, `graph_mem_mb` (totals and `.<phase>`).
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 from engine.drafts.registry import make_draft
 from engine.errors import ConfigError
 from engine.graphs.backends import NEEDS_CUDA, POLICIES
-from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
+from engine.speculative.graph_set import GraphSet
 from stages.base import Stage, StageEnv, register_stage
 
 
@@ -46,7 +46,7 @@ def samples(cfg) -> bool:
 
 
 def adaptive_k(cfg) -> bool:
-    """Rounds pick their draft tokens from the load (engine/adaptive_k.py)."""
+    """Rounds pick their draft tokens from the load (engine/speculative/adaptive_k.py)."""
     if cfg.draft.k == 0:
         return False
     return cfg.serve.adaptive_k if cfg.task == "serve" else cfg.task == "eval" and cfg.eval.adaptive_k

@@ -14,12 +14,12 @@ Metrics (names from the design):
     accept_rate_pos_<i>      fraction of verify rounds whose draft token i was accepted
     draft_ms, verify_ms      mean time per round of the draft (chain + extend) and of the verify (forward +
                              accept): stream time between CUDA events at the phase boundaries, read at the
-                             round's own sync (engine/phase_clock.py); extend_ms: the extend alone
+                             round's own sync (engine/speculative/phase_clock.py); extend_ms: the extend alone
     host_ms                  mean stream idle between two rounds of a batch (the host's sync and bookkeeping)
     k_mean                   mean draft tokens per round (draft.num_steps, or with eval.adaptive_k what
                              the load chose; adaptive_k.b<rows>: its choice per capture size at the start)
     baseline_tokens_per_s, speedup, match_baseline      with eval.baseline
-    speedup_min, speedup_max, round_cost_spread         per batch (engine/timing.py), from two batches
+    speedup_min, speedup_max, round_cost_spread         per batch (engine/speculative/timing.py), from two batches
     host_other_cores         CPU cores other processes kept busy during the passes (a WARNING when noisy)
     baseline_step_ms, baseline_host_ms                  its decode step and the idle between steps
     peer_tokens_per_s.<peer>, ratio_vs.<peer>, peer_match.<peer>   with eval.peers
@@ -44,12 +44,19 @@ from tqdm.auto import tqdm
 
 from engine.drafts.registry import DRAFTS, make_draft
 from engine.errors import ConfigError, ConfigErrors, check_values, raised
-from engine.generate import Generator, SequenceResult, check_capacity
 from engine.loading import LoadedModel, load_tokenizer
-from engine.peers import GREEDY_PEERS, PEERS
+from engine.peers.hf import GREEDY_PEERS, PEERS
 from engine.prompts import Prompt, check_dataset, load_prompts
 from engine.sampling import SamplingParams, row_seed
-from engine.timing import BatchTiming, HostLoad, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
+from engine.speculative.generate import Generator, SequenceResult, check_capacity
+from engine.speculative.timing import (
+    BatchTiming,
+    HostLoad,
+    fmt_range,
+    noise_warning,
+    per_batch_speedups,
+    unit_cost_spread,
+)
 from engine.tokenizer import Tokenizer
 from stages.base import Stage, StageEnv, register_stage
 

@@ -34,9 +34,9 @@ import torch
 
 from engine.drafts.registry import ALGORITHMS, DRAFTS, make_draft
 from engine.errors import ConfigError, check_values
-from engine.generate import SpecDecoder
 from engine.loading import LoadedModel
 from engine.serve.scheduler import Scheduler, ServeStats
+from engine.speculative.generate import SpecDecoder
 from stages.base import Stage, StageEnv, register_stage
 
 if TYPE_CHECKING:  # the HTTP side (fastapi, uvicorn) is imported when a server is built: every run imports stages

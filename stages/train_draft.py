@@ -25,10 +25,10 @@ import torch
 
 from engine.drafts.registry import make_draft, train_spec
 from engine.errors import ConfigError, raise_all, raised
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet
 from engine.graphs.runner import default_sizes
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet
 from engine.train import distributed
 from engine.train.card import result_line, steering, write_card
 from engine.train.checks import train_problems
@@ -216,7 +216,7 @@ class TrainDraftStage(Stage):
 
 @torch.no_grad()
 def loop_acceptance(plan, student, target, prompts, cfg, loaded) -> dict[str, float]:
-    """Acceptance through the real draft-and-verify loop (engine.generate) on held-out prompts: rounds
+    """Acceptance through the real draft-and-verify loop (engine.speculative.generate) on held-out prompts: rounds
     start where the previous one stopped, unlike the per-anchor chain estimate of the training eval."""
     k, device = cfg.draft.k, target.lm_head.weight.device
     head = student.copy(device, target.lm_head.weight.dtype).eval()

@@ -1,4 +1,4 @@
-"""The k policy (engine/adaptive_k.py) on synthetic costs and acceptance: k = 0 where drafting does not
+"""The k policy (engine/speculative/adaptive_k.py) on synthetic costs and acceptance: k = 0 where drafting does not
 pay, served round costs and the host's gap moving the choice, the temperature mix and rows that do not
 speculate, and the climb back when acceptance rises again."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import random
 
-from engine.adaptive_k import AdaptiveK, Mix
+from engine.speculative.adaptive_k import AdaptiveK, Mix
 
 # seconds per round: drafts are cheap over one row, the verify of 8 rows x (k + 1) tokens is not
 COSTS = {1: {0: 1.0, 1: 1.1, 2: 1.2, 3: 1.3}, 8: {0: 1.0, 1: 2.0, 2: 2.9, 3: 3.8}}

@@ -27,10 +27,10 @@ from engine.drafts.dflash.train import AnchorPack, dflash_forward, dflash_forwar
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.drafts.train_contract import Batch, step_valid, ttt_loss
 from engine.errors import ConfigError
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
-from engine.program import run_steps
+from engine.ops import AttnInputs
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -75,10 +75,10 @@ class Recorder:
         self.logits = []
         g = torch.Generator().manual_seed(seed)
 
-        def record(env, k):
-            self.logits.append(env["b.logits"].clone())
+        def record(s, k, logits):
+            self.logits.append(logits.clone())
             if references is not None:
-                env["draft"][:, :k] = oracle_prefix(env["draft"][:, :k], env["state"], references, prompt_lens, g, k)
+                s.draft[:, :k] = oracle_prefix(s.draft[:, :k], s.state.value, references, prompt_lens, g, k)
 
         tap(draft, "propose", record)
 
@@ -169,8 +169,8 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     fresh = DFlashDraft(head, 1, K)
     checked = []
 
-    def check(env, k):
-        state, emitted, accepted = env["state"], env["emitted"], env["accepted"]
+    def check(s, k, v):
+        state, emitted, accepted = s.state.value, v.emitted, v.accepted
         hists = [h + emitted[i, : int(accepted[i]) + 1].tolist() for i, h in enumerate(state.history)]
         after = SpecState(hists, [len(h) - 1 for h in hists], list(state.live), state.row_ids, "cpu")
         nxt = DFlashDraft.propose(draft, after, K)  # the block the next round will run (writes only block slots)
@@ -198,6 +198,12 @@ def test_state_after_partial_acceptance_equals_fresh_prefill(target):
     assert len(set(checked)) >= 3  # states checked after partial acceptances of several depths
 
 
+def write_context(head, cache, feats, positions, valid) -> None:
+    """The drafter's context write (its k/v of feats [b, t, F] at positions [b, t]) into `cache`."""
+    a = AttnInputs.build(positions, valid, head.rope_cos, head.rope_sin, cache.dummy_slot, feats.dtype)
+    head.write_context(feats, cache, a)
+
+
 def draft_logits(draft, state, last_token=None):
     """The running draft's next block logits [b, k, vocab], eagerly over its cache: the block starts with
     each row's last emitted token (with `last_token`: the block's last mask replaced by that token)."""
@@ -208,13 +214,10 @@ def draft_logits(draft, state, last_token=None):
     tokens[:, 0] = torch.tensor([h[-1] for h in state.history], device=dev)
     if last_token is not None:
         tokens[:, -1] = last_token
-    env = {
-        "tokens": tokens,
-        "positions": lengths[:, None] + torch.arange(BLOCK, device=dev),
-        "valid": torch.ones(b, BLOCK, dtype=torch.bool, device=dev),
-        "kv_len": max(state.lengths) + BLOCK,
-    }
-    return run_steps(draft.head.block_program(draft.cache.rows(b), K), env)["logits"]
+    positions = lengths[:, None] + torch.arange(BLOCK, device=dev)
+    valid = torch.ones(b, BLOCK, dtype=torch.bool, device=dev)
+    a = draft.head.block_inputs(positions, valid, max(state.lengths) + BLOCK, draft.head.embed.weight.dtype)
+    return draft.head(tokens, draft.cache.rows(b), a, K, False).logits
 
 
 def _prefill(target, prompts):
@@ -394,17 +397,10 @@ def test_training_forward_equals_the_inference_block(target, kv_heads, window):
     for row in range(b):
         for j in (0, 4, t - 1):
             cache = head.new_cache(1)
-            run_steps(
-                head.context_program(cache),
-                {"feats": feats[row : row + 1, : j + 1], "positions": positions[:1, : j + 1], "valid": None},
-            )
-            env = {
-                "tokens": torch.tensor([[int(tokens[row, j])] + [head.mask_token_id] * (BLOCK - 1)]),
-                "positions": j + 1 + torch.arange(BLOCK)[None],
-                "valid": torch.ones(1, BLOCK, dtype=torch.bool),
-                "kv_len": j + 1 + BLOCK,
-            }
-            block = run_steps(head.block_program(cache, BLOCK - 1), env)["logits"][0]  # [B-1, vocab]
+            write_context(head, cache, feats[row : row + 1, : j + 1], positions[:1, : j + 1], None)
+            block_tokens = torch.tensor([[int(tokens[row, j])] + [head.mask_token_id] * (BLOCK - 1)])
+            a = head.block_inputs(j + 1 + torch.arange(BLOCK)[None], None, j + 1 + BLOCK, torch.float32)
+            block = head(block_tokens, cache, a, BLOCK - 1, False).logits[0]  # [B-1, vocab]
             for s in range(BLOCK - 1):
                 if j + s < t:
                     torch.testing.assert_close(logits[s][row, j + s], block[s], atol=2e-5, rtol=1e-4)
@@ -687,7 +683,7 @@ def test_fused_context_write_equals_the_plain_one(kv_heads):
     caches = []
     for h in (head, fused):
         cache = h.new_cache(b)
-        run_steps(h.context_program(cache), dict(env))
+        write_context(h, cache, env["feats"], env["positions"], env["valid"])
         caches.append(cache)
     plain, got = caches
     written = plain.k.abs().sum((0, 2, 4)) > 0  # [b, slots]: where the plain write put anything

@@ -17,9 +17,9 @@ from engine.drafts.common.feature import make_feature
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.registry import ALGORITHMS, DRAFTS, algorithm, draft_config, load_head, make_draft, plan_draft
 from engine.errors import ConfigError
-from engine.generate import Generator
 from engine.model import init_normal_
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan

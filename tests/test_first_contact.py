@@ -18,7 +18,7 @@ import pytest
 import torch
 from helpers.runs import cli, compose_cfg
 
-from engine.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
+from engine.speculative.timing import BatchTiming, fmt_range, noise_warning, per_batch_speedups, unit_cost_spread
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
 from pipeline.help import GROUPS, REFERENCE, help_text, key_reference, options
@@ -51,7 +51,7 @@ def test_a_ratio_comes_with_its_per_batch_spread_and_the_digits_it_supports():
 def test_the_passes_alternate_by_batch_and_a_load_on_one_of_them_is_reported(outputs, monkeypatch, capsys):
     """A CPU burner runs beside the baseline's odd batches only: the passes still alternate batch by batch
     (ABBA), the per-batch speedups spread, and the summary says the timings are noisy and why."""
-    from engine.generate import Generator
+    from engine.speculative.generate import Generator
 
     real, order = Generator.generate, []
 

@@ -7,8 +7,8 @@ import torch
 from helpers.models import pair, random_prompts
 from helpers.runs import compose_cfg
 
-from engine.generate import Generator
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
 from pipeline.__main__ import run
 
 pytestmark = pytest.mark.gpu
@@ -84,7 +84,7 @@ def test_cuda_speculative_greedy_is_lossless(algorithm):
 def test_phase_clock_times_the_stream_without_waiting_for_it():
     """Marks are CUDA events: queuing a span never syncs (the stream is still busy after it), and the
     span read after a sync covers the work between its marks."""
-    from engine.phase_clock import PhaseClock
+    from engine.speculative.phase_clock import PhaseClock
 
     clock = PhaseClock(torch.device("cuda"))
     torch.cuda.synchronize()

@@ -10,11 +10,11 @@ from helpers.runs import compose_cfg
 from helpers.spec import CUDA, POLICIES, poison, setup, spec_generator
 
 from engine.drafts.registry import make_draft
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
+from engine.graphs.program import Step
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
-from engine.program import Step
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
 

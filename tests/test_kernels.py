@@ -187,8 +187,8 @@ def test_model_with_the_kernel_equals_sdpa(device):
     greedy speculative generation (the kernel reads each row's live prefix only)."""
     from helpers.models import pair, random_prompts
 
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
 
     _, target = pair(max_seq_len=64)  # 65 slots: two blocks of 64, split and combined
     target = target.to(device)
@@ -263,8 +263,8 @@ def test_fused_model_equals_unfused(device):
     projections) and the attention kernel: same logits, aux states and greedy output."""
     from helpers.models import pair, random_prompts
 
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
 
     _, target = pair(max_seq_len=64)  # 65 slots: two blocks of 64, split and combined
     target = target.to(device)
@@ -293,6 +293,7 @@ def test_batch_invariant_off_sends_large_decode_steps_to_cublas(device, monkeypa
     from helpers.models import pair
 
     import engine.model as model_mod
+    import engine.ops as ops_mod
 
     _, target = pair(max_seq_len=64)  # 65 slots: two splits by default, one in throughput mode
     target = target.to(device)
@@ -301,8 +302,8 @@ def test_batch_invariant_off_sends_large_decode_steps_to_cublas(device, monkeypa
     target.use_fused_kernels()
     monkeypatch.setattr(model_mod, "THROUGHPUT_ROWS", 2)  # a small limit: interpreted kernels are slow
     calls, splits = [], []
-    real, real_attention = model_mod.add_rmsnorm_gemv, model_mod.decode_attention
-    monkeypatch.setattr(model_mod, "add_rmsnorm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
+    real, real_attention = ops_mod.add_rmsnorm_gemv, model_mod.decode_attention
+    monkeypatch.setattr(ops_mod, "add_rmsnorm_gemv", lambda *a, **k: calls.append(a[0].shape[0]) or real(*a, **k))
     monkeypatch.setattr(
         model_mod, "decode_attention", lambda *a, **k: splits.append(k.get("num_splits")) or real_attention(*a, **k)
     )

@@ -7,9 +7,9 @@ import torch
 from helpers.models import pair, random_prompts, tiny_hf_config
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from engine.generate import Generator
 from engine.model import LlamaModel
 from engine.sampling import BONUS, Draws, SamplingParams, draw
+from engine.speculative.generate import Generator
 
 
 def full_forward(model: LlamaModel, ids: torch.Tensor) -> torch.Tensor:

@@ -18,9 +18,9 @@ from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.drafts.train_contract import Batch
 from engine.errors import ConfigError
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet, round_name
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet, round_name
 
 K = 3
 
@@ -79,14 +79,14 @@ def _partial_run(target, head, plan, prompts, caches=None, graphs: bool = False)
         draft.caches = caches
     checked, g = [], torch.Generator().manual_seed(0)
 
-    def check_then_replace(env, k):
-        state, tokens = env["state"], env["draft"][:, :k]
+    def check_then_replace(s, k, logits):
+        state, tokens = s.state.value, s.draft[:, :k]
         live = [i for i in range(len(state.live)) if state.live[i]]
         for i in live:
             drafts = tokens[i].tolist()
             assert drafts == _teacher_forced_proposal(target, head, state.history[i] + drafts[:-1], k)
             checked.append(i)
-        env["draft"][:, :k] = oracle_prefix(tokens, state, base, [len(p) for p in prompts], g, k, live)
+        s.draft[:, :k] = oracle_prefix(tokens, state, base, [len(p) for p in prompts], g, k, live)
 
     tap(draft, "propose", check_then_replace)
     gs = None
@@ -138,16 +138,12 @@ def test_hazard_6_each_module_writes_only_its_own_pool_in_prefill_and_decode(tar
     for kind, (b, t, start) in shapes.items():
         for i in range(K):
             before = [c.k.clone() for c in caches.caches]
-            env = {
-                "tokens": torch.randint(0, 256, (b, t), generator=g),
-                "hidden": torch.randn(b, t, h, generator=g),
-                "positions": torch.arange(start, start + t).expand(b, t),
-                "valid": torch.ones(b, t, dtype=torch.bool),
-                "kv_len": start + t,
-                "logits_index": torch.zeros(b, dtype=torch.long),
-            }
-            for step in head.module_program(i, caches.rows(b), "none"):
-                step.fn(env)
+            tokens = torch.randint(0, 256, (b, t), generator=g)
+            hidden = torch.randn(b, t, h, generator=g)
+            a = head.attn_inputs(
+                torch.arange(start, start + t).expand(b, t), torch.ones(b, t, dtype=torch.bool), start + t
+            )
+            head.module_forward(i, tokens, hidden, caches.rows(b)[i], a)
             assert _changed(before, caches) == [i], (kind, i)
 
 

@@ -301,7 +301,7 @@ def test_an_outputs_folder_runs_cannot_write_is_one_clear_error(tmp_path):
 def test_a_run_that_fails_mid_eval_keeps_its_partial_results(outputs, monkeypatch, capsys):
     """A fault injected into the second prompt's generation (as a device error would strike): the run
     ends FAILED and the first prompt's record is kept in results.jsonl."""
-    from engine.generate import Generator
+    from engine.speculative.generate import Generator
 
     real, calls = Generator.generate, []
 

@@ -1,4 +1,4 @@
-"""The round as a device program (engine/round.py): its phases and breaks per policy, the on-device
+"""The round (engine/speculative/round.py): its phases and eager calls per policy, the on-device
 acceptance against `verify`, every draft on the fused kernels (under TRITON_INTERPRET=1 on CPU)
 lossless and equal to its unfused self, and the state buffers a round advances by itself."""
 
@@ -12,31 +12,25 @@ from helpers.models import pair, random_prompts
 from helpers.spec import AUX, build, setup, spec_generator, weights
 
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
-from engine.generate import Generator
-from engine.graphs.graph_set import round_name
-from engine.program import run_steps
-from engine.round import round_program
+from engine.graphs.breakable import Capture
+from engine.graphs.program import run_steps
+from engine.model import Attention
 from engine.sampling import Draws, SamplingParams
-from engine.verify import accept_greedy, verify, verify_greedy
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import round_name
+from engine.speculative.round import round_buffers, round_program
+from engine.speculative.verify import accept_greedy, verify, verify_greedy
 
 CUDA = torch.cuda.is_available()
 KERNELS = CUDA or os.environ.get("TRITON_INTERPRET") == "1"
 
 
 # ------------------------------------------------------------------------------------------ program
-def _phases(steps) -> list[str]:
-    out = []
-    for s in steps:
-        if not out or out[-1] != s.phase:
-            out.append(s.phase)
-    return out
-
-
 @pytest.mark.parametrize("algorithm", ["eagle3", "multi_layer_eagle", "dflash"])
 def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
-    """Phases draft -> verify -> extend; with the Triton attention (each row's live length read on the
-    device) no step of a greedy or sampled round is a break under any capturing policy; SDPA attention
-    breaks under breakable and not under full."""
+    """Phases draft -> verify -> extend, one graph each under full; under breakable with SDPA each
+    attention runs eagerly and nothing else does; with the Triton attention (each row's live length read
+    on the device) nothing of a greedy or sampled round does; a side under policy none runs eagerly."""
     _, target = pair()
     cfg = draft_config(algorithm, num_steps=3, **weights(algorithm, ("eagle3", "dflash")))
     plan = plan_draft(cfg, target.args)
@@ -56,20 +50,33 @@ def test_a_round_is_three_phases_and_breaks_only_where_it_must(algorithm):
             draft_policy=draft_policy or policy,
         )
 
-    assert _phases(program("full")) == ["draft", "verify", "extend"]
-    assert not any(s.is_break for s in program("full"))
-    breakable = [s.name for s in program("breakable") if s.is_break]
-    assert breakable and all("attn" in n for n in breakable)  # SDPA over the live kv_len
-    target.attention_kernel = head.attention_kernel = True
+    buffers = round_buffers(3, draft, 2, torch.device("cpu"))
+    buffers["live"].fill_(False)  # every write goes to the dummy slot
+
+    def capture(policy, sampled=False, draft_policy=None) -> list[tuple[str, str, object]]:
+        """(phase, kind, what) of each part of the round under a breakable capture (dry): kind graph, or
+        call (what: the eager call's first argument, an Attention module or a whole side's RoundState)."""
+        env = {**buffers, "kv_len": 8}
+        steps = program(policy, sampled, draft_policy)
+        with torch.inference_mode():
+            parts = Capture(None, torch.device("cpu"), dry=True).run(lambda: run_steps(steps, dict(env))).parts
+        return [(phase, kind, part[1][0] if kind == "call" else None) for kind, phase, part in parts]
+
+    def eager_parts(*args, **kw):
+        return [p for p in capture(*args, **kw) if p[1] != "graph"]
+
+    assert capture("full") == [(p, "graph", None) for p in ("draft", "verify", "extend")]  # one graph per phase
+    breakable = eager_parts("breakable")  # SDPA over the live kv_len: every attention, only the attentions
+    assert {p for p, _, _ in breakable} >= {"draft", "verify"}
+    assert all(kind == "call" and isinstance(m, Attention) for _, kind, m in breakable)
+    assert sum(p == "verify" for p, _, _ in breakable) == target.args.num_layers
+    target.attention_kernel = head.attention_kernel = True  # each row's live length read on the device
     try:
-        assert not any(s.is_break for s in program("breakable"))
-        assert not any(s.is_break for s in program("breakable", sampled=True))  # draws and accept on the device
+        assert eager_parts("breakable") == [] and eager_parts("breakable", sampled=True) == []
     finally:
         target.attention_kernel = head.attention_kernel = False
-    mixed = program("full", draft_policy="none")  # a side without graphs: its steps run eagerly
-    assert all(s.is_break for s in mixed if s.phase == "draft") and not any(
-        s.is_break for s in mixed if s.phase == "verify"
-    )
+    mixed = eager_parts("full", draft_policy="none")  # a side without graphs: its work runs eagerly, whole
+    assert [(p, type(s).__name__) for p, _, s in mixed] == [("draft", "RoundState"), ("extend", "RoundState")]
 
 
 def test_a_sampled_round_runs_before_any_row_starts():
@@ -252,7 +259,7 @@ def test_a_sampled_round_on_the_fused_kernels_draws_what_the_plain_path_draws(fu
 def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
     """The fused target and EAGLE3 draft through the round runner (debug backend: the runner's buffers,
     padding and bucket logic) equal the eager fused round."""
-    from engine.graphs.graph_set import GraphSet
+    from engine.speculative.graph_set import GraphSet
 
     _, fused, params, base = fused_eagle3
     target, head = fused.model, fused.draft.head
@@ -269,8 +276,8 @@ def test_the_fused_round_replays_through_the_debug_runner(fused_eagle3):
 def test_adaptive_k_rounds_switch_k_and_stay_lossless():
     """Rounds of a batch of 1 draft 3 tokens and rounds of 4 rows none (the table), through the round
     runner (debug backend: every k captured) and its eager fallback; the output is the target's."""
-    from engine.adaptive_k import AdaptiveK
-    from engine.graphs.graph_set import GraphSet
+    from engine.speculative.adaptive_k import AdaptiveK
+    from engine.speculative.graph_set import GraphSet
 
     _, target = pair()
     cfg = draft_config("eagle3", init="random", num_steps=3, aux_layer_ids=AUX)
@@ -299,7 +306,7 @@ def test_adaptive_k_rounds_switch_k_and_stay_lossless():
 def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
     """k = 0 rounds do not advance the draft, so the next drafting round proposes from a stale state: its
     rows are not observed; the round after it is (a scripted policy records what the decoder feeds it)."""
-    from engine.adaptive_k import AdaptiveK
+    from engine.speculative.adaptive_k import AdaptiveK
 
     class Scripted(AdaptiveK):
         def __init__(self, ks):
@@ -329,8 +336,8 @@ def test_a_row_that_does_not_speculate_emits_what_k_0_would():
     import threading
 
     from engine.drafts.lookup.drafts import OracleDraft
-    from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
 
     _, target = pair()
     prompts, n = random_prompts(2, seed=23), 10
@@ -378,8 +385,8 @@ def test_a_server_round_spans_the_slots_up_to_the_last_occupied_one():
     other slots hold."""
     import threading
 
-    from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 4), batch=4)
     draft = make_draft(plan, head, target, 4, k, graphs=gs)

@@ -1,4 +1,4 @@
-"""Sampled rounds (engine/round.py's sampled program): the draft samples its proposals from its own q and
+"""Sampled rounds (engine/speculative/round.py's sampled program): the draft samples its proposals from its own q and
 the verify accepts by rejection sampling against it, on the device, with counter-based random numbers.
 Lossless in distribution (chi-square against the target's p, EAGLE3 and DFLASH), seeded rows reproduce in
 any batch, an opted-out row is plain decoding, the debug runner equals eager (GPU: full and bcg too)."""
@@ -13,10 +13,10 @@ from helpers.spec import AUX
 from helpers.stats import chi_square_ok
 
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
-from engine.generate import Generator, SpecDecoder
-from engine.graphs.graph_set import GraphSet, round_name
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.sampling import SamplingParams
+from engine.speculative.generate import Generator, SpecDecoder
+from engine.speculative.graph_set import GraphSet, round_name
 
 T, TOP_P = 0.7, 0.9
 SAMPLED = SamplingParams(temperature=T, top_p=TOP_P, max_new_tokens=3, ignore_eos=True)

@@ -23,10 +23,10 @@ from helpers.serve import Served, ServerProcess
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.drafts.registry import load_head, make_draft
-from engine.generate import Generator
 from engine.loading import load_model
 from engine.sampling import SamplingParams
 from engine.serve.detokenize import TextStream
+from engine.speculative.generate import Generator
 from engine.tokenizer import ByteTokenizer
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
@@ -529,7 +529,7 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
     import torch
 
     from engine.sampling import Draws
-    from engine.verify import verify, verify_greedy
+    from engine.speculative.verify import verify, verify_greedy
 
     g = torch.Generator().manual_seed(0)
     b, k, vocab = 4, 3, 16
@@ -560,9 +560,9 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     from helpers.spec import build, setup
 
     from engine.drafts.registry import draft_config
-    from engine.generate import SpecDecoder
-    from engine.graphs.graph_set import round_name
     from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
+    from engine.speculative.graph_set import round_name
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
     draft = make_draft(plan, head, target, 3, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
@@ -591,8 +591,8 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
 def test_max_queue_counts_requests_beyond_the_free_slots():
     from helpers.models import pair
 
-    from engine.generate import SpecDecoder
     from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler
+    from engine.speculative.generate import SpecDecoder
 
     sched = Scheduler(SpecDecoder(pair()[1], 2), 2, max_queue=0)  # not started: both slots free
     for _ in range(2):  # they take the free slots: no queue

@@ -8,9 +8,9 @@ import torch
 from helpers.models import pair, random_prompts
 from helpers.spec import build, oracle_prefix, run_all, tap
 
-from engine.generate import Generator
 from engine.sampling import Draws, SamplingParams
-from engine.verify import verify
+from engine.speculative.generate import Generator
+from engine.speculative.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +55,8 @@ def partial_oracle(draft, references, prompt_lens, seed=0) -> None:
     per row: acceptance is partial and different per row while the draft state is the real one."""
     g = torch.Generator().manual_seed(seed)
 
-    def prefix(env, k):
-        env["draft"][:, :k] = oracle_prefix(env["draft"][:, :k], env["state"], references, prompt_lens, g, k)
+    def prefix(s, k, logits):
+        s.draft[:, :k] = oracle_prefix(s.draft[:, :k], s.state.value, references, prompt_lens, g, k)
 
     tap(draft, "propose", prefix)
 
@@ -74,8 +74,8 @@ def test_draft_state_consistent_after_partial_acceptance(target):
     fresh.head = draft.head
     checked = []
 
-    def check(env, k):
-        state, emitted, accepted = env["state"], env["emitted"], env["accepted"]
+    def check(s, k, v):
+        state, emitted, accepted = s.state.value, v.emitted, v.accepted
         for i in range(len(prompts)):
             if not state.live[i]:
                 continue
@@ -176,7 +176,7 @@ def test_input_embeds_prompt_equals_token_prompt(target):
     def traced(prompt_list, prompt_embeds):
         gen = build(target, "eagle3", 2, params)
         seen = []
-        tap(gen.draft, "propose", lambda env, k: seen.append(env["draft"][:, :k].clone()))
+        tap(gen.draft, "propose", lambda s, k, logits: seen.append(s.draft[:, :k].clone()))
         return gen.generate(prompt_list, params, prompt_embeds=prompt_embeds), seen
 
     ref, ref_props = traced(prompts, None)
@@ -224,7 +224,7 @@ def test_begin_on_row_slices_equals_whole_batch(target, algorithm):
 
 
 def test_round_stats_count_every_round_and_reset(target):
-    """The phase clock (engine/phase_clock.py) times every round's draft and verify, the last round's
+    """The phase clock (engine/speculative/phase_clock.py) times every round's draft and verify, the last round's
     draft extend included once the stats are read; reset_stats starts over."""
     params = SamplingParams(max_new_tokens=12, ignore_eos=True)
     gen = build(target, "eagle3", 2, params)
@@ -248,7 +248,7 @@ def test_round_stats_count_every_round_and_reset(target):
 
 
 def test_phase_clock_reads_a_span_only_when_settled():
-    from engine.phase_clock import PhaseClock
+    from engine.speculative.phase_clock import PhaseClock
 
     clock = PhaseClock(torch.device("cpu"))
     a = clock.mark()

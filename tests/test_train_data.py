@@ -48,8 +48,8 @@ def test_synthesize_prompts_and_answers_from_the_target(outputs):
         )
         assert [s.ids for s in other] == [s.ids for s in samples]
     # greedy answers are the target's own continuation of each prompt, whichever batch it came in
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
 
     for s in samples:
         ref = (
@@ -63,8 +63,8 @@ def test_synthesize_prompts_and_answers_from_the_target(outputs):
 def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
     """Row i of a batch writes its user message under system_prompts[i % n]; the answer is asked for
     under the template's default, as the eval asks."""
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
 
     target = tiny_target(outputs)
     spread_init(target.model, seed=2)  # outputs that depend on the context
@@ -90,8 +90,8 @@ def test_system_prompts_steer_the_user_messages_row_by_row(outputs):
 def test_user_messages_cut_at_max_prompt_tokens_are_flagged_or_drawn_again(outputs):
     """A message that reaches max_prompt_tokens before its turn ends is answered as it is and flagged
     `cut`, or with drop_cut drawn again; the flag survives the samples' cache on disk."""
-    from engine.generate import Generator
     from engine.sampling import SamplingParams
+    from engine.speculative.generate import Generator
     from engine.train.data import load_samples, save_samples
 
     target = tiny_target(outputs)

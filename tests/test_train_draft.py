@@ -21,7 +21,7 @@ from engine.drafts.dflash.train import dflash_forward_packed
 from engine.drafts.eagle3 import Eagle3Head, eagle3_config
 from engine.drafts.eagle3.train import ttt_forward
 from engine.drafts.train_contract import Batch, ttt_loss
-from engine.model import StaticKVCache, run_steps
+from engine.model import StaticKVCache
 from engine.train.acceptance import chain_acceptance, chain_lengths, simulated_loop
 from engine.train.average import WeightAverage
 from kernels.runtime import triton
@@ -50,33 +50,18 @@ def _head_and_batch(b=2, t=12, seed=0, device="cpu", lm_head="own"):
 def _inference_chain(head, batch: Batch, row: int, anchor: int, steps: int) -> list[torch.Tensor]:
     """Logits of a chain anchored at `anchor`, computed the way FeatureDraft runs at inference: the draft
     extend over positions 0..anchor with the target's features, then one step at a time on the draft's
-    own hidden state (teacher-forced tokens), each through the head's KV-cache program."""
+    own hidden state (teacher-forced tokens), each through the head's forward over its KV cache."""
     cache = StaticKVCache(head.args, 1, head.max_seq_len, batch.tokens.device, torch.float32)
-    prog = head.program(cache)
     n = anchor + 1
-    env = {
-        "tokens": batch.tokens[row : row + 1, :n],
-        "hidden": batch.feats[row : row + 1, :n],
-        "positions": batch.positions[row : row + 1, :n],
-        "valid": None,
-        "kv_len": n,
-        "input_embeds": None,
-    }
-    run_steps(prog, env)
-    out, h = [env["logits"][0, -1]], env["out_hidden"][:, -1:]
+    a = head.attn_inputs(batch.positions[row : row + 1, :n], None, n)
+    o = head(batch.feats[row : row + 1, :n], cache, a, tokens=batch.tokens[row : row + 1, :n])
+    out, h = [o.logits[0, -1]], o.hidden[:, -1:]
     for s in range(1, steps):
         p = anchor + s
-        env = {
-            "tokens": batch.tokens[row : row + 1, p : p + 1],
-            "hidden": h,
-            "positions": batch.positions[row : row + 1, p : p + 1],
-            "valid": None,
-            "kv_len": p + 1,
-            "input_embeds": None,
-        }
-        run_steps(prog, env)
-        out.append(env["logits"][0, -1])
-        h = env["out_hidden"]
+        a = head.attn_inputs(batch.positions[row : row + 1, p : p + 1], None, p + 1)
+        o = head(h, cache, a, tokens=batch.tokens[row : row + 1, p : p + 1])
+        out.append(o.logits[0, -1])
+        h = o.hidden
     return out
 
 

@@ -14,7 +14,6 @@ from helpers.train import assert_trained_beats_random, tiny_train
 from engine.drafts.eagle.train import eagle_forward
 from engine.drafts.registry import draft_config, load_head, plan_draft
 from engine.drafts.train_contract import Batch
-from engine.program import run_steps
 from pipeline.__main__ import run
 
 
@@ -43,17 +42,10 @@ def test_first_step_equals_the_heads_inference_program():
         mask=torch.ones(b, t, dtype=torch.bool),
     )
     logits = eagle_forward(head, batch, 2)
-    env = {
-        "tokens": tokens,
-        "hidden": feats,
-        "positions": positions,
-        "valid": torch.ones(b, t, dtype=torch.bool),
-        "kv_len": t,
-        "input_embeds": None,
-    }
-    run_steps(head.program(head.new_cache(b)), env)
+    a = head.attn_inputs(positions, torch.ones(b, t, dtype=torch.bool), t)
+    out = head(feats, head.new_cache(b), a, tokens=tokens)
     assert len(logits) == 2 and logits[0].shape == (b, t, target.args.vocab_size)
-    assert torch.allclose(logits[0], env["logits"], atol=1e-4)
+    assert torch.allclose(logits[0], out.logits, atol=1e-4)
 
 
 TRAIN = [*tiny_train("train_eagle_smollm2"), "train.ema_decay=0"]

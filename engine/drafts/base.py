@@ -1,51 +1,20 @@
-"""The draft interface every algorithm implements, and the state the speculative loop shares with it.
+"""The draft interface every algorithm implements, and the round state it shares with the round.
 
-Round structure (chain drafting, k = num_steps), per sequence with `L` tokens in the target cache and
-its last emitted token `x_L` not yet in it:
-
-    propose             -> draft tokens d_1..d_k               [batch, k]
-    target verify       on [x_L, d_1..d_k] at positions L..L+k   -> features [batch, k+1, F]
-    accept a of them; emit d_1..d_a and the bonus token
-    commit              the draft catches up on the a+1 verified positions (its "draft extend")
-
-Two kinds of draft:
-
-    host drafts    (n-gram, oracle) read the token history on the host: `propose(state, k)` returns the
-                   tokens, which the round copies in
-    device drafts  (`DeviceDraft`: EAGLE3, EAGLE, multi-layer EAGLE, DFlash) are programs inside the
-                   round (engine/round.py): `propose_steps` (the k-step chain) and `commit_steps` (the
-                   extend) over the round's env, their state in buffers of `batch_size` rows
-                   (`state_specs`, `buf`) that a captured round replays over. Greedy rounds propose the
-                   argmax; in a sampled round (`sampled=True`) each sampled row draws every proposal
-                   from the draft's own q (its temperature and top-p on the draft's logits, EAGLE3's
-                   draft vocabulary mapped by d2t) and keeps q in `d_q` [B, K, Vd] for the rejection
-                   sampling of the verify; greedy rows still take the argmax. `propose` / `commit` run
-                   the greedy steps eagerly, alone.
-
-`begin` is the draft's prefill after the target's. With `rows=slice(i, j)` it prefills rows i..j-1 of a
-batch of `batch_size` rows and leaves every other row's draft state (KV cache, carried hidden
-states, pending proposal) as it was: requests join a running batch between rounds this way
-(continuous batching). `rows=None` starts a fresh batch made of exactly these prompts. Drafts that read
-target features declare which (`FeatureKind`): `aux` (EAGLE3: concatenated aux layers) or `final`
-(EAGLE: the final normed hidden state); `none` for weightless drafts (n-gram, oracle).
-
-The round env a device draft's steps read (engine/round.py): lengths [b], live [b], last [b] (x_L),
-kv_len (host: the longest live length), the draft's own buffers' rows, and in a sampled round each row's
-temperature, top_p and seed [b] (`engine.sampling.Draws`); propose writes draft [b, k] (and d_q);
-commit reads emitted [b, k+1], accepted [b] and the verify's features (t.aux or t.hidden). A proposal for
-position P draws with (seed, P, DRAFT) (kernels/sample.py): d_i at lengths + i, the next round's d_1 at
-lengths + a + 2 (the extend), the first one at the prompt's length + 1 (`begin`).
-
-Each algorithm is one folder (engine/drafts/<name>/) that exports an `Algorithm` record: its plan
-function (config files only), its head class (the `DraftHead` protocol), the factory of its per-run
-Draft object, its training objective (`engine.drafts.train_contract.TrainSpec`) and its recipe. The registry
-(engine/drafts/registry.py) is the table of those records; nothing outside a folder branches on a name.
+A round (engine/speculative/round.py), per row with L tokens in the target cache and x_L not yet in it: propose
+d_1..d_k, the target verifies [x_L, d_1..d_k] at L..L+k, a of them are accepted, the draft extends
+over the a + 1 verified positions. Host drafts (n-gram, oracle) return tokens from `propose(state, k)`;
+device drafts (`DeviceDraft`: EAGLE3, EAGLE, multi-layer EAGLE, DFlash) run inside the captured round:
+`propose_into(s, ...)` and `extend(s, ...)` over a `RoundState` s (their own state in `s.own` and
+`s.q`, buffers of `batch_size` rows that a graph replays over). A sampled row draws each proposal from
+the draft's q (kept in s.q [b, K, Vd]) at position P with (seed, P, DRAFT): d_i at L + i, the next d_1
+at L + a + 2. `begin` is the draft's prefill; `rows=slice(i, j)` fills only those rows (continuous
+batching). Each algorithm's folder exports an `Algorithm` record; the registry is their table.
 """
 
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol, runtime_checkable
 
 import torch
@@ -54,22 +23,18 @@ from torch import Tensor
 from engine import aux_layers
 from engine.drafts.config import DraftKeys
 from engine.graphs.runner import InputSpec, allocate
-from engine.program import Step, run_steps
+from engine.ops import Live
+from engine.sampling import Draws
 
 if TYPE_CHECKING:
     from engine.drafts.checkpoint import HeadCheckpoint
     from engine.model import LlamaModel, ModelArgs
-    from engine.sampling import Draws
 
 
 class FeatureKind(str, enum.Enum):
     none = "none"
     final = "final"  # target's final normed hidden states [b, t, hidden]
     aux = "aux"  # target's aux hidden states, concatenated [b, t, hidden * n_aux]
-
-
-# Where a round's env holds the verify's features of each kind (the target's program under "t.").
-FEATURE_KEYS = {FeatureKind.aux: "t.aux", FeatureKind.final: "t.hidden"}
 
 
 @dataclass
@@ -107,6 +72,46 @@ class SpecState:
 
 
 @dataclass
+class RoundState:
+    """The round's device state over b rows (views of the state buffers; see the module docstring)."""
+
+    last: Tensor
+    lengths: Tensor
+    live: Tensor
+    draft: Tensor
+    out: Tensor
+    temperature: Tensor
+    top_p: Tensor
+    seed: Tensor
+    speculate: Tensor
+    q: Optional[Tensor] = None
+    own: dict = field(default_factory=dict)
+    state: Live = field(default_factory=Live)  # the host's SpecState (None at capture): what a host hook reads
+
+    @classmethod
+    def of(cls, buffers: dict) -> "RoundState":
+        """From the state buffers by name (round_buffers: the round's, d_q, the draft's own d_*) and the
+        host's `state` (a value, or a graph runner's Live box)."""
+        mine = {f.name: buffers[f.name] for f in fields(cls) if f.name not in ("q", "own", "state")}
+        own = {n: t for n, t in buffers.items() if n.startswith("d_") and n != "d_q"}
+        return cls(**mine, q=buffers.get("d_q"), own=own, state=Live.of(buffers.get("state")))
+
+    def draws(self) -> Draws:
+        return Draws(self.temperature, self.top_p, self.seed)
+
+
+@dataclass
+class Verified:
+    """What the verify hands the extend: emitted [b, k+1] (d_1..d_a, then the bonus at index a; the rest
+    garbage), accepted [b] (a), bonus [b], and the target's features at the k + 1 positions."""
+
+    emitted: Tensor
+    accepted: Tensor
+    bonus: Tensor
+    feats: Optional[Tensor]
+
+
+@dataclass
 class Proposal:
     tokens: Tensor  # [b, k] int64, target vocabulary
     probs: Optional[Tensor] = None  # [b, k, vocab] draft distribution; None: deterministic (one-hot)
@@ -116,7 +121,7 @@ class Draft:
     """Base class: host drafts override `propose` only."""
 
     features: FeatureKind = FeatureKind.none
-    on_device = False  # its propose / commit are steps of the round program
+    on_device = False  # its proposal and extend run inside the round (DeviceDraft)
 
     def begin(
         self,
@@ -139,9 +144,9 @@ class Draft:
 
 
 class DeviceDraft(Draft):
-    """A draft whose round work is device programs over state buffers of `batch_size` rows.
+    """A draft whose round work runs on the device over state buffers of `batch_size` rows.
 
-    Subclasses set `head` and define `own_specs`, `propose_steps`, `commit_steps` and `begin`.
+    Subclasses set `head` and define `own_specs`, `propose_into`, `extend` and `begin`.
     `offsets` (d2t) and `vocab_map` (a target id's draft id, -1 outside) are set for heads with a draft
     vocabulary of their own (EAGLE3), None for heads over the target's.
     """
@@ -181,38 +186,38 @@ class DeviceDraft(Draft):
         """The algorithm's own state buffers (name -> InputSpec)."""
         return {}
 
-    def propose_steps(self, cache, k: int, sampled: bool = False) -> list:
+    def propose_into(self, s: RoundState, cache, k: int, kv_len, sampled: bool = False) -> Optional[Tensor]:
+        """The round's proposal (phase draft): d_1..d_k into s.draft[:, :k] (sampled: their q into s.q);
+        -> the logits of its last forward, if it formed any (for a host hook to read)."""
         raise NotImplementedError
 
-    def commit_steps(self, cache, k: int, sampled: bool = False) -> list:
+    def extend(self, s: RoundState, cache, v: Verified, kv_len, sampled: bool = False) -> None:
+        """The round's draft extend (phase extend): catch up on the verified positions L..L+a."""
         raise NotImplementedError
 
-    # -- alone, eagerly (tests, tools): the same steps over an env built from the host state ----------
-    def _env(self, state: SpecState) -> dict:
+    # -- alone, eagerly (tests, tools): the round's work over a state built from the host's -----------
+    def _state(self, state: SpecState, k: int) -> RoundState:
         b = len(state.lengths)
         lengths, live = state.on_device()
         last = torch.tensor([h[-1] for h in state.history], device=lengths.device)
-        return {
-            "lengths": lengths,
-            "live": live,
-            "last": last,
-            "kv_len": max(state.lengths),
-            **{name: t[:b] for name, t in self.buf.items()},
-        }
+        zeros = torch.zeros(b, device=lengths.device)  # greedy: no row samples
+        draft = torch.zeros(b, k, dtype=torch.long, device=lengths.device)
+        own = {name: t[:b] for name, t in self.buf.items() if name != "d_q"}
+        q = self.buf["d_q"][:b]
+        return RoundState(last, lengths, live, draft, None, zeros, zeros, zeros.long(), live, q, own)  # no host state
 
     def propose(self, state: SpecState, k: int) -> Proposal:
-        env = self._env(state)
-        env["draft"] = torch.zeros(len(state.lengths), k, dtype=torch.long, device=env["lengths"].device)
-        run_steps(self.propose_steps(self.cache.rows(len(state.lengths)), k), env)
-        return Proposal(env["draft"])
+        s = self._state(state, k)
+        self.propose_into(s, self.cache.rows(len(state.lengths)), k, max(state.lengths))
+        return Proposal(s.draft)
 
     def commit(self, state: SpecState, feats: Optional[Tensor], emitted: Tensor, accepted: Tensor) -> None:
         """Draft extend, before `state` advances (state.lengths[r] = L, the verify's first position).
         emitted [b, k+1]: d_1..d_a then the bonus at index a (the rest is garbage); accepted [b] = a;
         feats [b, k+1, F] at positions L..L+k."""
-        env = self._env(state)
-        env.update({FEATURE_KEYS[self.features]: feats, "emitted": emitted, "accepted": accepted})
-        run_steps(self.commit_steps(self.cache.rows(len(state.lengths)), emitted.shape[1] - 1), env)
+        s = self._state(state, emitted.shape[1] - 1)
+        v = Verified(emitted, accepted, emitted.gather(1, accepted[:, None])[:, 0], feats)
+        self.extend(s, self.cache.rows(len(state.lengths)), v, max(state.lengths))
 
 
 def write_rows(buf: Tensor, value: Tensor, rows: Optional[slice]) -> None:
@@ -225,9 +230,9 @@ def write_rows(buf: Tensor, value: Tensor, rows: Optional[slice]) -> None:
 class DraftHead(Protocol):
     """The weights of a device draft (engine/drafts/common/head.py's `HeadBase` implements the shared part).
 
-    What every head offers the registry, the graphs and the train stage. Its forward programs are the
-    contract with its own draft loop: `FeatureHead` below for the EAGLE-family loop; the multi-layer
-    head's `module_program` and DFlash's `context_program` / `block_program` are documented in their folders.
+    What every head offers the registry, the graphs and the train stage. Its forwards are the contract
+    with its own draft loop: `FeatureHead` below for the EAGLE-family loop; the multi-layer head's
+    `module_forward` and DFlash's block `forward` / `write_context` are documented in their folders.
 
     Tensors: b rows, t positions, H the head's hidden size, F the target features it reads
     (`feature_width`: n_aux x target hidden for aux features, the target's hidden size for final ones).
@@ -277,28 +282,18 @@ class DraftHead(Protocol):
 class FeatureHead(DraftHead, Protocol):
     """A one-step head that the EAGLE-family loop (engine/drafts/common/feature.py) chains: EAGLE3, EAGLE."""
 
-    def program(self, cache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
-        """One draft forward as steps: pre (segment), attention (break), post (segment).
+    def attn_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len, dtype=None, **kw):
+        """positions [b, t], valid [b, t] or None, kv_len (int or engine.ops.Live) -> the call's AttnInputs."""
+        ...
 
-        env in:  tokens [b, t], hidden [b, t, F or H], positions [b, t], valid [b, t], kv_len,
-                 input_embeds [b, t, H] (embeds_input)
-        env out: out_hidden [b, t, H], ids [b, t] (greedy, target ids; not with `sampled` on the fused
-                 path), logits [b, t, V] (`sampled`, or the unfused path)
-        """
+    def forward(self, hidden: Tensor, cache, a, tokens=None, embeds=None, sampled: bool = False):
+        """hidden [b, t, F or H], tokens [b, t] (or embeds [b, t, H]) -> DraftOut: out_hidden [b, t, H],
+        ids [b, t] (greedy, target ids; not with `sampled` on the fused path), logits [b, t, V]
+        (`sampled`, or the unfused path)."""
         ...
 
     def logits(self, h: Tensor) -> Tensor:
-        """out_hidden [..., H] -> the draft's logits [..., V] (what `post` forms from it)."""
-        ...
-
-    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
-        """env hidden [b, t, F or H], tokens [b, t] (or embeds [b, t, H]) -> env g [b, t, H] (the residual),
-        q [b, heads, t, head_dim] (RoPE'd; k/v written into `cache` at the rows' slots)."""
-        ...
-
-    def post(self, env: dict, sampled: bool = False) -> None:
-        """env g [b, t, H], o [b, t, heads * head_dim] -> out_hidden [b, t, H], ids [b, t] and / or
-        logits [b, t, V] (as `program` says)."""
+        """out_hidden [..., H] -> the draft's logits [..., V]."""
         ...
 
 

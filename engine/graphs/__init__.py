@@ -1,2 +1,2 @@
-"""CUDA graph policies: a runner per phase (runner.py) over interchangeable backends (backends.py),
-assembled per run in one memory pool (graph_set.py)."""
+"""A graph library that knows nothing of speculation: capture a program split at its eager marks
+(breakable.py), the backends (backends.py), and a runner over buckets, padding and counters (runner.py)."""

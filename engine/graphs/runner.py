@@ -28,7 +28,9 @@ import torch
 from torch import Tensor
 
 from engine.graphs.backends import BACKENDS, DYNAMIC_KV
-from engine.program import Step, run_steps
+from engine.graphs.breakable import HOST_KEYS
+from engine.graphs.program import Step, run_steps
+from engine.ops import Live
 
 
 class CaptureHiddenMode(enum.IntEnum):
@@ -46,6 +48,19 @@ class InputSpec:
     pad: float | int | bool | None = 0  # padding rows' value; None: never reset (state nobody reads there)
     per_row: bool = False  # [batch, ...] without a seq dim (logits_index, a round's state)
     state: bool = False  # kept across calls (a round's state): the eager fallback runs over its rows too
+
+
+M = CaptureHiddenMode
+TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
+
+
+def token_inputs() -> dict[str, InputSpec]:
+    """A model forward's per-token inputs; a padding position is invalid (it writes the dummy slot)."""
+    return {
+        "tokens": InputSpec((), torch.long, 0),
+        "positions": InputSpec((), torch.long, 0),
+        "valid": InputSpec((), torch.bool, False),
+    }
 
 
 @dataclass
@@ -110,7 +125,8 @@ class GraphRunner:
     # -- capture -----------------------------------------------------------------------------------
     def _env(self, b: int, t: int) -> dict:
         env = {k: (buf[:b] if self.inputs[k].per_row else buf[:b, :t]) for k, buf in self.buffers.items()}
-        env["kv_len"] = self.static_kv_len
+        env.update({k: Live() for k in HOST_KEYS})  # a replay sets their values: eager calls read them then
+        env["kv_len"].value = self.static_kv_len
         return env
 
     def capture(self) -> "GraphRunner":
@@ -158,7 +174,7 @@ class GraphRunner:
         clone: bool = True,
     ) -> tuple[dict, bool]:
         """rows: the live batch when `live` has no positions (a round over its state buffers);
-        host: per-call values its breaks read (engine.program.HOST_KEYS); on_phase: called where
+        host: per-call values its breaks read (engine.graphs.breakable.HOST_KEYS); on_phase: called where
         each phase begins (phase timing); clone=False: outputs are views of the static buffers, valid
         until the next call (a caller that copies them out at once)."""
         if self.meta is not None and self.meta != {k: v for k, v in self.current_meta().items() if k in self.meta}:
@@ -183,8 +199,9 @@ class GraphRunner:
             if x is not None:
                 self._view(k, b, t).copy_(x)
         self._reset(key[0], key[1], b, t)
-        env.update(host or {})
-        env["kv_len"] = kv_len if self.dynamic_kv else self.static_kv_len
+        for k, v in (host or {}).items():
+            env[k].value = v
+        env["kv_len"].value = kv_len if self.dynamic_kv else self.static_kv_len
         captured.replay(env, on_phase)
         self.stats.replays += 1
         return {k: self._slice(env.get(k), key, b, t, clone) for k in self.outputs[mode]}, True

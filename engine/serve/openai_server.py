@@ -36,7 +36,6 @@ from fastapi.routing import APIRoute
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.graphs.graph_set import GraphSet
 from engine.serve.detokenize import TextStream
 from engine.serve.guard import Guard, GuardLimits, body_limit
 from engine.serve.metrics import ServeMetrics
@@ -50,6 +49,7 @@ from engine.serve.protocol import (
     shutting_down_error,
 )
 from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
+from engine.speculative.graph_set import GraphSet
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)

@@ -12,7 +12,7 @@
     step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
              commit, the same code eval runs; free slots among them ride along as invalid rows (they write
              to the cache's dummy slot and are never read); then finished and cancelled requests leave and
-             waiting ones join. With adaptive k (engine/adaptive_k.py) the round's k follows those rows
+             waiting ones join. With adaptive k (engine/speculative/adaptive_k.py) the round's k follows those rows
     threads  `run()` is the engine loop, on one thread (all torch work). `submit` / `cancel` / `close`
              come from any thread (the HTTP event loop) and only touch the queue, under a lock. Tokens
              go back through each request's `sink`, called on the engine thread.
@@ -46,8 +46,8 @@ from typing import Callable, Optional
 import torch
 
 from engine.drafts.base import SpecState
-from engine.generate import SpecDecoder
 from engine.sampling import RowSettings, as_seed, seeds_from
+from engine.speculative.generate import SpecDecoder
 
 log = logging.getLogger(__name__)
 

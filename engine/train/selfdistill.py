@@ -9,7 +9,7 @@
     3. keep the token ids: `prompt_ids` (template + message) and `answer_ids`. Aux hidden states and
        target distributions are recomputed from these ids during training, so the data stays small;
 
-Everything runs batched through the `generator` the caller passes in (an `engine.generate.Generator`
+Everything runs batched through the `generator` the caller passes in (an `engine.speculative.generate.Generator`
 over the target, with its graphs or none), on whatever device the target is on, with
 the decode bookkeeping on the device (`sync_every`: the host looks every few steps, not every step; the
 same tokens as the eval loop). Each generation batch draws from its own seeded generator, so the
@@ -76,7 +76,7 @@ def synthesize(
 ) -> list[Sample]:
     """`n` samples; user messages shorter than `min_prompt_chars` are drawn again (bounded tries), and so
     are those cut at `max_prompt_tokens` with `drop_cut` (else they are answered as they are, `Sample.cut`).
-    `generator`: an engine.generate.Generator over target.model (its rows: the generation batch; its
+    `generator`: an engine.speculative.generate.Generator over target.model (its rows: the generation batch; its
     graphs, if any, the decode's), built by the caller.
     `sync_every`: decode steps between host looks (up to sync_every - 1 steps run past a batch's end).
     `system_prompts`: the system messages the user messages are written under, row by row (the answers

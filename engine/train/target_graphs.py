@@ -26,8 +26,7 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from engine.graphs.graph_set import TARGET_OUT, token_inputs
-from engine.graphs.runner import CaptureHiddenMode, GraphRunner, InputSpec
+from engine.graphs.runner import TARGET_OUT, CaptureHiddenMode, GraphRunner, InputSpec, token_inputs
 from engine.model import ForwardOutput, StaticKVCache
 
 WIDTH_STEP = 16  # a class's widths: padding costs the device at most WIDTH_STEP - 1 columns a row

@@ -67,7 +67,7 @@ def tiny_target(outputs, device: str = "cpu", dtype=torch.float32):
 
 def synth(target, batch_size: int, **kw):
     """`synthesize` over a plain (eager) Generator of `batch_size` rows."""
-    from engine.generate import Generator
+    from engine.speculative.generate import Generator
     from engine.train.selfdistill import synthesize
 
     return synthesize(target, Generator(target.model, batch_size), **kw)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import torch
 
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
-from engine.generate import Generator
-from engine.graphs.graph_set import GraphSet
-from engine.program import Step
+from engine.graphs.breakable import eager
+from engine.speculative.generate import Generator
+from engine.speculative.graph_set import GraphSet
 from helpers.models import pair
 
 AUX = [1, 2, 3]  # the tiny target has 3 layers: input_of ids 1..3
@@ -44,22 +44,29 @@ def run_all(gen, prompts, params, batch, stop=frozenset(), rng=None):
 
 
 def tap(draft, phase: str, fn) -> None:
-    """A host step at the end of the draft's steps of `phase` (propose | commit), a break under every
-    graph policy: fn(env, k) sees the round's env (env["state"]: the host mirror, not yet advanced).
-    Attach before the round is built (before a GraphSet captures it); at capture time it is skipped."""
-    inner = getattr(draft, f"{phase}_steps")
+    """A host hook after the draft's proposal or extend (phase propose | commit), eager under every
+    graph policy that splits: fn(s, k, extra) sees the RoundState s (s.state.value: the host mirror, not
+    yet advanced) and the proposal's logits (propose) or the Verified (commit). Attach before the round
+    is built (before a GraphSet captures it); at capture time (no host state) it is skipped."""
+    name = {"propose": "propose_into", "commit": "extend"}[phase]
+    inner = getattr(draft, name)
 
-    def hook(env, k):
-        if env.get("state") is not None:
-            fn(env, k)
+    def hook(s, k, extra):
+        if s.state.value is not None:
+            fn(s, k, extra)
 
-    setattr(
-        draft,
-        f"{phase}_steps",
-        lambda cache, k, **kw: (
-            inner(cache, k, **kw) + [Step(f"tap_{phase}", lambda env: hook(env, k), is_break=True, host=True)]
-        ),
-    )
+    hook = eager(hook, host=True)
+
+    def propose(s, cache, k, kv_len, sampled=False):
+        logits = inner(s, cache, k, kv_len, sampled)
+        hook(s, k, logits)
+        return logits
+
+    def extend(s, cache, v, kv_len, sampled=False):
+        inner(s, cache, v, kv_len, sampled)
+        hook(s, v.emitted.shape[1] - 1, v)
+
+    setattr(draft, name, propose if phase == "propose" else extend)
 
 
 def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):

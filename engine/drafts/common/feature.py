@@ -7,27 +7,26 @@ proposal, d_1, a target id).
     begin    pairs (f_j, x_{j+1}) for prompt positions j = 0..L-1 (x_L: the target's first token);
              reuses the target's input embeddings for prompt positions when the prompt came as embeds
     propose  d_1 = d_next; step i = 1..k-1 at position L+i-1 on (h, d_i) -> d_{i+1}   (phase draft)
-    commit   pairs (f_j, x_{j+1}) for the verified positions j = L..L+a (x: accepted tokens, then
+    extend   pairs (f_j, x_{j+1}) for the verified positions j = L..L+a (x: accepted tokens, then
              the bonus); overwrites the draft cache where the proposal steps wrote      (phase extend)
 
 Each proposal is the argmax of the head's logits, or in a sampled round (sampled rows) a draw from its
 q at the proposal's position (d_{i+1}: L+i+1; the extend's d_next: L+a+2; begin's: the prompt's length
 + 1), q kept in d_q[:, i] (d_next's in d_q[:, 0]).
 
-Tensors in the round's env (engine/round.py), b rows:
-    d_hidden [b, hidden]   d_next [b]   d_q [b, K, Vd]   the draft's state buffers
-    c.tok [b], c.h [b, hidden]               the chain's running token and hidden state
-    s{i}.*, e.*                              step i's and the extend's head program (scoped keys)
+State buffers (RoundState.own, b rows): d_hidden [b, hidden], d_next [b]; d_q [b, K, Vd] (RoundState.q).
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
-from engine.drafts.base import FEATURE_KEYS, DeviceDraft, FeatureKind, write_rows
+from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
 from engine.graphs.runner import InputSpec
-from engine.program import Step, merge_runs, run_steps, scoped
+from engine.ops import Live
 from engine.sampling import DRAFT, Draws, draw
 
 
@@ -54,17 +53,10 @@ class FeatureDraft(DeviceDraft):
             embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
             embeds[r, last] = self.head.embed(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        env = {
-            "tokens": shifted,
-            "hidden": feats,
-            "positions": positions,
-            "valid": valid,
-            "kv_len": t,
-            "input_embeds": embeds,
-        }
         cache = self.cache.rows(rows if rows is not None else b)
-        run_steps(self.head.program(cache, embeds_input=embeds is not None), env)
-        h, nxt = env["out_hidden"][r, last], env["ids"][r, last]  # [b, hidden], [b]
+        a = self.head.attn_inputs(positions, valid, t)
+        out = self.head(feats, cache, a, tokens=shifted, embeds=embeds)
+        h, nxt = out.hidden[r, last], out.ids[r, last]  # [b, hidden], [b]
         if draws is not None:  # sampled rows draw d_1 (at position L + 1) from the head's q
             q = self.buf["d_q"][rows if rows is not None else slice(0, b), :1]
             drawn = self._draw(self.head.logits(h[:, None]), draws, last, 2, q)[:, 0]
@@ -87,77 +79,36 @@ class FeatureDraft(DeviceDraft):
             offsets=self.offsets,
         )
 
-    def propose_steps(self, cache, k: int, sampled: bool = False) -> list[Step]:
-        def first(env):
-            env["draft"][:, 0].copy_(env["d_next"])
-            env["c.tok"], env["c.h"] = env["d_next"], env["d_hidden"]
-
-        def bind(i):
-            def fn(env):
-                live = env["live"][:, None]  # [b, 1]
-                env.update(
-                    {
-                        f"s{i}.tokens": env["c.tok"][:, None],
-                        f"s{i}.hidden": env["c.h"][:, None],
-                        f"s{i}.positions": (env["lengths"] + i - 1)[:, None],
-                        f"s{i}.valid": live,
-                    }
-                )
-
-            return fn
-
-        def pick(i):
-            def fn(env):
-                if sampled:  # d_{i+1} at position L+i+1
-                    q = env["d_q"][:, i : i + 1]
-                    tok = self._draw(env[f"s{i}.logits"], Draws.of(env), env["lengths"], i + 1, q)[:, 0]
-                else:
-                    tok = env[f"s{i}.ids"][:, 0]  # [b] target ids
-                env["draft"][:, i].copy_(tok)
-                env["c.tok"], env["c.h"] = tok, env[f"s{i}.out_hidden"][:, 0]
-
-            return fn
-
-        steps = [Step("chain0", first)]
-        for i in range(1, k):  # step i at position L+i-1: kv_len covers it
-            steps += [
-                Step(f"bind{i}", bind(i)),
-                *scoped(f"s{i}.", merge_runs(self.head.program(cache, sampled=sampled)), i),
-                Step(f"pick{i}", pick(i)),
-            ]
-        return steps
-
-    def commit_steps(self, cache, k: int, sampled: bool = False) -> list[Step]:
-        kind = self.features
-
-        def bind(env):
-            emitted, accepted, live = env["emitted"], env["accepted"], env["live"]  # [b, k+1], [b], [b]
-            steps = torch.arange(k + 1, device=emitted.device)
-            feats = env[FEATURE_KEYS[kind]]
-            env.update(
-                {
-                    "e.tokens": emitted,
-                    "e.hidden": feats,
-                    "e.positions": env["lengths"][:, None] + steps,
-                    "e.valid": (steps[None] <= accepted[:, None]) & live[:, None],
-                }
-            )
-
-        def take(env):
-            idx = env["accepted"]
-            r = torch.arange(idx.shape[0], device=idx.device)
-            env["d_hidden"].copy_(env["e.out_hidden"][r, idx])
-            if sampled:  # the next round's d_1, at position L + a + 2
-                nxt = self._draw(env["e.logits"], Draws.of(env), env["lengths"], 2, env["d_q"][:, :1], idx)[:, 0]
+    def propose_into(self, s, cache, k: int, kv_len: Live, sampled: bool = False) -> Optional[Tensor]:
+        """d_1 = d_next; step i = 1..k-1 at position L+i-1 on (h, d_i) -> d_{i+1} (into s.draft)."""
+        tok, h, out = s.own["d_next"], s.own["d_hidden"], None  # [b], [b, hidden]
+        s.draft[:, 0].copy_(tok)
+        for i in range(1, k):  # step i at position L+i-1: kv_len + i covers it
+            a = self.head.attn_inputs((s.lengths + i - 1)[:, None], s.live[:, None], kv_len + i)
+            out = self.head(h[:, None], cache, a, tokens=tok[:, None], sampled=sampled)
+            if sampled:  # d_{i+1} at position L+i+1, its q kept
+                tok = self._draw(out.logits, s.draws(), s.lengths, i + 1, s.q[:, i : i + 1])[:, 0]
             else:
-                nxt = env["e.ids"][r, idx]
-            env["d_next"].copy_(nxt)
+                tok = out.ids[:, 0]  # [b] target ids
+            s.draft[:, i].copy_(tok)
+            h = out.hidden[:, 0]
+        return out.logits if out is not None else None
 
-        return [
-            Step("extend_in", bind),
-            *scoped("e.", merge_runs(self.head.program(cache, sampled=sampled)), k + 1),
-            Step("extend_take", take),
-        ]
+    def extend(self, s, cache, v, kv_len: Live, sampled: bool = False) -> None:
+        """Pairs (f_j, x_{j+1}) for the verified positions j = L..L+a -> d_hidden, d_next (the next d_1)."""
+        k = v.emitted.shape[1] - 1
+        steps = torch.arange(k + 1, device=v.emitted.device)
+        valid = (steps[None] <= v.accepted[:, None]) & s.live[:, None]  # [b, k+1]: rejected -> the dummy slot
+        a = self.head.attn_inputs(s.lengths[:, None] + steps, valid, kv_len + (k + 1))
+        out = self.head(v.feats, cache, a, tokens=v.emitted, sampled=sampled)
+        idx = v.accepted
+        r = torch.arange(idx.shape[0], device=idx.device)
+        s.own["d_hidden"].copy_(out.hidden[r, idx])
+        if sampled:  # the next round's d_1, at position L + a + 2
+            nxt = self._draw(out.logits, s.draws(), s.lengths, 2, s.q[:, :1], idx)[:, 0]
+        else:
+            nxt = out.ids[r, idx]
+        s.own["d_next"].copy_(nxt)
 
     @property
     def embed(self) -> torch.nn.Embedding:

@@ -1,15 +1,13 @@
 """The shared base of the weighted draft heads (EAGLE3, EAGLE, multi-layer EAGLE, DFlash).
 
-A head is one (or a few) Llama decoder layers over a static KV cache of its own, reusing the target's
-attention module and RoPE; it takes the target's token embeddings and, unless it has an lm_head of
-its own, the target's lm_head (shared storage, never a copy, kept out of state_dict).
+A head is one (or a few) Llama decoder layers over a static KV cache of its own; it takes the target's
+token embeddings and, unless it has an lm_head of its own, the target's lm_head (shared storage,
+never a copy, kept out of state_dict). Its maths are ops (engine/ops.py), fused or not, once.
 
-    program(cache)   one draft forward as steps: pre (segment) -> attention (break) -> post (segment),
-                     built by engine/decoder.py's `decoder_steps` with `pre` / `post` as the one layer
-    pre(env, ...)    env hidden [b, t, F or hidden], tokens [b, t], attn -> g [b, t, hidden], q [b, heads, t, d]
-    post(env, sampled)  env g, o [b, t, heads * d] -> out_hidden [b, t, hidden], ids [b, t] (greedy) or
-                     logits [b, t, V] (sampled; the unfused path forms both)
-    logits(h)        out_hidden [..., hidden] -> logits [..., V] (a sampled first proposal at the prefill)
+    forward(hidden, cache, a, tokens | embeds, sampled) -> DraftOut   (EAGLE3, EAGLE: one step)
+        hidden [b, t, F or H], tokens [b, t] -> out_hidden [b, t, H], logits [b, t, V], ids [b, t]
+    attn_inputs(positions, valid, kv_len)  the call's AttnInputs over the head's cache
+    logits(h)        out_hidden [..., H] -> logits [..., V] (a sampled first proposal at the prefill)
 
 `llama_config` is the Llama shape of a one-layer head of the target's width: every algorithm's
 config.json builds on it.
@@ -18,6 +16,7 @@ config.json builds on it.
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -25,9 +24,18 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engine.decoder import AttnInputs, AttnSource, EnvLayer, StepNames, decoder_steps
 from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
-from engine.program import Step
+from engine.ops import AttnInputs, Live
+
+
+@dataclass
+class DraftOut:
+    """A draft forward's outputs: out_hidden [b, t, H] (pre-norm), logits [b, t, V] (the plain path, or
+    sampled) and ids [b, t] (the greedy proposal in target ids; the fused sampled path forms none)."""
+
+    hidden: Tensor
+    logits: Optional[Tensor]
+    ids: Optional[Tensor]
 
 
 class HeadBase(nn.Module):
@@ -106,47 +114,46 @@ class HeadBase(nn.Module):
     def use_fused_kernels(self) -> None:
         """The fused Triton path (kernels/gemv.py, kernels/fused.py), as the target's: projections that
         read one input become one weight (views, in place: for inference heads, never a trained one)."""
-        att = self.attention
-        self.qkv_weight, self.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
-        self.gate_up_weight, self.gate_up_bias = fuse_gate_up(self.mlp_module)
+        layer = self.layer
+        att = layer.self_attn
+        layer.qkv_weight, layer.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
+        layer.gate_up_weight, layer.gate_up_bias = fuse_gate_up(layer.mlp)
+        for op in self.ops():
+            op.fuse()
         self.fused = True
 
-    def _embed_rows(self, env: dict, embeds: Optional[Tensor]) -> tuple[Tensor, Optional[Tensor]]:
-        """(table, row index) for a fused prologue: the given embeddings, or the target's embedding
-        table gathered by token id inside the kernel."""
-        return (embeds, None) if embeds is not None else (self.embed.weight, env["tokens"])
+    def ops(self) -> list:
+        """The head's ops (engine/ops.py), fused by use_fused_kernels."""
+        return [self.qkv_in, self.mlp_out, self.out]
 
-    def _attend_fused(self, qkv: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
-        """qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd) and v written at a.slots."""
-        att = self.attention
-        return a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
-
-    def program(self, cache: StaticKVCache, *, embeds_input: bool = False, sampled: bool = False) -> list[Step]:
-        """One draft forward as steps (segment, attention break, segment) over an env dict.
-
-        env in:  tokens [b, t], hidden [b, t, F or hidden], positions [b, t], valid [b, t], kv_len,
-                 input_embeds [b, t, hidden] (embeds_input)
-        env out: out_hidden [b, t, hidden] (pre-norm: the next step's input), ids [b, t] (the greedy
-                 proposal, target ids), logits [b, t, draft vocab] (unfused path, or `sampled`: the
-                 fused greedy path takes the argmax inside the lm_head kernel and writes no logits, the
-                 sampled one writes the logits and no ids)
-        """
-
-        def pre(env):  # the layer's input fusion (embeds, hidden) and q/k/v: the head's own
-            self.pre(env, env["input_embeds"] if embeds_input else None, cache)
-
-        def post(env):
-            self.post(env, sampled)
-
-        dtype = next(self.parameters()).dtype
-        return decoder_steps(
-            [EnvLayer(self.attention, pre, post)],
-            cache,
-            AttnSource(self, cache.dummy_slot, dtype),
-            StepNames("draft_pre", "draft_attn", "", "draft_post"),
+    def attn_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len, dtype=None, **kw) -> AttnInputs:
+        """One call's attention metadata over the head's cache (kv_len: an int or a graph's `Live`)."""
+        return AttnInputs.build(
+            positions,
+            valid,
+            self.rope_cos,
+            self.rope_sin,
+            self.cache_slots,
+            dtype or next(self.parameters()).dtype,
+            kv_len=Live.of(kv_len),
             kernel=self.attention_kernel,
-            meta=self.graph_meta(),
+            **kw,
         )
+
+    def forward(
+        self,
+        hidden: Tensor,
+        cache: StaticKVCache,
+        a: AttnInputs,
+        tokens: Optional[Tensor] = None,
+        embeds: Optional[Tensor] = None,
+        sampled: bool = False,
+    ) -> "DraftOut":
+        """One step of a one-layer EAGLE-family head: hidden [b, t, F or H], tokens [b, t] (or their
+        embeds [b, t, H]) -> out_hidden [b, t, H], logits and / or ids (see DraftOut)."""
+        g, q = self.qkv_in(tokens, embeds, hidden, cache, a)  # g [b, t, H]: the layer's residual; q: RoPE'd
+        h, delta = self.mlp_out(g, self.attention(q, cache, a), a)  # attention: eager under a breakable graph
+        return self.out(h, delta, sampled)
 
     def to_target(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target ids; the identity for heads over the target's vocabulary."""

@@ -31,7 +31,7 @@ Cache discipline (the draft's static cache, [layers, batch, kv_heads, max_seq + 
     at position p reads slots > p - W only (AttnInputs.qlo): a drafter trained on samples of a few
     hundred tokens meets no longer key distances at inference than it was trained on.
 
-In the round (engine/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
+In the round (engine/speculative/round.py): the proposal is one block forward [b, B] (phase draft), the extend one
 context write over the k + 1 verified positions [b, k + 1] (phase extend, no attention).
 
 Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both are the target's):
@@ -46,15 +46,15 @@ Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both a
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import torch
 from torch import Tensor, nn
 
-from engine.decoder import DELTA, STREAM, AttnInputs, AttnSource, Residual, StepNames, decoder_steps
-from engine.drafts.common.head import HeadBase, llama_config
+from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
-from engine.program import Step
+from engine.ops import AttnInputs, Op
 from kernels.gemv import add_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "DFlashDraftModel"
@@ -112,6 +112,49 @@ def dflash_config(
     }
 
 
+class ContextWrite(Op):
+    """The context's k/v into every layer's cache: (feats [b, t, F], cache, a) -> None. Fused: fc, then
+    hidden_norm in the prologue of one projection onto every layer's k and v rows, then RoPE + cache
+    write per layer: 2 + layers kernels instead of about 15 per layer."""
+
+    def forward_native(self, feats: Tensor, cache: StaticKVCache, a: AttnInputs) -> None:
+        head = self.layer
+        c = head.context(feats)  # [b, t, hidden]
+        for layer in head.layers:
+            layer.self_attn.write_kv(c, cache, a)
+
+    def forward_fused(self, feats: Tensor, cache: StaticKVCache, a: AttnInputs) -> None:
+        head, norm = self.layer, self.layer.hidden_norm
+        kv = add_rmsnorm_gemv(
+            gemv(feats, head.fc.weight),
+            None,
+            norm.weight,
+            norm.variance_epsilon,
+            head.context_kv_weight,
+            head.context_kv_bias,
+        )[1]  # [b, t, layers * 2 * kv * d]
+        for i, layer in enumerate(head.layers):
+            att = layer.self_attn
+            width = 2 * att.n_kv * att.head_dim
+            a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv)
+
+
+class BlockOut(Op):
+    """+ residual, the final norm and the target's lm_head at the block's draft indices -> DraftOut."""
+
+    def forward_native(self, x: Tensor, delta: Tensor, sampled: bool) -> DraftOut:
+        head = self.layer
+        logits = head.lm_head(head.norm(x + delta))  # [b, k, vocab]
+        return DraftOut(None, logits, logits.argmax(-1))
+
+    def forward_fused(self, x: Tensor, delta: Tensor, sampled: bool) -> DraftOut:
+        head = self.layer  # + residual, norm, lm_head and (greedy) argmax in one kernel
+        y = add_rmsnorm_gemv(
+            x, delta, head.norm.weight, head.args.rms_norm_eps, head.lm_head.weight, argmax=not sampled
+        )[1]  # [b, k] or [b, k, vocab]
+        return DraftOut(None, y, None) if sampled else DraftOut(None, None, y)
+
+
 class DFlashHead(HeadBase):
     """The drafter's weights and its two programs (context write, block forward) over a static cache."""
 
@@ -129,6 +172,7 @@ class DFlashHead(HeadBase):
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.layers = nn.ModuleList(DecoderLayer(a, i) for i in range(a.num_layers))
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.write_context, self.out = ContextWrite(self), BlockOut(self)
         self.init_buffers()
 
     def use_fused_kernels(self) -> None:
@@ -138,6 +182,8 @@ class DFlashHead(HeadBase):
         kv = [m for layer in self.layers for m in (layer.self_attn.k_proj, layer.self_attn.v_proj)]
         self.context_kv_weight = torch.cat([m.weight for m in kv]).contiguous()  # [layers * 2 * kv * d, hidden]
         self.context_kv_bias = torch.cat([m.bias for m in kv]).contiguous() if kv[0].bias is not None else None
+        self.write_context.fuse()
+        self.out.fuse()
         self.fused = True
 
     # -- storage ------------------------------------------------------------------------------------
@@ -161,74 +207,21 @@ class DFlashHead(HeadBase):
         `norm` (module, x): how hidden_norm runs (training passes its ForwardOps' norm)."""
         return norm(self.hidden_norm, self.fc(feats.to(self.fc.weight.dtype)))
 
-    def context_program(self, cache: StaticKVCache) -> list[Step]:
-        """Write the context k/v of every layer: one segment, no attention.
+    def block_inputs(self, positions: Tensor, valid: Optional[Tensor], kv_len, dtype) -> AttnInputs:
+        """A block's attention metadata: non-causal inside the block (every query of a row sees up to
+        the row's last slot; padding rows 0), RoPE at each token's own position; the mask covers kv_len
+        + B (kv_len covers the live rows' blocks; + B a static kv_len too, when a block runs past it)."""
+        a = self.attn_inputs(positions, valid, kv_len, dtype, kv_extra=self.block_size)
+        if self.sliding_window:
+            a = dataclasses.replace(a, qlo=(a.rope_pos - (self.sliding_window - 1)).clamp(min=0))  # [b, t]
+        last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, t]
+        return dataclasses.replace(a, qpos=last.masked_fill(a.slots == self.cache_slots, 0))
 
-        env in:  feats [b, t, F], positions [b, t], valid [b, t] (False: the dummy slot)
-        env out: nothing (the cache)
-        """
-
-        def write(env):
-            feats = env["feats"].to(self.fc.weight.dtype)  # [b, t, F]
-            a = AttnInputs.build(
-                env["positions"], env["valid"], self.rope_cos, self.rope_sin, cache.dummy_slot, feats.dtype
-            )
-            if not self.fused:
-                c = self.context(feats)  # [b, t, hidden]
-                for layer in self.layers:
-                    layer.self_attn.write_kv(c, cache, a)
-                return
-            # fused: fc, then hidden_norm in the prologue of every layer's k/v projection at once, then
-            # RoPE + cache write per layer: 2 + layers kernels instead of about 15 per layer
-            norm = self.hidden_norm
-            kv = add_rmsnorm_gemv(
-                gemv(feats, self.fc.weight),
-                None,
-                norm.weight,
-                norm.variance_epsilon,
-                self.context_kv_weight,
-                self.context_kv_bias,
-            )[1]  # [b, t, layers * 2 * kv * d]
-            for i, layer in enumerate(self.layers):
-                att = layer.self_attn
-                width = 2 * att.n_kv * att.head_dim
-                a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv)
-
-        return [Step("dflash_context", write, meta=self.graph_meta())]
-
-    def block_program(self, cache: StaticKVCache, num_drafts: int, sampled: bool = False) -> list[Step]:
-        """The block forward as segments and attention breaks, like the target's program.
-
-        env in:  tokens [b, B] = [x_L, m, ..., m], positions [b, B] = L..L+B-1, valid [b, B], kv_len
-        env out: ids [b, num_drafts] (the greedy drafts) at block indices 1..num_drafts, and on the
-                 unfused path, or `sampled` (then without ids on the fused path), the logits behind them
-                 [b, num_drafts, vocab]
-        """
-        fused = self.fused
-
-        def start(env):
-            return self.embed(env["tokens"])  # [b, B, hidden]
-
-        def finish(env):
-            x, delta = env[STREAM][:, 1 : num_drafts + 1], env[DELTA][:, 1 : num_drafts + 1]  # [b, k, hidden]
-            if fused:  # + residual, norm, lm_head and (greedy) argmax in one kernel
-                env["logits" if sampled else "ids"] = add_rmsnorm_gemv(
-                    x, delta, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight, argmax=not sampled
-                )[1]  # [b, k] or [b, k, vocab]
-                return
-            env["logits"] = self.lm_head(self.norm(x + delta))  # [b, k, vocab]
-            env["ids"] = env["logits"].argmax(-1)
-
-        # Non-causal inside the block (AttnSource.block). The mask covers kv_len + B: kv_len covers the
-        # live rows' blocks, + B also a static kv_len (full graphs: the target's max_seq_len) when a
-        # block runs past it. The mask clamps to the cache.
-        return decoder_steps(
-            [Residual(layer, cache, fused) for layer in self.layers],
-            cache,
-            AttnSource(self, cache.dummy_slot, block=True, kv_extra=self.block_size, window=self.sliding_window),
-            StepNames("dflash_embed+pre0", "dflash_attn{i}", "dflash_post{i}", "dflash_post{i}"),
-            start=start,
-            finish=finish,
-            kernel=self.attention_kernel,
-            meta=self.graph_meta(),
-        )
+    def forward(self, tokens: Tensor, cache: StaticKVCache, a: AttnInputs, num_drafts: int, sampled: bool) -> DraftOut:
+        """The block forward: tokens [b, B] = [x_L, m, ..., m] -> logits and / or ids [b, num_drafts] at
+        block indices 1..num_drafts (DraftOut.hidden: None)."""
+        x, delta = self.embed(tokens), None  # [b, B, hidden]
+        for layer in self.layers:
+            x, delta = layer(x, delta, cache, a)  # attention: eager under a breakable graph
+        k = slice(1, num_drafts + 1)
+        return self.out(x[:, k], delta[:, k], sampled)  # [b, k, ...]

@@ -3,12 +3,15 @@ discipline): the prefill and each extend write context k/v, each proposal is one
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from engine.drafts.base import DeviceDraft, FeatureKind
 from engine.drafts.dflash.head import DFlashHead
-from engine.program import Step, merge_runs, run_steps, scoped
-from engine.sampling import DRAFT, Draws, draw
+from engine.ops import AttnInputs, Live
+from engine.sampling import DRAFT, draw
 
 
 class DFlashDraft(DeviceDraft):
@@ -17,7 +20,6 @@ class DFlashDraft(DeviceDraft):
     State per row: the context cache holds positions 0..L-1; the next block starts with x_L, the round's
     `last` (the bonus token): the draft keeps no buffers of its own but d_q [b, k, vocab] (a sampled
     round draws every block position i from the one forward's q_i, at position L+i, and keeps q_i).
-    Round env keys: b.* (the block program), x.* (the context write).
     """
 
     features = FeatureKind.aux
@@ -38,52 +40,34 @@ class DFlashDraft(DeviceDraft):
         b, t = prompt_tokens.shape
         positions = torch.arange(t, device=first.device).expand(b, t)
         cache = self.cache.rows(rows if rows is not None else b)
-        run_steps(self.head.context_program(cache), {"feats": feats, "positions": positions, "valid": valid})
+        self.head.write_context(feats.to(self.head.fc.weight.dtype), cache, self._context_inputs(positions, valid))
 
-    def propose_steps(self, cache, k: int, sampled: bool = False) -> list[Step]:
+    def _context_inputs(self, positions, valid) -> AttnInputs:
+        h = self.head
+        return AttnInputs.build(positions, valid, h.rope_cos, h.rope_sin, h.cache_slots, h.fc.weight.dtype)
+
+    def propose_into(self, s, cache, k: int, kv_len: Live, sampled: bool = False) -> Optional[Tensor]:
+        """One block forward on [x_L, m, ..., m] at L..L+B-1 -> d_1..d_k at block indices 1..k."""
         B = self.head.block_size
+        tokens = torch.where(self.is_bonus, s.last[:, None], self.head.mask_token_id)  # [b, B]
+        positions = s.lengths[:, None] + self.offsets  # [b, B]
+        valid = s.live[:, None].expand(s.last.shape[0], B)
+        a = self.head.block_inputs(positions, valid, kv_len + B, self.head.embed.weight.dtype)
+        out = self.head(tokens, cache, a, k, sampled)
+        if sampled:  # d_1..d_k at positions L+1..L+k, each from its own q
+            ids = draw(out.logits, s.draws(), s.lengths, DRAFT, kernels=self.head.fused, offset=1, q_out=s.q[:, :k])
+        else:
+            ids = out.ids
+        s.draft[:, :k].copy_(ids)  # [b, k]
+        return out.logits  # [b, k, vocab] (None: the fused greedy path forms none)
 
-        def bind(env):  # two kernels: the block's tokens and positions
-            last, lengths = env["last"], env["lengths"]  # [b], [b]
-            env.update(
-                {
-                    "b.tokens": torch.where(self.is_bonus, last[:, None], self.head.mask_token_id),  # [b, B]
-                    "b.positions": lengths[:, None] + self.offsets,  # [b, B]
-                    "b.valid": env["live"][:, None].expand(last.shape[0], B),
-                }
-            )
-
-        def pick(env):
-            if sampled:  # d_1..d_k at positions L+1..L+k, each from its own q
-                q = env["d_q"][:, :k]
-                ids = draw(
-                    env["b.logits"], Draws.of(env), env["lengths"], DRAFT, kernels=self.head.fused, offset=1, q_out=q
-                )
-            else:
-                ids = env["b.ids"]
-            env["draft"][:, :k].copy_(ids)  # [b, k]
-
-        return [
-            Step("block_in", bind),
-            *scoped("b.", merge_runs(self.head.block_program(cache, k, sampled)), B),
-            Step("block_pick", pick),
-        ]
-
-    def commit_steps(self, cache, k: int, sampled: bool = False) -> list[Step]:
+    def extend(self, s, cache, v, kv_len: Live, sampled: bool = False) -> None:
         """Context k/v of the verified positions L..L+a (a = accepted; the rest to the dummy slot)."""
-
-        def bind(env):
-            accepted, lengths = env["accepted"], env["lengths"]
-            steps = torch.arange(k + 1, device=accepted.device)
-            env.update(
-                {
-                    "x.feats": env["t.aux"],
-                    "x.positions": lengths[:, None] + steps,
-                    "x.valid": (steps[None] <= accepted[:, None]) & env["live"][:, None],
-                }
-            )
-
-        return [Step("context_in", bind), *scoped("x.", self.head.context_program(cache))]
+        k = v.emitted.shape[1] - 1
+        steps = torch.arange(k + 1, device=v.accepted.device)
+        valid = (steps[None] <= v.accepted[:, None]) & s.live[:, None]
+        feats = v.feats.to(self.head.fc.weight.dtype)  # [b, k+1, F]
+        self.head.write_context(feats, cache, self._context_inputs(s.lengths[:, None] + steps, valid))
 
 
 def make_dflash(plan, head, ctx) -> DFlashDraft:

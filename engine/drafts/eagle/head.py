@@ -17,10 +17,43 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.decoder import ATTN, ATTN_OUT, QUERY
-from engine.drafts.common.head import HeadBase, llama_config
+from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import MLP, Attention, ModelArgs, RMSNorm
-from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
+from engine.ops import MLPOut, Op
+from kernels.gemv import cat_rmsnorm_gemv, gemv
+
+
+class EagleIn(Op):
+    """fc over [embed(token), feature] (no input norm), q/k/v, RoPE and the cache write:
+    (tokens or embeds, hidden) -> (x [b, t, H]: the layer's input and residual, q [b, heads, t, d])."""
+
+    def forward_native(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
+        head = self.layer
+        embeds = embeds if embeds is not None else head.embed(tokens)
+        x = head.fc(torch.cat([embeds, hidden], dim=-1))  # [b, t, hidden]
+        return x, head.attention.project(x, cache, a)
+
+    def forward_fused(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
+        head, layer = self.layer, self.layer.layers[0]
+        table, rows = (embeds, None) if embeds is not None else (head.embed.weight, tokens)  # gathered in-kernel
+        fc = head.fc
+        x = cat_rmsnorm_gemv(table, hidden, None, None, 0.0, fc.weight, fc.bias, index1=rows, norm=False)  # [b, t, H]
+        att = layer.self_attn
+        return x, a.rope_write(gemv(x, layer.qkv_weight, layer.qkv_bias), cache, 0, att.n_heads, att.n_kv)
+
+
+class EagleOut(Op):
+    """+ residual and the target's lm_head, no final norm (h imitates the target's normed feature)."""
+
+    def forward_native(self, h: Tensor, delta: Optional[Tensor], sampled: bool) -> DraftOut:
+        h = h if delta is None else h + delta
+        logits = self.layer.lm_head(h)  # [b, t, vocab]
+        return DraftOut(h, logits, logits.argmax(-1))
+
+    def forward_fused(self, h: Tensor, delta: Optional[Tensor], sampled: bool) -> DraftOut:
+        h = h if delta is None else h + delta  # [b, t, hidden]
+        y = gemv(h, self.layer.lm_head.weight, argmax=not sampled)  # [b, t, vocab] logits or [b, t] ids
+        return DraftOut(h, y, None) if sampled else DraftOut(h, None, y)
 
 
 class EagleHead(HeadBase):
@@ -35,6 +68,7 @@ class EagleHead(HeadBase):
         layer.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         layer.mlp = MLP(a)
         self.layers = nn.ModuleList([layer])
+        self.qkv_in, self.mlp_out, self.out = EagleIn(self), MLPOut(layer, always_rows=True), EagleOut(self)
         self.init_buffers()
 
     @property
@@ -46,46 +80,12 @@ class EagleHead(HeadBase):
         return self.args.hidden_size  # the target's final hidden state
 
     @property
-    def mlp_module(self) -> MLP:
-        return self.layers[0].mlp
-
-    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
-        if self.fused:  # the embedding gather and fc in one kernel, then q/k/v
-            table, rows = self._embed_rows(env, embeds)
-            x = cat_rmsnorm_gemv(
-                table, env["hidden"], None, None, 0.0, self.fc.weight, self.fc.bias, index1=rows, norm=False
-            )  # [b, t, hidden]
-            env["g"], env[QUERY] = x, self._attend_fused(gemv(x, self.qkv_weight, self.qkv_bias), cache, env[ATTN])
-            return
-        embeds = embeds if embeds is not None else self.embed(env["tokens"])
-        x = self.fc(torch.cat([embeds, env["hidden"]], dim=-1))  # [b, t, hidden]; no input norm in EAGLE
-        env["g"], env[QUERY] = x, self.attention.project(x, cache, env[ATTN])
-
-    def post(self, env: dict, sampled: bool = False) -> None:
-        layer = self.layers[0]
-        if self.fused:
-            o, down = layer.self_attn.o_proj, layer.mlp.down_proj
-            h, act = add_rmsnorm_gemv(
-                env["g"],
-                gemv(env[ATTN_OUT], o.weight, o.bias),
-                layer.post_attention_layernorm.weight,
-                self.args.rms_norm_eps,
-                self.gate_up_weight,
-                self.gate_up_bias,
-                swiglu=True,
-            )
-            h = h + gemv(act, down.weight, down.bias)  # [b, t, hidden]
-            env["out_hidden"] = h
-            env["logits" if sampled else "ids"] = gemv(h, self.lm_head.weight, argmax=not sampled)  # no final norm
-            return
-        h = env["g"] + layer.self_attn.o_proj(env[ATTN_OUT])
-        h = h + layer.mlp(layer.post_attention_layernorm(h))
-        env["out_hidden"], env["logits"] = h, self.lm_head(h)
-        env["ids"] = env["logits"].argmax(-1)
+    def layer(self) -> nn.Module:
+        return self.layers[0]
 
     def logits(self, h: Tensor) -> Tensor:
         """out_hidden [..., hidden] -> logits [..., vocab]: the target's lm_head on h (no final norm)."""
-        return gemv(h, self.lm_head.weight) if self.fused else self.lm_head(h)
+        return self.out(h, None, True).logits
 
 
 def eagle_config(target: ModelArgs) -> dict:

@@ -25,9 +25,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.decoder import ATTN, ATTN_OUT, QUERY
-from engine.drafts.common.head import HeadBase, llama_config
+from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import MLP, Attention, ModelArgs, RMSNorm
+from engine.ops import MLPOut, Op
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
 
@@ -40,6 +40,53 @@ class Eagle3Layer(nn.Module):
         self.self_attn = Attention(args, 0, in_features=2 * h)
         self.post_attention_layernorm = RMSNorm(h, args.rms_norm_eps)
         self.mlp = MLP(args)
+
+
+class Eagle3In(Op):
+    """fc (first step: the target's aux features), the token embedding, both norms, q/k/v, RoPE and the
+    cache write: (tokens or embeds, hidden) -> (g [b, t, H]: the layer's residual, q [b, heads, t, d])."""
+
+    def forward_native(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
+        head, m = self.layer, self.layer.midlayer
+        embeds = embeds if embeds is not None else head.embed(tokens)  # [b, t, H]
+        g = head.fc(hidden) if hidden.shape[-1] != head.args.hidden_size else hidden  # [b, t, H]
+        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2H]
+        return g, m.self_attn.project(x, cache, a)
+
+    def forward_fused(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
+        head, m = self.layer, self.layer.midlayer
+        g = gemv(hidden, head.fc.weight) if hidden.shape[-1] != head.args.hidden_size else hidden  # [b, t, H]
+        table, rows = (embeds, None) if embeds is not None else (head.embed.weight, tokens)  # gathered in-kernel
+        qkv = cat_rmsnorm_gemv(
+            table,
+            g,
+            m.input_layernorm.weight,
+            m.hidden_norm.weight,
+            head.args.rms_norm_eps,
+            m.qkv_weight,
+            m.qkv_bias,
+            index1=rows,
+        )  # [b, t, (heads + 2 kv) * d]
+        att = m.self_attn
+        return g, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
+
+
+class Eagle3Out(Op):
+    """+ residual, the final norm and the lm_head (target ids of the argmax): (h, delta) -> DraftOut."""
+
+    def forward_native(self, h: Tensor, delta: Optional[Tensor], sampled: bool) -> DraftOut:
+        head = self.layer
+        h = h if delta is None else h + delta
+        logits = head.lm_head(head.norm(h))  # [b, t, draft vocab]
+        return DraftOut(h, logits, head.to_target(logits.argmax(-1)))
+
+    def forward_fused(self, h: Tensor, delta: Optional[Tensor], sampled: bool) -> DraftOut:
+        head = self.layer
+        offsets = None if head.shares_lm_head or sampled else head.d2t
+        h, y = add_rmsnorm_gemv(
+            h, delta, head.norm.weight, head.args.rms_norm_eps, head.lm_head.weight, argmax=not sampled, offsets=offsets
+        )  # [b, t, hidden], [b, t, draft vocab] logits or [b, t] target ids
+        return DraftOut(h, y, None) if sampled else DraftOut(h, None, y)
 
 
 class Eagle3Head(HeadBase):
@@ -57,6 +104,7 @@ class Eagle3Head(HeadBase):
             self.lm_head = nn.Linear(a.hidden_size, self.draft_vocab_size, bias=False)
             self.register_buffer("d2t", torch.zeros(self.draft_vocab_size, dtype=torch.long))
             self.register_buffer("t2d", torch.arange(a.vocab_size) < self.draft_vocab_size)
+        self.qkv_in, self.mlp_out, self.out = Eagle3In(self), MLPOut(self.midlayer, always_rows=True), Eagle3Out(self)
         self.init_buffers()
 
     @property
@@ -69,65 +117,12 @@ class Eagle3Head(HeadBase):
         return self.fc.in_features
 
     @property
-    def mlp_module(self) -> MLP:
-        return self.midlayer.mlp
-
-    def pre(self, env: dict, embeds: Optional[Tensor], cache) -> None:
-        hidden, m, eps = env["hidden"], self.midlayer, self.args.rms_norm_eps
-        if self.fused:  # fc, then the embedding gather, both norms and q/k/v in one kernel
-            g = gemv(hidden, self.fc.weight) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, H]
-            table, rows = self._embed_rows(env, embeds)
-            qkv = cat_rmsnorm_gemv(
-                table,
-                g,
-                m.input_layernorm.weight,
-                m.hidden_norm.weight,
-                eps,
-                self.qkv_weight,
-                self.qkv_bias,
-                index1=rows,
-            )  # [b, t, (heads + 2 kv) * d]
-            env["g"], env[QUERY] = g, self._attend_fused(qkv, cache, env[ATTN])
-            return
-        embeds = embeds if embeds is not None else self.embed(env["tokens"])  # [b, t, H]
-        g = self.fc(hidden) if hidden.shape[-1] != self.args.hidden_size else hidden  # [b, t, hidden]
-        x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2 * hidden]
-        env["g"], env[QUERY] = g, m.self_attn.project(x, cache, env[ATTN])
-
-    def post(self, env: dict, sampled: bool = False) -> None:
-        m, eps = self.midlayer, self.args.rms_norm_eps
-        if self.fused:  # o_proj; + residual, norm, gate_up, SwiGLU; down; + residual, norm, lm_head (argmax)
-            o = m.self_attn.o_proj
-            h, act = add_rmsnorm_gemv(
-                env["g"],
-                gemv(env[ATTN_OUT], o.weight, o.bias),
-                m.post_attention_layernorm.weight,
-                eps,
-                self.gate_up_weight,
-                self.gate_up_bias,
-                swiglu=True,
-            )
-            mlp = gemv(act, m.mlp.down_proj.weight, m.mlp.down_proj.bias)
-            env["out_hidden"], env["logits" if sampled else "ids"] = add_rmsnorm_gemv(
-                h,
-                mlp,
-                self.norm.weight,
-                eps,
-                self.lm_head.weight,
-                argmax=not sampled,
-                offsets=None if self.shares_lm_head or sampled else self.d2t,
-            )  # [b, t, hidden], [b, t] target ids or [b, t, draft vocab] logits
-            return
-        h = env["g"] + m.self_attn.o_proj(env[ATTN_OUT])
-        h = h + m.mlp(m.post_attention_layernorm(h))
-        env["out_hidden"], env["logits"] = h, self.lm_head(self.norm(h))  # [b, t, hidden], [b, t, draft vocab]
-        env["ids"] = self.to_target(env["logits"].argmax(-1))
+    def layer(self) -> Eagle3Layer:
+        return self.midlayer
 
     def logits(self, h: Tensor) -> Tensor:
         """out_hidden [..., hidden] -> logits [..., draft vocab]: lm_head(norm(h))."""
-        if self.fused:
-            return add_rmsnorm_gemv(h, None, self.norm.weight, self.args.rms_norm_eps, self.lm_head.weight)[1]
-        return self.lm_head(self.norm(h))
+        return self.out(h, None, True).logits
 
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm, and the own lm_head's rows (of the draft vocabulary set

@@ -43,10 +43,9 @@ from typing import Any, Optional
 import torch
 from torch import Tensor, nn
 
-from engine.decoder import DELTA, STREAM, AttnSource, Residual, StepNames, decoder_steps
-from engine.drafts.common.head import HeadBase, llama_config
+from engine.drafts.common.head import DraftOut, HeadBase, llama_config
 from engine.model import DecoderLayer, ModelArgs, RMSNorm, StaticKVCache
-from engine.program import Step
+from engine.ops import AttnInputs, Op
 from kernels.fused import add_rmsnorm
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
@@ -66,10 +65,54 @@ class StepCaches:
         return StepCaches([c.rows(n) for c in self.caches])
 
 
+class MTPIn(Op):
+    """The module's input fusion: (tokens [b, t], hidden [b, t, H]) -> eh_proj([enorm(embed), hnorm(hidden)])."""
+
+    def __init__(self, mod: "MTPModule", embed):
+        super().__init__(mod)
+        self.embed = embed  # () -> the target's embedding (bound after the module is built)
+
+    def forward_native(self, tokens: Tensor, hidden: Tensor) -> Tensor:
+        return self.layer.fuse_input(self.embed()(tokens), hidden)  # [b, t, H]
+
+    def forward_fused(self, tokens: Tensor, hidden: Tensor) -> Tensor:
+        mod = self.layer  # the embedding gather, both norms and eh_proj in one kernel
+        eps = mod.enorm.variance_epsilon
+        return cat_rmsnorm_gemv(
+            self.embed().weight, hidden, mod.enorm.weight, mod.hnorm.weight, eps, mod.eh_proj.weight, index1=tokens
+        )
+
+
+class MTPOut(Op):
+    """+ residual, then for the picked rows the module's norm and the target's lm_head:
+    (h, delta, pick) -> DraftOut. pick: x [b, t, ...] -> [b, 1 or t, ...] (None: no logits)."""
+
+    def __init__(self, mod: "MTPModule", lm_head):
+        super().__init__(mod)
+        self.lm_head = lm_head  # () -> the target's lm_head
+
+    def forward_native(self, h: Tensor, delta: Tensor, pick, sampled: bool) -> DraftOut:
+        h = h + delta  # [b, t, H]
+        if pick is None:
+            return DraftOut(h, None, None)
+        logits = self.lm_head()(self.layer.shared_head.norm(pick(h)))  # [b, 1 or t, vocab]
+        return DraftOut(h, logits, logits.argmax(-1))
+
+    def forward_fused(self, h: Tensor, delta: Tensor, pick, sampled: bool) -> DraftOut:
+        norm = self.layer.shared_head.norm
+        if pick is None:
+            return DraftOut(h + delta, None, None)
+        if sampled:  # + residual and the norm, then the picked rows' lm_head
+            h, normed = add_rmsnorm(h, delta, norm.weight, norm.variance_epsilon)
+            return DraftOut(h, gemv(pick(normed), self.lm_head().weight), None)
+        h, ids = add_rmsnorm_gemv(h, delta, norm.weight, norm.variance_epsilon, self.lm_head().weight, argmax=True)
+        return DraftOut(h, None, pick(ids))  # + residual, the norm, lm_head and argmax in one kernel
+
+
 class MTPModule(DecoderLayer):
     """A Llama decoder layer (layer_idx 0 of its own one-layer pool) with MTP's input fusion and norm."""
 
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, head: "MultiLayerEagleHead"):
         super().__init__(args, 0)
         h = args.hidden_size
         self.enorm = RMSNorm(h, args.rms_norm_eps)
@@ -77,10 +120,17 @@ class MTPModule(DecoderLayer):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, args.rms_norm_eps)
+        self.fused_in = MTPIn(self, lambda: head.embed)
+        self.out = MTPOut(self, lambda: head.lm_head)
 
     def fuse_input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
         """[b, t, H] token embeddings, [b, t, H] hidden input -> [b, t, H] the layer's input."""
         return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
+
+    def fuse_projections(self) -> None:
+        super().fuse_projections()
+        self.fused_in.fuse()
+        self.out.fuse()
 
 
 class MultiLayerEagleHead(HeadBase):
@@ -89,7 +139,7 @@ class MultiLayerEagleHead(HeadBase):
     def __init__(self, cfg: dict[str, Any], max_seq_len: int):
         super().__init__(cfg, max_seq_len)
         self.num_modules = int(cfg["num_nextn_predict_layers"])
-        self.layers = nn.ModuleList(MTPModule(self.args) for _ in range(self.num_modules))
+        self.layers = nn.ModuleList(MTPModule(self.args, self) for _ in range(self.num_modules))
         self.init_buffers()
 
     @property
@@ -104,66 +154,22 @@ class MultiLayerEagleHead(HeadBase):
     def new_cache(self, batch_size: int) -> StepCaches:
         return StepCaches([super(MultiLayerEagleHead, self).new_cache(batch_size) for _ in self.layers])
 
-    def module_program(self, i: int, caches: StepCaches, logits: str, sampled: bool = False) -> list[Step]:
-        """Module i's forward as steps over its own pool `caches[i]`.
-
-        env in:  tokens [b, t], hidden [b, t, H], positions [b, t], valid [b, t], kv_len,
-                 logits_index [b] (logits="index")
-        env out: out_hidden [b, t, H]; ids [b, 1] (the greedy token) at the last position ("last") or
-                 at logits_index ("index"), [b, t] ("all"), absent ("none"); on the unfused path, or
-                 `sampled` (then without ids on the fused path), the logits behind them ([b, 1 or t, vocab])
-        """
-        mod, cache, fused, eps = self.layers[i], caches[i], self.fused, self.args.rms_norm_eps
-        dtype = next(self.parameters()).dtype
-
-        def start(env):
-            if fused:  # the embedding gather, both norms and eh_proj in one kernel
-                return cat_rmsnorm_gemv(
-                    self.embed.weight,
-                    env["hidden"],
-                    mod.enorm.weight,
-                    mod.hnorm.weight,
-                    eps,
-                    mod.eh_proj.weight,
-                    index1=env["tokens"],
-                )
-            return mod.fuse_input(self.embed(env["tokens"]), env["hidden"])  # [b, t, H]
-
-        def pick(env, x):
-            """x [b, t, ...] -> the rows the logits mode asks for: [b, 1 or t, ...]."""
-            if logits == "last":
-                return x[:, -1:]
-            if logits == "index":
-                return x[torch.arange(x.shape[0], device=x.device), env["logits_index"]][:, None]
-            return x
-
-        def finish(env):
-            h, delta = env[STREAM], env[DELTA]
-            if logits != "none" and fused and sampled:  # + residual and the norm, then the picked rows' lm_head
-                env["out_hidden"], normed = add_rmsnorm(h, delta, mod.shared_head.norm.weight, eps)
-                env["logits"] = gemv(pick(env, normed), self.lm_head.weight)  # [b, 1 or t, vocab]
-                return
-            if logits != "none" and fused:  # + residual, the head's norm, lm_head and argmax in one kernel
-                env["out_hidden"], ids = add_rmsnorm_gemv(
-                    h, delta, mod.shared_head.norm.weight, eps, self.lm_head.weight, argmax=True
-                )
-                env["ids"] = pick(env, ids)
-                return
-            env["out_hidden"] = h = h + delta  # [b, t, H]
-            if logits != "none":
-                env["logits"] = self.lm_head(mod.shared_head.norm(pick(env, h)))
-                env["ids"] = env["logits"].argmax(-1)
-
-        return decoder_steps(
-            [Residual(mod, cache, fused)],
-            cache,
-            AttnSource(self, cache.dummy_slot, dtype),
-            StepNames(f"mtp{i}_pre", f"mtp{i}_attn", "", f"mtp{i}_post"),
-            start=start,
-            finish=finish,
-            kernel=self.attention_kernel,
-            meta=self.graph_meta(),
-        )
+    def module_forward(
+        self,
+        i: int,
+        tokens: Tensor,
+        hidden: Tensor,
+        cache: StaticKVCache,
+        a: AttnInputs,
+        pick=None,
+        sampled: bool = False,
+    ) -> DraftOut:
+        """Module i over its own pool: tokens [b, t], hidden [b, t, H] -> out_hidden [b, t, H] and, at
+        the rows `pick` takes ([b, t, ...] -> [b, 1 or t, ...]; None: none), logits and / or ids."""
+        mod = self.layers[i]
+        x = mod.fused_in(tokens, hidden)  # [b, t, H]
+        x, delta = mod(x, None, cache, a)  # attention: eager under a breakable graph
+        return mod.out(x, delta, pick, sampled)
 
 
 def multi_layer_config(target: ModelArgs, num_modules: int, intermediate_size: Optional[int] = None) -> dict:

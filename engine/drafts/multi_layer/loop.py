@@ -3,13 +3,15 @@ cache discipline: each module its own KV pool, a window per proposal step, a re-
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import Tensor
 
 from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
 from engine.drafts.multi_layer.head import MultiLayerEagleHead, StepCaches
 from engine.graphs.runner import InputSpec
-from engine.program import Step, merge_runs, run_steps, scoped
+from engine.ops import Live
 from engine.sampling import DRAFT, Draws, draw
 
 
@@ -18,9 +20,7 @@ class MultiLayerDraft(DeviceDraft):
 
     State buffers: d_pool [b, k, H] (module i's output at its last committed position), d_next [b] (d_1),
     d_q [b, k, vocab] (a sampled round's proposal distributions: module i's draw of d_{i+1} at position
-    L+i+1, the commit's (and begin's) d_1 at L'+1).
-    Round env keys: m{i}.* (module i's program in the proposal), c{i}.* (in the commit), c.win [b, i, H]
-    (the proposal's last window outputs), c.pool{i} [b, H] (this commit's new pool entries).
+    L+i+1, the extend's (and begin's) d_1 at L'+1).
     """
 
     features = FeatureKind.final
@@ -54,11 +54,6 @@ class MultiLayerDraft(DeviceDraft):
             "d_next": InputSpec((), torch.long, None, per_row=True, state=True),
         }
 
-    def _module(
-        self, i: int, prefix: str, caches: StepCaches, logits: str, kv_offset: int, sampled: bool = False
-    ) -> list[Step]:
-        return scoped(prefix, merge_runs(self.head.module_program(i, caches, logits, sampled)), kv_offset)
-
     def _draw(self, logits: Tensor, draws: Draws, pos: Tensor, offset: int, q: Tensor) -> Tensor:
         """[b] ids drawn from logits [b, 1, vocab] at positions pos + offset, their q written into q [b, 1, vocab]."""
         return draw(logits, draws, pos, DRAFT, kernels=self.head.fused, offset=offset, q_out=q)[:, 0]
@@ -76,110 +71,60 @@ class MultiLayerDraft(DeviceDraft):
         hidden, pool = feats, []
         for i in range(self.k):
             last = (lens - 1 - i).clamp(min=0)
-            env = {
-                "tokens": seq[:, i + 1 : i + 1 + t],
-                "hidden": hidden,
-                "positions": positions,
-                "kv_len": t,
-                "valid": positions <= (lens - 1 - i)[:, None],
-                "logits_index": last,
-            }  # x_{p+i+1}
+            a = self.head.attn_inputs(positions, positions <= (lens - 1 - i)[:, None], t)
             sampled = draws is not None and i == 0  # sampled rows draw d_1 (at position L + 1)
-            run_steps(self.head.module_program(i, caches, "index" if i == 0 else "none", sampled), env)
-            hidden = env["out_hidden"]  # [n, t, H]
+            pick = (lambda x, last=last: x[r, last][:, None]) if i == 0 else None
+            out = self.head.module_forward(i, seq[:, i + 1 : i + 1 + t], hidden, caches[i], a, pick, sampled)
+            hidden = out.hidden  # [n, t, H]
             pool.append(hidden[r, last])
             if i == 0:
                 q = self.buf["d_q"][rows if rows is not None else slice(0, n), :1]
-                nxt = self._draw(env["logits"], draws, lens, 1, q) if sampled else env["ids"][:, 0]
+                nxt = self._draw(out.logits, draws, lens, 1, q) if sampled else out.ids[:, 0]
                 write_rows(self.buf["d_next"], nxt, rows)
         write_rows(self.buf["d_pool"], torch.stack(pool, 1), rows)
 
-    def propose_steps(self, caches: StepCaches, k: int, sampled: bool = False) -> list[Step]:
+    def propose_into(self, s, caches: StepCaches, k: int, kv_len: Live, sampled: bool = False) -> Optional[Tensor]:
         """Module i = 1..k-1 over the window L-i..L-1 on d_1..d_i -> d_{i+1} at its last position."""
-
-        def first(env):
-            env["draft"][:, 0].copy_(env["d_next"])
-
-        def bind(i):
-            def fn(env):
-                lengths, pool = env["lengths"], env["d_pool"]  # [b], [b, k, H]
-                positions = (lengths - i)[:, None] + torch.arange(i, device=lengths.device)  # [b, i]
-                head = pool[:, i - 1 : i]  # [b, 1, H] module i-1 at L-i
-                hidden = head if i == 1 else torch.cat([head, env["c.win"]], 1)  # [b, i, H]
-                env.update(
-                    {
-                        f"m{i}.tokens": env["draft"][:, :i],
-                        f"m{i}.hidden": hidden,
-                        f"m{i}.positions": positions.clamp(min=0),
-                        f"m{i}.valid": (positions >= 0) & env["live"][:, None],
-                    }
-                )
-
-            return fn
-
-        def pick(i):
-            def fn(env):
-                if sampled:  # d_{i+1} at position L+i+1
-                    q = env["d_q"][:, i : i + 1]
-                    tok = self._draw(env[f"m{i}.logits"], Draws.of(env), env["lengths"], i + 1, q)
-                else:
-                    tok = env[f"m{i}.ids"][:, -1]
-                env["draft"][:, i].copy_(tok)
-                env["c.win"] = env[f"m{i}.out_hidden"]  # [b, i, H]
-
-            return fn
-
-        steps = [Step("mtp_first", first)]
+        s.draft[:, 0].copy_(s.own["d_next"])
+        pool, window, out = s.own["d_pool"], None, None  # [b, k, H]; module i-1's window outputs
         for i in range(1, k):
-            steps += [
-                Step(f"mtp_bind{i}", bind(i)),
-                *self._module(i, f"m{i}.", caches, "last", 0, sampled),
-                Step(f"mtp_pick{i}", pick(i)),
-            ]
-        return steps
-
-    def commit_steps(self, caches: StepCaches, k: int, sampled: bool = False) -> list[Step]:
-        """Module i re-runs positions L-i..L-i+k on the emitted tokens, rows valid up to index a."""
-
-        def bind(i):
-            def fn(env):
-                emitted, accepted, lengths = env["emitted"], env["accepted"], env["lengths"]
-                steps = torch.arange(k + 1, device=emitted.device)
-                positions = (lengths - i)[:, None] + steps  # [b, k+1]: L-i..L-i+k
-                if i == 0:
-                    hidden = env["t.hidden"]  # the target's final hidden states at L..L+k
-                else:  # module i-1 at L-i (before this commit), then its commit outputs at L-i+1..
-                    hidden = torch.cat([env["d_pool"][:, i - 1 : i], env[f"c{i - 1}.out_hidden"][:, :k]], 1)
-                valid = (steps[None] <= accepted[:, None]) & env["live"][:, None] & (positions >= 0)
-                env.update(
-                    {
-                        f"c{i}.tokens": emitted,
-                        f"c{i}.hidden": hidden,
-                        f"c{i}.positions": positions.clamp(min=0),
-                        f"c{i}.valid": valid,
-                        f"c{i}.logits_index": accepted,
-                    }
-                )
-
-            return fn
-
-        def take(env):
-            idx = env["accepted"]
-            r = torch.arange(idx.shape[0], device=idx.device)
-            env["d_pool"][:, :k].copy_(torch.stack([env[f"c{i}.out_hidden"][r, idx] for i in range(k)], 1))
-            if sampled:  # the next round's d_1, at position L + a + 2
-                nxt = self._draw(env["c0.logits"], Draws.of(env), env["lengths"] + idx, 2, env["d_q"][:, :1])
+            positions = (s.lengths - i)[:, None] + torch.arange(i, device=s.lengths.device)  # [b, i]
+            head = pool[:, i - 1 : i]  # [b, 1, H] module i-1 at L-i
+            hidden = head if i == 1 else torch.cat([head, window], 1)  # [b, i, H]
+            valid = (positions >= 0) & s.live[:, None]
+            a = self.head.attn_inputs(positions.clamp(min=0), valid, kv_len)
+            out = self.head.module_forward(i, s.draft[:, :i], hidden, caches[i], a, lambda x: x[:, -1:], sampled)
+            if sampled:  # d_{i+1} at position L+i+1
+                tok = self._draw(out.logits, s.draws(), s.lengths, i + 1, s.q[:, i : i + 1])
             else:
-                nxt = env["c0.ids"][:, 0]
-            env["d_next"].copy_(nxt)
+                tok = out.ids[:, -1]
+            s.draft[:, i].copy_(tok)
+            window = out.hidden  # [b, i, H]
+        return out.logits if out is not None else None
 
-        steps: list[Step] = []
+    def extend(self, s, caches: StepCaches, v, kv_len: Live, sampled: bool = False) -> None:
+        """Module i re-runs positions L-i..L-i+k on the emitted tokens, rows valid up to index a."""
+        k = v.emitted.shape[1] - 1
+        steps = torch.arange(k + 1, device=v.emitted.device)
+        idx = v.accepted
+        r = torch.arange(idx.shape[0], device=idx.device)
+        outs = []
         for i in range(k):
-            steps += [
-                Step(f"mtp_commit_in{i}", bind(i)),
-                *self._module(i, f"c{i}.", caches, "index" if i == 0 else "none", k + 1, sampled and i == 0),
-            ]
-        return steps + [Step("mtp_take", take)]
+            positions = (s.lengths - i)[:, None] + steps  # [b, k+1]: L-i..L-i+k
+            if i == 0:
+                hidden = v.feats  # the target's final hidden states at L..L+k
+            else:  # module i-1 at L-i (before this commit), then its commit outputs at L-i+1..
+                hidden = torch.cat([s.own["d_pool"][:, i - 1 : i], outs[i - 1].hidden[:, :k]], 1)
+            valid = (steps[None] <= v.accepted[:, None]) & s.live[:, None] & (positions >= 0)
+            a = self.head.attn_inputs(positions.clamp(min=0), valid, kv_len + (k + 1))
+            pick = (lambda x: x[r, idx][:, None]) if i == 0 else None
+            outs.append(self.head.module_forward(i, v.emitted, hidden, caches[i], a, pick, sampled and i == 0))
+        s.own["d_pool"][:, :k].copy_(torch.stack([out.hidden[r, idx] for out in outs], 1))
+        if sampled:  # the next round's d_1, at position L + a + 2
+            nxt = self._draw(outs[0].logits, s.draws(), s.lengths + idx, 2, s.q[:, :1])
+        else:
+            nxt = outs[0].ids[:, 0]
+        s.own["d_next"].copy_(nxt)
 
 
 def make_multi_layer(plan, head, ctx) -> MultiLayerDraft:

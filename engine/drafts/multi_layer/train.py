@@ -18,20 +18,18 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from engine.drafts.train_contract import Batch, shift, shift_left
-from engine.model import apply_rope
 
 
 def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """A Llama decoder layer over [B, T, H] with plain causal attention (no KV cache) -> [B, T, H]."""
+    """The module's Llama layer over [B, T, H] with plain causal attention (no KV cache) -> [B, T, H]: its
+    own q/k/v with RoPE and its MLP op (engine/ops.py MLPOut), the inference maths."""
     att = mod.self_attn
     b, t, _ = x.shape
     n = mod.input_layernorm(x)
-    q = apply_rope(att.q_proj(n).view(b, t, att.n_heads, att.head_dim).transpose(1, 2), cos, sin)
-    k = apply_rope(att.k_proj(n).view(b, t, att.n_kv, att.head_dim).transpose(1, 2), cos, sin)
-    v = att.v_proj(n).view(b, t, att.n_kv, att.head_dim).transpose(1, 2)
+    q, (k, v) = att.rotary_q(n, cos, sin), att.rotary_kv(n, cos, sin)  # [B, heads or kv, T, D]
     o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=att.n_kv != att.n_heads)
-    h = x + att.o_proj(o.transpose(1, 2).reshape(b, t, att.n_heads * att.head_dim))
-    return h + mod.mlp(mod.post_attention_layernorm(h))
+    h, delta = mod.mlp_out(x, o.transpose(1, 2).reshape(b, t, att.n_heads * att.head_dim), None)
+    return h + delta
 
 
 def multi_layer_forward(head, batch: Batch, steps: int) -> list[Tensor]:

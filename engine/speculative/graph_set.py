@@ -2,7 +2,7 @@
 
 Phases (bucket = (rows, tokens per row)):
 
-    round_k{k}          the whole speculative round with k draft tokens (engine/round.py) over the
+    round_k{k}          the whole speculative round with k draft tokens (engine/speculative/round.py) over the
                         state buffers, [B, k+1] per capture size B: draft chain, verify + accept, draft
                         extend, one graph each; k = 0 is the plain decode step (the no-draft baseline)
     round_k{k}_sampled  the same where rows sample (each by its own temperature, top-p and seed in the
@@ -16,7 +16,7 @@ Phases (bucket = (rows, tokens per row)):
                         request joins at any slot; its KV is copied there)
 
 Policies are per side: the target's steps follow `target_policy`, a device draft's `draft_policy`
-(engine/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
+(engine/speculative/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
 one CUDA memory pool. The caches and state buffers are allocated once, because a graph holds their
 addresses: generators take them from the set (`cache`, `buffers`, and `draft`, the device draft whose
 own cache and buffers the round reads).
@@ -31,22 +31,12 @@ import torch
 
 from engine.drafts.base import Draft
 from engine.graphs.backends import NEEDS_CUDA
-from engine.graphs.runner import CaptureHiddenMode, GraphRunner, InputSpec, PhaseStats
+from engine.graphs.runner import TARGET_OUT, CaptureHiddenMode, GraphRunner, InputSpec, PhaseStats, token_inputs
 from engine.model import LlamaModel
-from engine.round import round_buffers, round_program, round_specs
+from engine.speculative.round import round_buffers, round_program, round_specs
 
 M = CaptureHiddenMode
-TARGET_OUT = {M.NULL: ("logits",), M.LAST: ("logits", "hidden"), M.FULL: ("logits", "hidden", "aux", "embeds")}
 ROUND_OUT = {m: ("out",) for m in M}
-
-
-def token_inputs() -> dict[str, InputSpec]:
-    """A target program's per-token inputs; a padding position is invalid (it writes the dummy slot)."""
-    return {
-        "tokens": InputSpec((), torch.long, 0),
-        "positions": InputSpec((), torch.long, 0),
-        "valid": InputSpec((), torch.bool, False),
-    }
 
 
 def round_name(k: int, sampled: bool = False) -> str:

@@ -1,5 +1,5 @@
 """gpt-fast-style decoding of the target's weights: the strongest plain-PyTorch thing a user would try
-instead of a speculative engine (the `torch_compile` peer of engine/peers.py).
+instead of a speculative engine (the `torch_compile` peer of engine/peers/hf.py).
 
 The target's weights (fused into q/k/v and gate/up matrices, as gpt-fast does) drive a Llama forward in
 plain torch ops over a static KV cache, and the one-token decode step runs under `torch.compile`

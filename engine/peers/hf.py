@@ -11,7 +11,7 @@ side by side. Registered peers:
                       so the static cache has one length and the step compiles once, in the warm-up
     hf_prompt_lookup  transformers prompt-lookup decoding (`prompt_lookup_num_tokens=10`): n-gram drafts
                       from the prompt, verified by the model; batch size 1 (transformers' limit)
-    torch_compile     the target's weights decoded the way gpt-fast does (engine/compiled_decode.py): plain
+    torch_compile     the target's weights decoded the way gpt-fast does (engine/peers/compiled_decode.py): plain
                       torch ops over a static KV cache, the decode step under torch.compile with CUDA graphs
 
 Timing: `wall_s` is the generation over every batch after a warm-up at the timed shape; the warm-up's
@@ -27,10 +27,10 @@ from typing import Callable
 import torch
 from tqdm.auto import tqdm
 
-from engine.compiled_decode import CompiledDecoder
-from engine.generate import sync
 from engine.loading import LoadedModel
+from engine.peers.compiled_decode import CompiledDecoder
 from engine.sampling import SamplingParams
+from engine.speculative.generate import sync
 
 
 @dataclass
@@ -172,7 +172,7 @@ def torch_compile_peer(
     dtype: torch.dtype,
     seed: int = 0,
 ) -> PeerResult:
-    """The target's weights decoded gpt-fast's way (engine/compiled_decode.py), greedily; every batch
+    """The target's weights decoded gpt-fast's way (engine/peers/compiled_decode.py), greedily; every batch
     [batch_size, longest prompt] so that the step compiles once, in the warm-up."""
     width, max_new = max(len(p) for p in prompts), params.max_new_tokens
     dec = CompiledDecoder(loaded.model, batch_size, width, max_new, device)

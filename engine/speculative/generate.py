@@ -1,28 +1,14 @@
 """Batched generation over the target's static KV cache: plain decoding and draft-and-verify, one loop.
 
-A round proposes k draft tokens (k = 0 without a draft), runs one target forward over the last
-emitted token and the drafts, verifies, and emits the accepted tokens plus one bonus token. With
-k = 0 a round is exactly one decode step, so the baseline and every draft share the prefill, the
-bookkeeping (stop tokens, max_new_tokens, timings) and the cache discipline below.
+    prefill  tokens [b, T] (right-padded), positions [b, T], valid = position < prompt_len
+    round    engine/speculative/round.py: [x_L, d_1..d_k] at L..L+k, verified; k = 0 is one decode step
 
-    prefill  tokens [b, T] (right-padded)  positions [b, T]   valid = position < prompt_len
-    round    tokens [b, k+1] = [x_L, d_1..d_k]   positions L..L+k   valid = row still live
-
-Rollback after a partial acceptance is free: validity is by position (a query at p sees cache slots
-0..p of its row), so slots written for rejected drafts are simply overwritten later. Finished rows
-ride along as padding and write to the cache's dummy slot. Host-side state (lengths, histories) is
-plain Python; each round has one device->host copy of the emitted tokens, which also timestamps them.
-
-`SpecDecoder` holds the parts every caller shares: the prefill forward, the rows' start (their sampling
-settings into the round's state buffers, the first token, the draft prefill) and one round (propose ->
-verify -> commit -> advance the host state) over a batch of rows. Each row samples with its own
-temperature, top-p and seed (engine/sampling.py; temperature 0: greedy), and a row may opt out of
-speculation (its output is then plain decoding's). Two callers drive it:
-
-    Generator.generate   eval: a batch of prompts from prefill to the last token (below)
-    engine.serve.scheduler     serve: a fixed set of slots that requests join and leave between rounds
-
-so served outputs at temperature 0 are the eval outputs, token for token.
+`SpecDecoder` is the host side of a round: the prefill, the rows' start (their sampling settings into
+the round's state buffers, the first token, the draft prefill), and one round (a host draft's
+proposal in, the round replayed or run eagerly, its `out` copied to the host once, the host mirror
+`SpecState` advanced). Rollback is free: validity is by position, so rejected slots are overwritten
+later; finished rows ride along writing the dummy slot. `Generator.generate` (eval) and
+engine/serve/scheduler.py (serve) drive it, so served greedy outputs are the eval's, token for token.
 """
 
 from __future__ import annotations
@@ -35,16 +21,17 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.adaptive_k import AdaptiveK, Mix, measure_round_costs
-from engine.drafts.base import Draft, FeatureKind, SpecState
+from engine.drafts.base import Draft, FeatureKind, RoundState, SpecState
 from engine.errors import ConfigError
-from engine.graphs.graph_set import GraphSet, round_name
+from engine.graphs.breakable import phases
 from engine.graphs.runner import CaptureHiddenMode
 from engine.model import ForwardOutput, LlamaModel, StaticKVCache
-from engine.phase_clock import PhaseClock
-from engine.program import run_steps
-from engine.round import round_buffers, round_program
+from engine.ops import Live
 from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
+from engine.speculative.adaptive_k import AdaptiveK, Mix, measure_round_costs
+from engine.speculative.graph_set import GraphSet, round_name
+from engine.speculative.phase_clock import PhaseClock
+from engine.speculative.round import Round, round_buffers
 
 
 @dataclass
@@ -65,7 +52,7 @@ class SequenceResult:
 @dataclass
 class RoundStats:
     """Accumulated over a generator's batches: rounds and where their time went (stream time between
-    CUDA events at the phase boundaries of engine/round.py, engine/phase_clock.py)."""
+    CUDA events at the phase boundaries of engine/speculative/round.py, engine/speculative/phase_clock.py)."""
 
     rounds: int = 0
     draft_s: float = 0.0  # draft chain + draft extend
@@ -127,7 +114,7 @@ def sync(device: torch.device) -> None:
 class SpecDecoder:
     """Prefill, draft prefill and draft-and-verify rounds over a static cache of `batch_size` rows.
 
-    A round is the device program of engine/round.py over state buffers (last, lengths, live, the
+    A round is the device program of engine/speculative/round.py over state buffers (last, lengths, live, the
     draft's own): with `graphs` their round runner replays it (falling back to eager by itself for a
     batch larger than the largest capture size: the caller never reads a graph buffer), without it
     runs eagerly over buffers allocated here. The host keeps a mirror of the state (`SpecState`: the
@@ -150,7 +137,9 @@ class SpecDecoder:
         self.rounds, self.clock = 0, PhaseClock(self.device)
         self.runners: dict[tuple[int, bool], object] = {}  # (k, sampled) -> round runner
         self.prefill_runner, self.prefill_cache = None, None
-        self.adaptive: Optional[AdaptiveK] = None  # set: each round's k from the load (engine/adaptive_k.py)
+        self.adaptive: Optional[AdaptiveK] = (
+            None  # set: each round's k from the load (engine/speculative/adaptive_k.py)
+        )
         self.ks_used: Counter = Counter()  # rounds per k
         device_draft = draft if draft is not None and draft.on_device else None
         if graphs is not None:  # the graphs replay over the set's cache and buffers: use them
@@ -182,7 +171,7 @@ class SpecDecoder:
         self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
-        self._programs: dict[tuple[int, int, bool], list] = {}  # (rows, k, sampled) -> the eager round program
+        self._rounds: dict[tuple[int, int, bool], Round] = {}  # (rows, k, sampled) -> the eager round
         self._last_end = None  # the clock mark at the end of the last round of the running batch
         self.phase_hook = None  # called with each phase's name as it begins, then None (profilers)
         pin = self.device.type == "cuda"
@@ -303,20 +292,11 @@ class SpecDecoder:
         self._live_host[:b] = torch.tensor(state.live)
         self.buffers["live"][:b].copy_(self._live_host[:b], non_blocking=True)
 
-    def _program(self, b: int, k: int, sampled: bool) -> list:
+    def _round(self, b: int, k: int, sampled: bool) -> Round:
         key = (b, k, sampled)
-        if key not in self._programs:
-            self._programs[key] = round_program(
-                self.model,
-                self.cache,
-                self.device_draft,
-                k,
-                b,
-                sampled=sampled,
-                target_policy=self.policies[0],
-                draft_policy=self.policies[1],
-            )
-        return self._programs[key]
+        if key not in self._rounds:
+            self._rounds[key] = Round(self.model, self.cache, self.device_draft, k, b, sampled, self.policies)
+        return self._rounds[key]
 
     def run_round(
         self,
@@ -340,15 +320,16 @@ class SpecDecoder:
         if runner is not None:
             out, _ = runner({}, kv_len, self.mode, rows=b, host=host, on_phase=on_phase, clone=False)
             return out["out"][:, : k + 2]
-        env = {name: t[:b] for name, t in self.buffers.items()}
-        run_steps(self._program(b, k, sampled), {**env, **host}, on_phase)
-        return env["out"][:, : k + 2]
+        s = RoundState.of({**{name: t[:b] for name, t in self.buffers.items()}, "state": state})
+        with phases(on_phase):
+            self._round(b, k, sampled)(s, Live(kv_len))
+        return s.out[:, : k + 2]
 
     @torch.inference_mode()
     def enable_adaptive_k(self, sizes: list[int], prior: float = 0.7, sampled: bool = False) -> AdaptiveK:
         """Measure a round of every k in 0..k over each capture size (rows that are not live: every
         write goes to the dummy slot), greedy and with `sampled` the sampled variant too, then pick each
-        round's k from those costs and what served rounds cost (engine/adaptive_k.py)."""
+        round's k from those costs and what served rounds cost (engine/speculative/adaptive_k.py)."""
         ks = sorted({k for k, _ in self.runners} or range(self.k + 1))
         self.buffers["live"].fill_(False)
         costs = [

@@ -1,0 +1,1 @@
+"""Speculative decoding: the round, its graphs, generation, verification, sampling's policies."""
