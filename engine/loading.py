@@ -278,7 +278,7 @@ def publish(tmp: Path, out: Path) -> None:
 @dataclass(frozen=True)
 class ModelSource:
     describe: Callable  # (ModelConfig, weights_dir) -> ModelArgs, config files only
-    load: Callable  # (ModelConfig, weights_dir) -> LoadedModel
+    load: Callable  # (ModelConfig, weights_dir, device, dtype) -> LoadedModel (on the CPU, or on device)
     tokenizer: Callable  # (ModelConfig, weights_dir, ModelArgs.eos_token_ids) -> Tokenizer, without weights
 
 
@@ -300,7 +300,7 @@ def _describe_gguf(cfg, weights_dir: Path) -> ModelArgs:
     return ModelArgs.from_hf_config(meta)
 
 
-def _load_gguf(cfg, weights_dir: Path) -> LoadedModel:
+def _load_gguf(cfg, weights_dir: Path, device=None, dtype=None) -> LoadedModel:
     gguf = _gguf_path(cfg.path)
     loaded = _load_hf_dir(convert_gguf(gguf, weights_dir), cfg.max_seq_len)
     loaded.checkpoint = str(gguf)
@@ -326,7 +326,7 @@ def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
     return ModelArgs.from_hf_config(_read_hf_config(Path(cfg.path).expanduser()))
 
 
-def _load_hf(cfg, weights_dir: Path) -> LoadedModel:
+def _load_hf(cfg, weights_dir: Path, device=None, dtype=None) -> LoadedModel:
     return _load_hf_dir(Path(cfg.path).expanduser(), cfg.max_seq_len)
 
 
@@ -335,20 +335,24 @@ def _tokenizer_hf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
 
 
 def random_args(r) -> ModelArgs:
-    return ModelArgs(
-        vocab_size=r.vocab_size,
-        hidden_size=r.hidden_size,
-        intermediate_size=r.intermediate_size,
-        num_layers=r.num_hidden_layers,
-        num_heads=r.num_attention_heads,
-        num_kv_heads=r.num_key_value_heads,
-        head_dim=r.hidden_size // r.num_attention_heads,
-        rms_norm_eps=r.rms_norm_eps,
-        rope_theta=r.rope_theta,
-        tie_word_embeddings=r.tie_word_embeddings,
-        bos_token_id=ByteTokenizer.BOS,
-        eos_token_ids=(ByteTokenizer.EOS,),
-    )
+    """The random architecture in transformers' config names, read as a checkpoint's config.json is."""
+    cfg = {k: getattr(r, k) for k in RANDOM_ARCH_KEYS if getattr(r, k) is not None}
+    return ModelArgs.from_hf_config({**cfg, "bos_token_id": ByteTokenizer.BOS, "eos_token_id": ByteTokenizer.EOS})
+
+
+RANDOM_ARCH_KEYS = (
+    "model_type",
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "rope_theta",
+    "tie_word_embeddings",
+)
 
 
 def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
@@ -368,6 +372,8 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             ("model.random.rms_norm_eps", r.rms_norm_eps, 0 < r.rms_norm_eps < 1, "in (0, 1)"),
             ("model.random.rope_theta", r.rope_theta, 0 < r.rope_theta < float("inf"), "> 0 and finite"),
             ("model.random.init_std", r.init_std, 0 <= r.init_std < float("inf"), ">= 0 and finite"),
+            ("model.random.model_type", r.model_type, r.model_type in SUPPORTED_MODEL_TYPES, SUPPORTED_MODEL_TYPES),
+            ("model.random.init_on", r.init_on, r.init_on in RANDOM_INIT_ON, RANDOM_INIT_ON),
         ]
     )
     if r.vocab_size < ByteTokenizer.vocab_size:
@@ -377,7 +383,7 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             "too small for the byte tokenizer",
             f">= {ByteTokenizer.vocab_size}",
         )
-    if r.hidden_size % r.num_attention_heads or r.num_attention_heads % r.num_key_value_heads:
+    if (r.head_dim is None and r.hidden_size % r.num_attention_heads) or r.num_attention_heads % r.num_key_value_heads:
         raise ConfigError(
             "model.random",
             f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
@@ -393,13 +399,27 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
     return random_args(r)
 
 
-def _load_random(cfg, weights_dir: Path) -> LoadedModel:
-    r = cfg.random
-    model = init_normal_(LlamaModel(_describe_random(cfg, weights_dir), cfg.max_seq_len), r.init_seed, r.init_std)
+RANDOM_INIT_ON = ("cpu", "device")
+
+
+def _load_random(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
+    """init_on=cpu: the same weights for a seed on every host; device: drawn where the run is, in its
+    dtype (an 8B-shape target in seconds; other numbers than the CPU's for the same seed)."""
+    r, args = cfg.random, _describe_random(cfg, weights_dir)
+    if r.init_on == "device":
+        with torch.device("meta"):
+            model = LlamaModel(args, cfg.max_seq_len)
+        model.to_empty(device=device).to(dtype)
+        if args.tie_word_embeddings:
+            model.lm_head.weight = model.model.embed_tokens.weight
+    else:
+        model = LlamaModel(args, cfg.max_seq_len)
+    init_normal_(model, r.init_seed, r.init_std)
     if r.lm_head_std is not None:  # an untied output layer of its own scale (sharper or flatter next tokens)
-        g = torch.Generator().manual_seed(r.init_seed + 1)
+        w = model.lm_head.weight
+        g = torch.Generator(w.device).manual_seed(r.init_seed + 1)
         with torch.no_grad():
-            model.lm_head.weight.copy_(torch.randn(model.lm_head.weight.shape, generator=g) * r.lm_head_std)
+            w.copy_(torch.randn(w.shape, generator=g, device=w.device, dtype=w.dtype) * r.lm_head_std)
     return LoadedModel(model, ByteTokenizer(), "random")
 
 
@@ -431,7 +451,7 @@ def load_tokenizer(cfg, weights_dir: Path, args: ModelArgs) -> Tokenizer:
 
 
 def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype) -> LoadedModel:
-    loaded = _source(cfg).load(cfg, weights_dir)
+    loaded = _source(cfg).load(cfg, weights_dir, device, dtype)
     loaded.model.to(device=device, dtype=dtype).eval().requires_grad_(False)
     loaded.model.init_buffers(device)  # rope tables stay float32
     loaded.model.attention_kernel, fused = resolve_kernels(cfg, device)

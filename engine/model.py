@@ -91,16 +91,20 @@ class ModelArgs:
 
 
 def init_normal_(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
-    """Normal(0, std) weights, unit norms, zero biases (transformers' Llama init), from a fixed seed."""
-    g = torch.Generator().manual_seed(seed)
+    """Normal(0, std) weights, unit norms, zero biases (transformers' Llama init), from a fixed seed, drawn
+    on the parameters' device (a CPU draw is the same on every host)."""
+    device = next(module.parameters()).device
+    g = torch.Generator(device).manual_seed(seed)
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
                 p.fill_(1.0)
             elif name.endswith("bias"):
                 p.zero_()
-            else:
+            elif device.type == "cpu":
                 p.copy_(torch.randn(p.shape, generator=g) * std)
+            else:
+                p.normal_(0.0, std, generator=g)
     return module
 
 

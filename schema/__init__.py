@@ -44,19 +44,22 @@ class DType(str, Enum):
 
 @dataclass
 class RandomArchConfig:
-    """Architecture of a random-init Llama (model.source=random): tests and timing without weights."""
+    """Architecture of a random-init target (model.source=random): tests and timing without weights."""
 
+    model_type: str = "llama"  # any supported architecture (engine/loading.py SUPPORTED_MODEL_TYPES)
     vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
-    # The Llama shape, in transformers' LlamaConfig names.
+    # The shape, in transformers' config names.
     hidden_size: int = 64
     intermediate_size: int = 128
     num_hidden_layers: int = 4
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
+    head_dim: Optional[int] = None  # null: hidden_size / num_attention_heads
     rope_theta: float = 10000.0
     rms_norm_eps: float = 1e-5
     tie_word_embeddings: bool = True
     init_seed: int = 0  # the seed of the random weights
+    init_on: str = "cpu"  # cpu: the same weights on every host | device: drawn on the run's device (8B shapes)
     # Weight std. 0.02 (transformers' init) makes greedy output collapse to one token; ~0.15 gives
     # varied outputs, which draft-training tests need.
     init_std: float = 0.02

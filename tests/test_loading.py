@@ -131,3 +131,24 @@ def test_a_conversion_that_lost_the_race_keeps_the_winner(tmp_path):
     (out / "config.json").unlink()  # not a complete conversion: the error is real
     with pytest.raises(OSError):
         publish(second, out)
+
+
+def test_random_weights_drawn_on_the_run_device_are_the_cpu_draw_on_a_cpu(outputs):
+    """init_on=device builds on meta and draws in place; on a CPU run that is the same draw as init_on=cpu."""
+    weights = {}
+    for where in ("cpu", "device"):
+        cfg = to_run_config(compose_cfg("model=tiny", f"model.random.init_on={where}", "device=cpu")).model
+        model = load_model(cfg, outputs / "weights", torch.device("cpu"), torch.float32).model
+        weights[where] = model.state_dict()
+    assert weights["cpu"].keys() == weights["device"].keys()
+    for name, w in weights["cpu"].items():
+        assert torch.equal(w, weights["device"][name]), name
+
+
+def test_a_random_target_takes_any_supported_architecture(outputs):
+    cfg = to_run_config(compose_cfg("model=tiny", "model.random.model_type=qwen2", "model.random.head_dim=32")).model
+    args = describe_model(cfg, outputs / "weights")
+    assert args.qkv_bias and args.head_dim == 32 and args.num_heads == 4  # Qwen2's q/k/v biases; a set head_dim
+    bad = to_run_config(compose_cfg("model=tiny", "model.random.model_type=gpt2")).model
+    with pytest.raises(Exception, match="model.random.model_type"):
+        describe_model(bad, outputs / "weights")
