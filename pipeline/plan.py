@@ -129,15 +129,26 @@ class Plan:
         return ctx
 
     def memory_estimate(self) -> dict[str, float]:
-        a, elem = self.env.target_args, torch.empty((), dtype=self.env.dtype).element_size()
-        batch = memory_rows(self.cfg)[1]
+        """MB of what the run certainly allocates: the target's weights, its KV cache (every row at
+        model.max_seq_len), the largest step's activations (a verify of rows x (k + 1) tokens, or the largest
+        prefill bucket: MLP intermediate and logits) and, with graphs, that verify's buffers kept in the pool."""
+        a, dtype = self.env.target_args, self.env.dtype
+        elem, rows = torch.empty((), dtype=dtype).element_size(), memory_rows(self.cfg)[1]
+
+        def step_bytes(tokens: int, logits: int) -> int:  # [tokens, 2 x intermediate] + [logits, vocab] (fp32)
+            return tokens * 2 * a.intermediate_size * elem + logits * a.vocab_size * 4
+
+        verify = step_bytes(rows * (self.cfg.draft.k + 1), rows * (self.cfg.draft.k + 1))
+        prefill = step_bytes(max(self.cfg.graph.prefill_buckets, default=1), rows)
         return {
             "weights_mb": a.num_params() * elem / 2**20,
-            "kv_cache_mb": a.kv_bytes_per_token(self.env.dtype) * (self.cfg.model.max_seq_len + 1) * batch / 2**20,
+            "kv_cache_mb": a.kv_bytes_per_token(dtype) * (self.cfg.model.max_seq_len + 1) * rows / 2**20,
+            "activations_mb": max(verify, prefill) / 2**20,
+            "graph_pool_mb": (verify if cuda_policies(self.cfg) else 0) / 2**20,
         }
 
     def describe(self) -> str:
-        env, mem = self.env, self.memory_estimate()
+        env = self.env
         lines = [
             f"experiment: {self.cfg.experiment_name}",
             f"device: {env.device} ({str(env.dtype).removeprefix('torch.')}), seed {self.cfg.seed}",
@@ -151,10 +162,7 @@ class Plan:
             lines.append(f"  {i}. {s.name:<22} requires [{req}] provides [{prov}]")
             if d := s.describe(self.cfg, env):
                 lines.append(f"     {d}")
-        lines.append(
-            f"memory estimate: weights {mem['weights_mb']:.0f} MB + KV cache {mem['kv_cache_mb']:.0f} MB "
-            f"({memory_rows(self.cfg)[1]} x {self.cfg.model.max_seq_len} slots)"
-        )
+        lines.append(f"memory estimate: {memory_sum(self)}")
         lines += [f"note: {n}" for n in env.notes]
         return "\n".join(lines)
 
@@ -212,35 +220,46 @@ def _check_values(cfg: RunConfig) -> None:
 
 
 def available_memory(device: torch.device) -> tuple[int, str]:
-    """(bytes, what they are) a run on `device` may fill: the GPU's memory, or the host's available RAM."""
+    """(bytes, what they are) a run on `device` may fill: the GPU's free memory, or the host's available RAM."""
     if device.type == "cuda":
-        return torch.cuda.get_device_properties(
-            device
-        ).total_memory, f"the memory of {torch.cuda.get_device_name(device)}"
+        free, total = torch.cuda.mem_get_info(device)
+        return free, f"the free memory of {torch.cuda.get_device_name(device)} (of {total / 2**30:.1f} GiB)"
     with open("/proc/meminfo") as f:
         info = {line.split(":")[0]: int(line.split()[1]) * 1024 for line in f}
     return info.get("MemAvailable", info.get("MemTotal", 0)), "the host's available memory"
 
 
+def memory_sum(plan: "Plan") -> str:
+    """'weights 15.0 GiB + KV cache ... = 17.3 GiB': the estimate's parts and total, as the plan prints them."""
+    mem, rows = plan.memory_estimate(), memory_rows(plan.cfg)[1]
+    parts = [
+        ("weights", mem["weights_mb"]),
+        (f"KV cache ({rows} x {plan.cfg.model.max_seq_len + 1} slots)", mem["kv_cache_mb"]),
+        ("activations", mem["activations_mb"]),
+        ("graph pool", mem["graph_pool_mb"]),
+    ]
+    shown = " + ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in parts if mb)
+    return f"{shown} = {sum(mb for _, mb in parts) / 1024:.2f} GiB"
+
+
 def memory_errors(plan: "Plan") -> list[ConfigError]:
-    """The run's weights and KV cache against the device (or host) memory, before anything is allocated:
-    a lower bound (activations and graph pools come on top), so a refusal is certain."""
+    """The run's memory estimate against the device's free memory (or the host's), before anything is
+    allocated: it counts only what the run certainly allocates, so a refusal is certain."""
     mem = plan.memory_estimate()
-    need = (mem["weights_mb"] + mem["kv_cache_mb"]) * 2**20
+    need = sum(mem.values()) * 2**20
     have, what = available_memory(plan.env.device)
     if need <= have:
         return []
     key, rows = memory_rows(plan.cfg)
-    slots = plan.cfg.model.max_seq_len + 1
-    per_row = plan.env.target_args.kv_bytes_per_token(plan.env.dtype) * slots
-    fit = int((have - mem["weights_mb"] * 2**20) // per_row) if have > mem["weights_mb"] * 2**20 else 0
+    per_row = need / rows  # every part but the weights grows with the rows; this errs low on what fits
+    fixed = mem["weights_mb"] * 2**20
+    fit = int((have - fixed) // (per_row - fixed / rows)) if have > fixed and rows > 0 else 0
     gpu = " (this host has no GPU)" if not torch.cuda.is_available() else ""
     return [
         ConfigError(
             key,
             rows,
-            f"weights {mem['weights_mb'] / 1024:.1f} GiB + KV cache {mem['kv_cache_mb'] / 1024:.1f} GiB ({rows} x "
-            f"{slots} slots) = {need / 2**30:.1f} GiB, beyond {what}, {have / 2**30:.1f} GiB{gpu}",
+            f"{memory_sum(plan)}, beyond {what}, {have / 2**30:.1f} GiB{gpu}",
             f"{key} <= {fit}" if fit >= 1 else f"a smaller model.max_seq_len (now {plan.cfg.model.max_seq_len})",
         )
     ]

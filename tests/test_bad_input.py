@@ -197,6 +197,7 @@ def test_the_memory_plan_refuses_what_the_host_cannot_hold(outputs):
     have, _ = available_memory(torch.device("cpu"))
     text = plan_errors(outputs, *TINY, "eval.batch_size=100000")  # 100000 x 2049 slots x 1 KiB: 195 GiB
     assert "eval.batch_size=100000: weights" in text and "beyond the host's available memory" in text, text
+    assert "KV cache (100000 x 2049 slots) 195.41 GiB + activations" in text, text
     text = plan_errors(outputs, *TINY, f"model.max_seq_len={10**9}")
     assert "a smaller model.max_seq_len (now 1000000000)" in text, text
     # the README's training recipe: 1024 rows of 2049 slots for the self-distillation batches
