@@ -234,6 +234,7 @@ class SpecDecoder:
                 kv_len=width,
                 input_embeds=embeds,
                 logits_index=live["logits_index"],
+                causal=True,  # fresh rows from position 0: SDPA's causal kernel, no [t, t] mask
             )
         else:
             got, _ = runner(live, width, self.mode)

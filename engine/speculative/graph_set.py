@@ -138,7 +138,7 @@ class GraphSet:
             self.runners["prefill"] = GraphRunner(
                 "prefill",
                 backend,
-                lambda b: t.program(self.prefill_cache.rows(b), embeds_input=True, logits_at_index=True),
+                lambda b: t.program(self.prefill_cache.rows(b), embeds_input=True, logits_at_index=True, causal=True),
                 inputs,
                 TARGET_OUT,
                 full,
