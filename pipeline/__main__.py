@@ -100,6 +100,21 @@ def main(cfg: DictConfig) -> Optional[float]:
             if not os.environ.get(PARENT_ENV):  # a sweep says it once, in the process that launched it
                 print(describe(signum_of(e)), file=sys.stderr, flush=True)
             sys.exit(128 + signum_of(e))
+        finally:
+            plan = None
+            release_device_memory()
+
+
+def release_device_memory() -> None:
+    """The job's tensors and graph pools back to the driver: a sequential sweep runs every job in this
+    process, and an 8B target's next job would not fit beside the last one's cached blocks."""
+    import gc
+
+    import torch
+
+    gc.collect()  # graphs, caches and heads held in reference cycles, with their private pools
+    if torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def plan_problems(overrides: Optional[list[str]]) -> list:

@@ -96,3 +96,25 @@ def test_phase_clock_times_the_stream_without_waiting_for_it():
     assert clock.totals()["sleep"] > 0.02
     clock.span("again", clock.mark(), clock.mark())  # the settled events are recorded again
     assert len(clock._free) == 0 and clock.totals()["again"] >= 0.0
+
+
+def test_a_job_leaves_nothing_on_the_device(outputs):
+    """A sequential sweep runs its jobs in one process: after a job (graphs captured, draft head, caches) and
+    the release `main` runs, none of its memory is held, so the next job has the whole device."""
+    from pipeline.__main__ import release_device_memory
+
+    release_device_memory()
+    before = torch.cuda.memory_allocated()
+    run(
+        compose_cfg(
+            "+experiment=eagle3_full",
+            "model=tiny",
+            "draft.init=random",
+            "draft.aux_layer_ids=[1,2,3]",
+            "eval=quick",
+            "tracking=off",
+        )
+    )
+    release_device_memory()
+    assert torch.cuda.memory_allocated() == before
+    assert torch.cuda.memory_reserved() - before < 64 << 20  # the graph pools went back to the driver
