@@ -35,7 +35,7 @@ from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 

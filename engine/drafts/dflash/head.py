@@ -136,7 +136,7 @@ class ContextWrite(Op):
         for i, layer in enumerate(head.layers):
             att = layer.self_attn
             width = 2 * att.n_kv * att.head_dim
-            a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv)
+            a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv, k_norm=att.k_norm)
 
 
 class BlockOut(Op):

@@ -68,7 +68,7 @@ class Eagle3In(Op):
             index1=rows,
         )  # [b, t, (heads + 2 kv) * d]
         att = m.self_attn
-        return g, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
+        return g, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv, att.q_norm, att.k_norm)
 
 
 class Eagle3Out(Op):
