@@ -69,6 +69,16 @@ def _check_model_type(cfg_json: dict, where: str) -> None:
     mt = cfg_json.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError("model.path", where, f"model_type {mt!r} is not a Llama-family model", SUPPORTED_MODEL_TYPES)
+    windowed = "sliding_attention" in (cfg_json.get("layer_types") or ()) or (
+        cfg_json.get("use_sliding_window") and cfg_json.get("max_window_layers", 0) < cfg_json["num_hidden_layers"]
+    )  # Qwen2 / Qwen3: layers from max_window_layers on attend over a window this target does not implement
+    if windowed:
+        raise ConfigError(
+            "model.path",
+            where,
+            "config.json has sliding-window layers (use_sliding_window, layer_types)",
+            "a checkpoint whose layers all attend globally",
+        )
 
 
 # ------------------------------------------------------------------------------------------- hf dirs
