@@ -345,19 +345,22 @@ def _tokenizer_hf(cfg, weights_dir: Path, eos: tuple[int, ...]) -> Tokenizer:
 
 
 def random_args(r) -> ModelArgs:
-    return ModelArgs(
-        vocab_size=r.vocab_size,
-        hidden_size=r.hidden_size,
-        intermediate_size=r.intermediate_size,
-        num_layers=r.num_hidden_layers,
-        num_heads=r.num_attention_heads,
-        num_kv_heads=r.num_key_value_heads,
-        head_dim=r.hidden_size // r.num_attention_heads,
-        rms_norm_eps=r.rms_norm_eps,
-        rope_theta=r.rope_theta,
-        tie_word_embeddings=r.tie_word_embeddings,
-        bos_token_id=ByteTokenizer.BOS,
-        eos_token_ids=(ByteTokenizer.EOS,),
+    """The random architecture as the config.json of its model_type would describe it (qwen3: q/k norms)."""
+    return ModelArgs.from_hf_config(
+        {
+            "model_type": r.model_type,
+            "vocab_size": r.vocab_size,
+            "hidden_size": r.hidden_size,
+            "intermediate_size": r.intermediate_size,
+            "num_hidden_layers": r.num_hidden_layers,
+            "num_attention_heads": r.num_attention_heads,
+            "num_key_value_heads": r.num_key_value_heads,
+            "rms_norm_eps": r.rms_norm_eps,
+            "rope_theta": r.rope_theta,
+            "tie_word_embeddings": r.tie_word_embeddings,
+            "bos_token_id": ByteTokenizer.BOS,
+            "eos_token_id": ByteTokenizer.EOS,
+        }
     )
 
 
@@ -378,6 +381,13 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             ("model.random.rms_norm_eps", r.rms_norm_eps, 0 < r.rms_norm_eps < 1, "in (0, 1)"),
             ("model.random.rope_theta", r.rope_theta, 0 < r.rope_theta < float("inf"), "> 0 and finite"),
             ("model.random.init_std", r.init_std, 0 <= r.init_std < float("inf"), ">= 0 and finite"),
+            (
+                "model.random.model_type",
+                r.model_type,
+                r.model_type in (types := SUPPORTED_MODEL_TYPES),
+                types,
+                "unknown",
+            ),
         ]
     )
     if r.vocab_size < ByteTokenizer.vocab_size:

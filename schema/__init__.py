@@ -47,6 +47,9 @@ class RandomArchConfig:
     """Architecture of a random-init Llama (model.source=random): tests and timing without weights."""
 
     vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
+    # The family's layer, as config.json's model_type names it: llama, mistral, qwen2 (q/k/v biases),
+    # qwen3 (per-head q/k norms).
+    model_type: str = "llama"
     # The Llama shape, in transformers' LlamaConfig names.
     hidden_size: int = 64
     intermediate_size: int = 128

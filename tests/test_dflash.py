@@ -15,7 +15,7 @@ import torch
 from helpers.models import pair, qwen3_pair, random_prompts, spread_init
 from helpers.runs import compose_cfg
 from helpers.spec import AUX, oracle_prefix, poison, tap
-from helpers.train import TINY_TRAIN, assert_trained_beats_random, assert_triton_ops_match_torch_ops
+from helpers.train import DFLASH_TRAIN, assert_trained_beats_random, assert_triton_ops_match_torch_ops
 from safetensors import safe_open
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
@@ -590,21 +590,7 @@ def test_kv_heads_is_a_random_heads_key(target, tmp_path):
     assert e.value.key == "draft.num_kv_heads"
 
 
-TRAIN = [
-    "+experiment=train_dflash_smollm2",
-    *TINY_TRAIN,
-    *TINY,
-    "draft.block_size=4",
-    "draft.num_steps=3",
-    "draft.num_kv_heads=4",  # one per query head, as the recipe's 9 are for SmolLM2's 9
-    "train.lr=1e-2",
-    "train.eval_every=30",
-    "train.save_every=30",
-    "train.ttt_steps=3",
-    "train.eval_k=3",
-    "train.loop_eval_prompts=2",
-    "train.loop_eval_tokens=16",
-]
+TRAIN = DFLASH_TRAIN
 
 
 def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_path):

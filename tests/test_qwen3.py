@@ -13,6 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 from helpers.models import qwen3_pair, random_prompts
+from helpers.runs import compose_cfg, metric_history
+from helpers.train import DFLASH_TRAIN, EAGLE3_TRAIN
+from mlflow.tracking import MlflowClient
 from safetensors import safe_open
 from safetensors.torch import save_file
 
@@ -21,6 +24,8 @@ from engine.drafts.registry import draft_config, load_head, make_draft, plan_dra
 from engine.errors import ConfigError
 from engine.sampling import SamplingParams
 from engine.speculative.generate import Generator
+from pipeline.__main__ import run
+from pipeline.tracking import default_tracking_uri
 
 FUSED = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -307,3 +312,29 @@ def test_plan_checks_a_qwen3_heads_ids_widths_vocabulary_and_tensors_before_load
     with pytest.raises(ConfigError) as e:
         plan_draft(draft_config(algorithm, init="checkpoint", path=str(tmp_path), num_steps=3), target.args)
     assert e.value.key == key and needle in str(e.value), str(e.value)
+
+
+# ------------------------------------------------------------------------------- training on a Qwen3 target
+@pytest.mark.parametrize("recipe, overrides", [("eagle3", EAGLE3_TRAIN), ("dflash", DFLASH_TRAIN)])
+def test_a_tiny_qwen3_target_trains_a_head_through_the_real_loop(outputs, recipe, overrides):
+    """model.random.model_type=qwen3: the draft recipes self-distil from a Qwen3 target, train, evaluate in
+    the real draft-and-verify loop and export; the held-out loss falls. The EAGLE3 head keeps the public
+    Llama layer; the DFlash drafter is z-lab's Qwen3 layout, its q/k norms trained."""
+    steps = ["train.steps=20", "train.eval_every=20", "train.save_every=20"]
+    ctx = run(compose_cfg(*overrides, "model.random.model_type=qwen3", *steps))
+    head_dir = Path(ctx["draft_checkpoint"])
+    cfg = json.loads((head_dir / "config.json").read_text())
+    with safe_open(str(head_dir / "model.safetensors"), "pt") as f:
+        norms = {k: f.get_tensor(k) for k in f.keys() if k.endswith(("q_norm.weight", "k_norm.weight"))}
+    if recipe == "dflash":
+        assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+        assert len(norms) == 2 * cfg["num_hidden_layers"] and any((w != 1).any() for w in norms.values())
+    else:
+        assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama" and not norms
+    client = MlflowClient(default_tracking_uri(outputs))
+    (r,) = client.search_runs([client.get_experiment_by_name(f"train_{recipe}_smollm2").experiment_id])
+    assert r.info.status == "FINISHED"
+    val = metric_history(client, r.info.run_id, "val_loss")
+    assert val[0][0] == 0 and val[-1][0] == 20 and val[-1][1] < val[0][1]
+    (loop,) = [v for k, v in r.data.metrics.items() if k.startswith("heldout_loop_accept_length_k")]
+    assert 1.0 <= loop <= 6.0  # the real draft-and-verify loop on held-out prompts (k = draft.num_steps)
