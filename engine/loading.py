@@ -35,7 +35,7 @@ from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -69,6 +69,16 @@ def _check_model_type(cfg_json: dict, where: str) -> None:
     mt = cfg_json.get("model_type")
     if mt not in SUPPORTED_MODEL_TYPES:
         raise ConfigError("model.path", where, f"model_type {mt!r} is not a Llama-family model", SUPPORTED_MODEL_TYPES)
+    windowed = "sliding_attention" in (cfg_json.get("layer_types") or ()) or (
+        cfg_json.get("use_sliding_window") and cfg_json.get("max_window_layers", 0) < cfg_json["num_hidden_layers"]
+    )  # Qwen2 / Qwen3: layers from max_window_layers on attend over a window this target does not implement
+    if windowed:
+        raise ConfigError(
+            "model.path",
+            where,
+            "config.json has sliding-window layers (use_sliding_window, layer_types)",
+            "a checkpoint whose layers all attend globally",
+        )
 
 
 # ------------------------------------------------------------------------------------------- hf dirs
@@ -372,7 +382,13 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             ("model.random.rms_norm_eps", r.rms_norm_eps, 0 < r.rms_norm_eps < 1, "in (0, 1)"),
             ("model.random.rope_theta", r.rope_theta, 0 < r.rope_theta < float("inf"), "> 0 and finite"),
             ("model.random.init_std", r.init_std, 0 <= r.init_std < float("inf"), ">= 0 and finite"),
-            ("model.random.model_type", r.model_type, r.model_type in SUPPORTED_MODEL_TYPES, SUPPORTED_MODEL_TYPES),
+            (
+                "model.random.model_type",
+                r.model_type,
+                r.model_type in SUPPORTED_MODEL_TYPES,
+                SUPPORTED_MODEL_TYPES,
+                "unknown",
+            ),
             ("model.random.init_on", r.init_on, r.init_on in RANDOM_INIT_ON, RANDOM_INIT_ON),
         ]
     )

@@ -1,4 +1,4 @@
-"""The target model: one Llama-family transformer (Llama, SmolLM2, Qwen2-style) over a static KV cache.
+"""The target model: one Llama-family transformer (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a static KV cache.
 
     tokens [b, t] (or input_embeds [b, t, hidden]), positions [b, t], valid [b, t] (False: padding,
     written to the dummy slot) -> logits [b, t or 1, vocab], hidden [b, t, hidden], aux hidden states
@@ -9,13 +9,14 @@ One forward serves prefill, decode and verify; a token at position p sees slots 
 the attention is the one call a breakable graph runs eagerly. Parameter names are Hugging Face's
 (`model.layers.N.self_attn.q_proj.weight`); aux layer ids follow `input_of` (id N: the last layer's
 output). RMSNorm and RoPE compute in float32, as transformers does: fp32 logits match it to ~1e-6.
+Qwen3's q/k norms (`qk_norm`) normalise each q and k head over head_dim before RoPE.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -26,6 +27,8 @@ from engine.ops import THROUGHPUT_ROWS, AddNorm, AttnInputs, Live, LMHead, MLPOu
 from kernels.decode_attention import decode_attention
 from kernels.fused import rotate_half
 from kernels.gemv import interleave_gate_up
+
+QK_NORM_MODEL_TYPES = ("qwen3",)  # model_types whose attention norms each q / k head
 
 
 @dataclass(frozen=True)
@@ -44,6 +47,7 @@ class ModelArgs:
     qkv_bias: bool = False  # Qwen2: q/k/v biases
     o_bias: bool = False  # Llama's attention_bias: every projection has one
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: an RMSNorm over each q and k head (weight [head_dim]) before RoPE
     max_position_embeddings: int = 2048
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
@@ -74,6 +78,7 @@ class ModelArgs:
             qkv_bias=model_type == "qwen2" or attention_bias,
             o_bias=attention_bias and model_type != "qwen2",
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=model_type in QK_NORM_MODEL_TYPES,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -82,7 +87,7 @@ class ModelArgs:
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -200,10 +205,11 @@ class Attention(nn.Module):
     """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input.
 
     `project` (q/k/v, RoPE, cache write) feeds `forward` (the attention over the live prefix of the
-    cache: the one call a breakable graph runs eagerly).
+    cache: the one call a breakable graph runs eagerly). With `args.qk_norm`, q_norm / k_norm (built by
+    `norm(head_dim, eps)`, RMSNorm by default) norm each q and k head before RoPE, on both paths.
     """
 
-    def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None):
+    def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None, norm: Callable = RMSNorm):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
@@ -213,18 +219,25 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
+        # qk_norm: norm(head_dim, eps) over each q / k head before RoPE (the fused op reads its weight, eps)
+        self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+
+    @staticmethod
+    def heads(y: Tensor, n: int, norm: Optional[nn.Module]) -> Tensor:
+        """y [b, t, n * head_dim] -> [b, n, t, head_dim], each head normed first where the model has q/k norms."""
+        b, t, _ = y.shape
+        y = y.view(b, t, n, -1)
+        return (y if norm is None else norm(y)).transpose(1, 2)
 
     def rotary_q(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         """x [b, t, d_in] -> q [b, heads, t, head_dim] with RoPE (cos / sin [b, 1, t, head_dim])."""
-        b, t, _ = x.shape
-        return apply_rope(self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2), cos, sin)
+        return apply_rope(self.heads(self.q_proj(x), self.n_heads, self.q_norm), cos, sin)
 
     def rotary_kv(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor]:
         """x [b, t, d_in] -> k with RoPE, v: [b, kv_heads, t, head_dim] each."""
-        b, t, _ = x.shape
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        return apply_rope(k, cos, sin), v
+        k = self.heads(self.k_proj(x), self.n_kv, self.k_norm)
+        return apply_rope(k, cos, sin), self.heads(self.v_proj(x), self.n_kv, None)
 
     def project(self, x: Tensor, cache: StaticKVCache, a: AttnInputs) -> Tensor:
         """x [b, t, d_in] -> q [b, heads, t, head_dim]; writes this call's k/v at their slots."""

@@ -133,8 +133,10 @@ class AttnInputs:
             self._mask = (key, slot_mask(self.qpos, self.qlo, kv))
         return self._mask[1]
 
-    def rope_write(self, qkv: Tensor, cache, layer: int, heads: int, kv_heads: int) -> Tensor:
-        """qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v written at the slots."""
+    def rope_write(self, qkv: Tensor, cache, layer: int, heads: int, kv_heads: int, q_norm=None, k_norm=None) -> Tensor:
+        """qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v written at the slots.
+        q_norm / k_norm: the attention's per-head norm modules (Qwen3), applied before RoPE in the kernel."""
+        eps = k_norm.variance_epsilon if k_norm is not None else 1e-6
         return rope_cache_write(
             qkv,
             self.rope_cos,
@@ -145,6 +147,9 @@ class AttnInputs:
             cache.v[layer],
             heads,
             kv_heads,
+            None if q_norm is None else q_norm.weight,
+            None if k_norm is None else k_norm.weight,
+            eps,
         )
 
 
@@ -180,7 +185,7 @@ class QKVIn(Op):
         else:
             h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
             qkv = F.linear(n, layer.qkv_weight, layer.qkv_bias)  # [b, t, (heads + 2 kv) * d]
-        return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv)
+        return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv, att.q_norm, att.k_norm)
 
 
 class MLPOut(Op):

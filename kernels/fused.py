@@ -7,7 +7,8 @@
         qkv [b, t, (heads + 2 * kv_heads) * d], one fused projection; cos/sin [max_pos, d] (fp32 tables,
         read at positions [b, t] inside the kernel: no gathered copies); RoPE on q and k (half-rotation
         layout), k and v written at cache[b, :, slots[b, t]]; returns q [b, heads, t, d]. heads = 0: k and
-        v only (DFlash's context); qkv may be a slice of a wider projection's last dim
+        v only (DFlash's context); qkv may be a slice of a wider projection's last dim. q_norm / k_norm
+        [d] (Qwen3's q/k norms, eps): each q / k head RMS-normed before RoPE, one token per program
 
 (SwiGLU is the gate / up projection's epilogue: kernels/gemv.py.) Each replaces 6-14 small PyTorch
 kernels per call; math in fp32, results rounded to the input dtype
@@ -39,13 +40,23 @@ def rotate_half(x: Tensor) -> Tensor:  # RoPE's half rotation: [x1, x2] -> [-x2,
     return torch.cat([-x2, x1], dim=-1)
 
 
-def rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads: int, kv_heads: int) -> Tensor:
+def head_norm_reference(x: Tensor, weight: Tensor | None, eps: float, dtype: torch.dtype) -> Tensor:
+    """x [..., d] fp32 -> each head RMS-normed as RMSNorm does in `dtype` (None: unchanged), in fp32."""
+    if weight is None:
+        return x
+    n = (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)).to(dtype)
+    return (weight.to(dtype) * n).float()
+
+
+def rope_cache_write_reference(
+    qkv, cos, sin, positions, slots, k_cache, v_cache, heads: int, kv_heads: int, q_norm=None, k_norm=None, eps=1e-6
+) -> Tensor:
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
     cos, sin = cos[positions], sin[positions]  # [b, t, d]
     q, k, v = qkv.float().split([heads * d, kv_heads * d, kv_heads * d], dim=-1)
-    q = q.view(b, t, heads, d).transpose(1, 2)  # [b, heads, t, d]
-    k = k.view(b, t, kv_heads, d).transpose(1, 2)
+    q = head_norm_reference(q.view(b, t, heads, d), q_norm, eps, qkv.dtype).transpose(1, 2)  # [b, heads, t, d]
+    k = head_norm_reference(k.view(b, t, kv_heads, d), k_norm, eps, qkv.dtype).transpose(1, 2)
     v = v.view(b, t, kv_heads, d).transpose(1, 2)
     c, s = cos[:, None].float(), sin[:, None].float()
     q, k = q * c + rotate_half(q) * s, k * c + rotate_half(k) * s
@@ -89,6 +100,9 @@ if triton is not None:
         KC,
         VC,
         QO,
+        QN,
+        KN,
+        eps,
         s_qkv_b,
         s_qkv_t,
         s_cs,
@@ -105,6 +119,7 @@ if triton is not None:
         D: tl.constexpr,
         NH: tl.constexpr,
         NKV: tl.constexpr,
+        QK_NORM: tl.constexpr,
     ):
         # one program per token: its q and k heads as one [NH, D/2] tile (NH: heads + kv_heads, padded
         # to a power of two), its v heads as one [NKV, D] tile
@@ -120,9 +135,15 @@ if triton is not None:
         live = h < HEADS + KV_HEADS
         x1 = tl.load(row + h * D + half, mask=live, other=0.0).to(tl.float32)
         x2 = tl.load(row + h * D + D // 2 + half, mask=live, other=0.0).to(tl.float32)
+        is_q = h < HEADS
+        if QK_NORM:  # each head RMS-normed over D (both halves), rounded as RMSNorm rounds, then weighted
+            rstd = 1.0 / tl.sqrt((tl.sum(x1 * x1, 1) + tl.sum(x2 * x2, 1)) / D + eps)[:, None]  # [NH, 1]
+            w1 = tl.where(is_q, tl.load(QN + half).to(tl.float32), tl.load(KN + half).to(tl.float32))
+            w2 = tl.where(is_q, tl.load(QN + D // 2 + half).to(tl.float32), tl.load(KN + D // 2 + half).to(tl.float32))
+            x1 = (w1 * (x1 * rstd).to(QO.dtype.element_ty).to(tl.float32)).to(QO.dtype.element_ty).to(tl.float32)
+            x2 = (w2 * (x2 * rstd).to(QO.dtype.element_ty).to(tl.float32)).to(QO.dtype.element_ty).to(tl.float32)
         o1 = x1 * c1 - x2 * s1
         o2 = x2 * c2 + x1 * s2
-        is_q = h < HEADS
         out = QO + b * s_qo_b + tl.where(is_q, h, 0) * s_qo_h + t * s_qo_t
         tl.store(out + half, o1.to(QO.dtype.element_ty), mask=is_q)
         tl.store(out + D // 2 + half, o2.to(QO.dtype.element_ty), mask=is_q)
@@ -162,9 +183,14 @@ def rope_cache_write(
     v_cache: Tensor,
     heads: int,
     kv_heads: int,
+    q_norm: Tensor | None = None,
+    k_norm: Tensor | None = None,
+    eps: float = 1e-6,
 ) -> Tensor:
     if triton is None:
-        return rope_cache_write_reference(qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads)
+        return rope_cache_write_reference(
+            qkv, cos, sin, positions, slots, k_cache, v_cache, heads, kv_heads, q_norm, k_norm, eps
+        )
     b, t, _ = qkv.shape
     d = k_cache.shape[-1]
     if qkv.stride(-1) != 1:  # a slice of a wider projection (unit inner stride) is read in place
@@ -173,6 +199,9 @@ def rope_cache_write(
     assert k_cache.stride() == v_cache.stride() and k_cache.stride(-1) == 1
     assert positions.stride(-1) == 1 and slots.stride(-1) == 1
     q = torch.empty(b, heads, t, d, dtype=qkv.dtype, device=qkv.device)
+    assert (q_norm is None) == (k_norm is None) or heads == 0, "q and k norms come together"
+    k_w = k_norm if k_norm is not None else cos  # a placeholder pointer when QK_NORM is off
+    q_w = q_norm if q_norm is not None else k_w  # heads = 0 (k and v only): no q norm is read
     _rope_cache_kernel[(b, t)](
         qkv,
         cos,
@@ -182,6 +211,9 @@ def rope_cache_write(
         k_cache,
         v_cache,
         q,
+        q_w,
+        k_w,
+        eps,
         qkv.stride(0),
         qkv.stride(1),
         cos.stride(0),
@@ -198,5 +230,6 @@ def rope_cache_write(
         D=d,
         NH=triton.next_power_of_2(heads + kv_heads),
         NKV=triton.next_power_of_2(kv_heads),
+        QK_NORM=k_norm is not None,
     )
     return q

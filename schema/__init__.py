@@ -46,7 +46,9 @@ class DType(str, Enum):
 class RandomArchConfig:
     """Architecture of a random-init target (model.source=random): tests and timing without weights."""
 
-    model_type: str = "llama"  # any supported architecture (engine/loading.py SUPPORTED_MODEL_TYPES)
+    # The family's layer, as config.json's model_type names it: llama, mistral, qwen2 (q/k/v biases),
+    # qwen3 (per-head q/k norms).
+    model_type: str = "llama"
     vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
     # The shape, in transformers' config names.
     hidden_size: int = 64

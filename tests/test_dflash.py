@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import pair, random_prompts, spread_init
+from helpers.models import pair, qwen3_pair, random_prompts, spread_init
 from helpers.runs import compose_cfg
 from helpers.spec import AUX, oracle_prefix, poison, tap
-from helpers.train import TINY_TRAIN, assert_trained_beats_random, assert_triton_ops_match_torch_ops
+from helpers.train import DFLASH_TRAIN, assert_trained_beats_random, assert_triton_ops_match_torch_ops
 from safetensors import safe_open
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, create_mask
 
@@ -381,13 +381,18 @@ def _random_batch(head, b: int, t: int, device="cpu", seed: int = 0) -> Batch:
 
 
 @pytest.mark.parametrize(
-    "kv_heads, window", [(None, None), (4, None), (None, 6)]
-)  # the target's 2 key/value heads, one per query head, a context window of 6 positions
-def test_training_forward_equals_the_inference_block(target, kv_heads, window):
+    "arch, kv_heads, window", [("llama", None, None), ("llama", 4, None), ("llama", None, 6), ("qwen3", None, None)]
+)  # the target's 2 key/value heads, one per query head, a context window of 6 positions; a Qwen3 target
+def test_training_forward_equals_the_inference_block(target, arch, kv_heads, window):
     """dflash_forward's step s at position p is the block anchored at j = p - s, computed through the
     draft's own programs: context written for 0..j, block [x_{j+1}, m, ...] at j+1..j+B (with a window,
-    each block query reads the context within it there as in training)."""
+    each block query reads the context within it there as in training). A Qwen3 target's drafter has
+    Qwen3 layers: its q/k norms (spread) in both."""
+    target = qwen3_pair()[1] if arch == "qwen3" else target
     plan, head = make_head(target, seed=5, num_kv_heads=kv_heads, sliding_window=window)
+    if arch == "qwen3":
+        assert plan.head_config["model_type"] == "qwen3" and head.args.qk_norm
+        spread_init(head, seed=5, std=0.1, norms=0.3)
     assert head.sliding_window == (window or 0)
     b, t = 2, 12
     batch = _random_batch(head, b, t)
@@ -532,12 +537,13 @@ def test_packed_training_step_matches_the_materialized_one_on_gpu(window):
 
 
 @pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
-def test_training_forward_on_the_triton_ops_equals_the_torch_ops():
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_training_forward_on_the_triton_ops_equals_the_torch_ops(arch):
     """train.kernels=triton runs the DFlash forward's RMSNorms (hidden_norm, the layers', the final
-    norm) and RoPE (context and block) as Triton kernels, forward and backward: the same logits and
-    gradients as the modules and the torch formula (fp32)."""
+    norm; a Qwen3 drafter's q/k norms) and RoPE (context and block) as Triton kernels, forward and
+    backward: the same logits and gradients as the modules and the torch formula (fp32)."""
     device = "cuda" if CUDA else "cpu"
-    target = pair()[1].to(device)
+    target = (qwen3_pair() if arch == "qwen3" else pair())[1].to(device)
     target.init_buffers(torch.device(device))
     _, head = make_head(target, device, seed=6)
     batch = _random_batch(head, 2, 6, device, seed=6)
@@ -545,6 +551,8 @@ def test_training_forward_on_the_triton_ops_equals_the_torch_ops():
     batch.label_logits = torch.randn(2, 6, target.args.vocab_size, generator=g).to(device)
     batch.top = batch.label_logits.argmax(-1)
     trained = {"hidden_norm.weight", "norm.weight", "layers.1.input_layernorm.weight"}
+    if arch == "qwen3":
+        trained |= {"layers.1.self_attn.q_norm.weight", "layers.0.self_attn.k_norm.weight"}
     assert_triton_ops_match_torch_ops(dflash_forward, head, batch, K, trained)
 
 
@@ -582,21 +590,7 @@ def test_kv_heads_is_a_random_heads_key(target, tmp_path):
     assert e.value.key == "draft.num_kv_heads"
 
 
-TRAIN = [
-    "+experiment=train_dflash_smollm2",
-    *TINY_TRAIN,
-    *TINY,
-    "draft.block_size=4",
-    "draft.num_steps=3",
-    "draft.num_kv_heads=4",  # one per query head, as the recipe's 9 are for SmolLM2's 9
-    "train.lr=1e-2",
-    "train.eval_every=30",
-    "train.save_every=30",
-    "train.ttt_steps=3",
-    "train.eval_k=3",
-    "train.loop_eval_prompts=2",
-    "train.loop_eval_tokens=16",
-]
+TRAIN = DFLASH_TRAIN
 
 
 def test_train_draft_stage_trains_a_head_that_beats_a_random_one(outputs, tmp_path):

@@ -258,6 +258,41 @@ def test_rope_cache_write_matches_reference(device, heads, kv, d):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads", [4, 0], ids=["q-and-k", "k-only"])  # k only: DFlash's context write
+def test_rope_cache_write_norms_each_q_and_k_head_like_the_module(device, dtype, heads):
+    """Qwen3's q/k norms in the kernel: each head RMS-normed (weight [d]) before RoPE, as the reference and
+    the model's own RMSNorm over [b, t, heads, d] compute it; a token's result never reads its neighbours."""
+    from engine.model import RMSNorm
+
+    g = torch.Generator().manual_seed(4)
+    b, t, kv, d, slots = 3, 2, 2, 32, 12
+    qkv = (torch.randn(b, t, (heads + 2 * kv) * d, generator=g) * 3).to(device, dtype)
+    ang = torch.rand(slots + 1, d // 2, generator=g).to(device) * 6
+    cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+    pos = torch.tensor([[1, 2], [5, 6], [3, 11]], device=device)  # also each token's slot
+    qn = (1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype) if heads else None
+    kn = (1 + 0.3 * torch.randn(d, generator=g)).to(device, dtype)
+    caches = [torch.zeros(b, kv, slots + 1, d, device=device, dtype=dtype) for _ in range(6)]
+    q = fused.rope_cache_write(qkv, cos, sin, pos, pos, caches[0], caches[1], heads, kv, qn, kn, 1e-6)
+    rq = fused.rope_cache_write_reference(qkv, cos, sin, pos, pos, caches[2], caches[3], heads, kv, qn, kn, 1e-6)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(q, rq, **tol)
+    torch.testing.assert_close(caches[0], caches[2], **tol)
+    assert torch.equal(caches[1], caches[3])  # v is copied, never normed
+    norm = RMSNorm(d, 1e-6).to(device, dtype)
+    norm.weight.data.copy_(kn)
+    k = norm(qkv[..., heads * d : (heads + kv) * d].reshape(b, t, kv, d)).float().transpose(1, 2)  # [b, kv, t, d]
+    c, s = cos[pos][:, None], sin[pos][:, None]  # [b, 1, t, d]
+    written = caches[2].gather(2, pos[:, None, :, None].expand(b, kv, t, d))  # [b, kv, t, d]
+    torch.testing.assert_close(written, (k * c + fused.rotate_half(k) * s).to(dtype), **tol)
+    one = fused.rope_cache_write(
+        qkv[1:2], cos, sin, pos[1:2], pos[1:2], caches[4][1:2], caches[5][1:2], heads, kv, qn, kn, 1e-6
+    )
+    assert torch.equal(one, q[1:2]) and torch.equal(caches[4][1], caches[0][1])  # per token: batch-invariant
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_fused_model_equals_unfused(device):
     """The whole target through the fused kernels (norm, RoPE + cache write, SwiGLU, fused
     projections) and the attention kernel: same logits, aux states and greedy output."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import spread_init, tiny_hf_config
+from helpers.models import spread_init, tiny_hf_config, tiny_qwen3_config
 from helpers.runs import compose_cfg
 
 from engine.loading import describe_model, load_model, publish
@@ -23,12 +23,16 @@ def test_hf_directory_without_tokenizer_is_rejected_at_plan_time(tmp_path, outpu
         build_plan(cfg, outputs)
 
 
-def test_hf_directory_with_tokenizer(tmp_path, outputs):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_hf_directory_with_tokenizer(tmp_path, outputs, arch):
     """A full HF directory: weights, config and a tokenizer; logits equal transformers'."""
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import LlamaForCausalLM, PreTrainedTokenizerFast, Qwen3ForCausalLM
 
-    hf = spread_init(LlamaForCausalLM(tiny_hf_config())).eval()
+    if arch == "qwen3":  # q/k norms (spread, so that dropping one shows), head_dim 32 from config.json
+        hf = spread_init(Qwen3ForCausalLM(tiny_qwen3_config()), norms=0.3).eval()
+    else:
+        hf = spread_init(LlamaForCausalLM(tiny_hf_config())).eval()
     hf.save_pretrained(tmp_path)
     vocab = {chr(ord("a") + i): i for i in range(26)} | {"<unk>": 26, "</s>": 257}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
@@ -38,12 +42,28 @@ def test_hf_directory_with_tokenizer(tmp_path, outputs):
     cfg = to_run_config(compose_cfg("model=hf", f"model.path={tmp_path}", "model.max_seq_len=64")).model
     args = describe_model(cfg, outputs / "weights")
     assert (args.num_layers, args.hidden_size, args.tie_word_embeddings) == (3, 64, True)
+    assert (args.qk_norm, args.head_dim) == ((True, 32) if arch == "qwen3" else (False, 16))
     loaded = load_model(cfg, outputs / "weights", torch.device("cpu"), torch.float32)
     assert loaded.hf_dir == str(tmp_path) and 257 in loaded.tokenizer.eos_token_ids
     ids = torch.tensor([loaded.tokenizer.encode("hello")])
     with torch.no_grad():
         ours = loaded.model(ids, torch.arange(ids.shape[1])[None], loaded.model.new_cache(1)).logits
         assert (ours - hf(ids).logits).abs().max() < 1e-4
+
+
+def test_a_sliding_window_qwen3_is_refused_at_plan_time(tmp_path):
+    """Qwen3's windowed layers (use_sliding_window from max_window_layers on) would change what a layer
+    attends: refused before any weight loads, not ignored."""
+    from transformers import Qwen3ForCausalLM
+
+    from engine.errors import ConfigError
+
+    hf_cfg = tiny_qwen3_config(use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    Qwen3ForCausalLM(hf_cfg).save_pretrained(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    cfg = to_run_config(compose_cfg("model=hf", f"model.path={tmp_path}")).model
+    with pytest.raises(ConfigError, match="sliding-window layers"):
+        describe_model(cfg, tmp_path / "weights")
 
 
 @pytest.mark.slow

@@ -75,6 +75,7 @@ def test_set_up_runs_only_the_stages_named(outputs):
         (["eval.max_new_tokens=4096"], ["eval.max_new_tokens=4096", "model.max_seq_len=2048"]),
         (["model.source=onnx"], ["model.source='onnx'", "gguf, hf, random"]),
         (["model.random.vocab_size=100"], ["model.random.vocab_size=100", ">= 259"]),
+        (["model.random.model_type=gemma"], ["model.random.model_type='gemma': unknown", "llama", "qwen3"]),
     ],
 )
 def test_bad_values_are_named(overrides, needles, outputs):

@@ -104,3 +104,24 @@ EAGLE3_TRAIN = [
     "train.ttt_steps=4",
     "train.eval_k=3",
 ]
+
+
+# The DFLASH recipe on the tiny target: a 4-token block, 3 drafts, 4 key/value heads (one per query head,
+# as the recipe's 9 are for SmolLM2's 9)
+DFLASH_TRAIN = [
+    "+experiment=train_dflash_smollm2",
+    *TINY_TRAIN,
+    "draft.init=random",
+    "draft.aux_layer_ids=[1,2,3]",
+    "draft.aux_layer_convention=input_of",
+    "draft.block_size=4",
+    "draft.num_steps=3",
+    "draft.num_kv_heads=4",
+    "train.lr=1e-2",
+    "train.eval_every=30",
+    "train.save_every=30",
+    "train.ttt_steps=3",
+    "train.eval_k=3",
+    "train.loop_eval_prompts=2",
+    "train.loop_eval_tokens=16",
+]

@@ -121,6 +121,14 @@ TRITON_OPS = ForwardOps(
 )
 
 
+def head_norm(norm, x: Tensor, heads: int, ops: ForwardOps) -> Tensor:
+    """Qwen3's q/k norm in training: x [B, T, heads * D] with each head normed by `norm` (None: x as it is)."""
+    if norm is None:
+        return x
+    b, t, _ = x.shape
+    return ops.norm(norm, x.view(b, t, heads, -1)).view(b, t, -1)
+
+
 def ttt_attend(
     att, x: Tensor, cos: Tensor, sin: Tensor, keys: list[Tensor], values: list[Tensor], attention, ops: ForwardOps
 ) -> Tensor:
@@ -128,8 +136,8 @@ def ttt_attend(
     the earlier steps' (`keys`, `values`, appended in place); -> o_proj of the output [B, T, H]."""
     b, t, _ = x.shape
     heads, kv, d = att.n_heads, att.n_kv, att.head_dim
-    q = ops.rope(att.q_proj(x), cos, sin, heads)  # [B, heads, T, D]
-    keys.append(ops.rope(att.k_proj(x), cos, sin, kv))  # [B, KV, T, D]
+    q = ops.rope(head_norm(att.q_norm, att.q_proj(x), heads, ops), cos, sin, heads)  # [B, heads, T, D]
+    keys.append(ops.rope(head_norm(att.k_norm, att.k_proj(x), kv, ops), cos, sin, kv))  # [B, KV, T, D]
     values.append(att.v_proj(x).view(b, t, kv, d).transpose(1, 2))
     o = attention(q, keys, values, heads // kv).transpose(1, 2).reshape(b, t, heads * d)
     return att.o_proj(o)

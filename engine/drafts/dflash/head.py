@@ -1,11 +1,12 @@
 """DFlash: a block-diffusion drafter. One forward proposes a whole block of draft tokens.
 
-Model (z-lab's `DFlashDraftModel`, with Llama decoder layers of the target's width):
+Model (z-lab's `DFlashDraftModel`, with decoder layers of the target's width: Qwen3 layers, q/k norms
+included, for a target with q/k norms (config.json model_type qwen3, z-lab's Qwen3 drafters), else Llama's):
 
     c      = hidden_norm(fc(aux))          aux [b, t, n_aux * target_hidden] -> c [b, t, hidden]    (context)
     block  = [x_L, m, ..., m]              [b, B]: the bonus token, then B - 1 mask tokens (mask_token_id)
     x      = embed(block)                  [b, B, hidden]: the target's embedding (shared, never stored)
-    layer l (num_hidden_layers Llama layers, q from the block only):
+    layer l (num_hidden_layers decoder layers, q from the block only):
              keys/values = k_l/v_l(c) at the context positions 0..L-1   (the draft's KV cache)
                          + k_l/v_l(input_layernorm(x)) at L..L+B-1      (the block itself)
              every block query sees all of them: non-causal inside the block
@@ -36,12 +37,14 @@ context write over the k + 1 verified positions [b, k + 1] (phase extend, no att
 
 Checkpoint (config.json + model.safetensors, no embedding and no lm_head: both are the target's):
 
-    config:  architectures ["DFlashDraftModel"], Llama shape keys, num_hidden_layers, block_size,
+    config:  architectures ["DFlashDraftModel"], model_type (llama | qwen3), the layers' shape keys
+             (head_dim included), num_hidden_layers, block_size,
              mask_token_id, target_hidden_size, dflash_config.{target_layer_ids (output_of),
              block_size, mask_token_id}; with a window: layer_types (all sliding_attention),
              sliding_window, is_causal false
     tensors: fc.weight, hidden_norm.weight, layers.N.{input_layernorm,post_attention_layernorm}.weight,
-             layers.N.self_attn.{q,k,v,o}_proj.weight, layers.N.mlp.{gate,up,down}_proj.weight, norm.weight
+             layers.N.self_attn.{q,k,v,o}_proj.weight, layers.N.mlp.{gate,up,down}_proj.weight, norm.weight;
+             qwen3: layers.N.self_attn.{q,k}_norm.weight [head_dim] too
 """
 
 from __future__ import annotations
@@ -95,6 +98,7 @@ def dflash_config(
     window (0: none)."""
     return {
         **llama_config(target, ARCHITECTURE),  # the Llama shape keys of a head of the target's width
+        "model_type": "qwen3" if target.qk_norm else "llama",  # z-lab's layer for the target's family
         "intermediate_size": intermediate_size or target.intermediate_size,
         "num_key_value_heads": num_kv_heads or target.num_kv_heads,
         "num_hidden_layers": num_layers,
@@ -136,7 +140,7 @@ class ContextWrite(Op):
         for i, layer in enumerate(head.layers):
             att = layer.self_attn
             width = 2 * att.n_kv * att.head_dim
-            a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv)
+            a.rope_write(kv[..., i * width : (i + 1) * width], cache, att.layer_idx, 0, att.n_kv, k_norm=att.k_norm)
 
 
 class BlockOut(Op):

@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel
+from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel, head_norm
 from engine.drafts.train_contract import Batch, Rows, shift
 from engine.errors import ConfigError
 
@@ -101,8 +101,8 @@ def _layers(head, x: Tensor, c: Tensor, ctx_pos: Tensor, block_pos: Tensor, atte
         heads, kv, d = att.n_heads, att.n_kv, att.head_dim
         hn = ops.norm(layer.input_layernorm, x)  # [R, n, hidden]
         joint = torch.cat([c, hn.to(c.dtype)], 1)  # [R, t + n, hidden]: the projections cast as they would each
-        q = ops.rope(att.q_proj(hn), bcos, bsin, heads)  # [R, H, n, D]
-        k = ops.rope(att.k_proj(joint), kcos, ksin, kv)  # [R, KV, t + n, D]
+        q = ops.rope(head_norm(att.q_norm, att.q_proj(hn), heads, ops), bcos, bsin, heads)  # [R, H, n, D]
+        k = ops.rope(head_norm(att.k_norm, att.k_proj(joint), kv, ops), kcos, ksin, kv)  # [R, KV, t + n, D]
         v = att.v_proj(joint).view(r, -1, kv, d).transpose(1, 2)
         o = attend(q, k, v, heads // kv)
         x = x + att.o_proj(o.transpose(1, 2).reshape(r, n, heads * d))

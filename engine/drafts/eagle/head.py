@@ -39,7 +39,8 @@ class EagleIn(Op):
         fc = head.fc
         x = cat_rmsnorm_gemv(table, hidden, None, None, 0.0, fc.weight, fc.bias, index1=rows, norm=False)  # [b, t, H]
         att = layer.self_attn
-        return x, a.rope_write(gemv(x, layer.qkv_weight, layer.qkv_bias), cache, 0, att.n_heads, att.n_kv)
+        qkv = gemv(x, layer.qkv_weight, layer.qkv_bias)  # [b, t, (heads + 2 kv) * d]
+        return x, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv, att.q_norm, att.k_norm)
 
 
 class EagleOut(Op):

@@ -11,7 +11,8 @@ EAGLE3 (public format, `architectures: ["LlamaForCausalLMEagle3"]`):
     tensors: fc.weight, midlayer.{input_layernorm,hidden_norm,post_attention_layernorm}.weight,
              midlayer.self_attn.{q,k,v,o}_proj.weight, midlayer.mlp.{gate,up,down}_proj.weight,
              norm.weight, lm_head.weight, d2t [draft_vocab] int64, t2d [vocab] bool
-    config:  draft_vocab_size, target_hidden_size, eagle_config.eagle_aux_hidden_state_layer_ids (output_of)
+    config:  draft_vocab_size, target_hidden_size (absent: hidden_size, as several public Qwen3 heads ship),
+             eagle_config.eagle_aux_hidden_state_layer_ids (output_of; absent: EAGLE3's default), head_dim
 
     Without `draft_vocab_size` in config.json the head predicts over the target's whole vocabulary
     through the target's lm_head (shared storage, frozen): no lm_head, d2t or t2d is stored. This is
@@ -68,7 +69,7 @@ class Eagle3In(Op):
             index1=rows,
         )  # [b, t, (heads + 2 kv) * d]
         att = m.self_attn
-        return g, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv)
+        return g, a.rope_write(qkv, cache, 0, att.n_heads, att.n_kv, att.q_norm, att.k_norm)
 
 
 class Eagle3Out(Op):
@@ -97,7 +98,8 @@ class Eagle3Head(HeadBase):
         a = self.args
         self.n_aux = len(cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"])
         self.draft_vocab_size = cfg.get("draft_vocab_size") or a.vocab_size
-        self.fc = nn.Linear(self.n_aux * cfg["target_hidden_size"], a.hidden_size, bias=False)
+        target_hidden = cfg.get("target_hidden_size", a.hidden_size)  # absent: the head's (sglang's reading)
+        self.fc = nn.Linear(self.n_aux * target_hidden, a.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(a)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         if cfg.get("draft_vocab_size") is not None:  # else the target's lm_head (shares_lm_head)
