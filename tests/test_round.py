@@ -328,6 +328,43 @@ def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
     assert gen.adaptive.seen[:5] == [(3, 1), (0, 1), (0, 0), (3, 0), (3, 1)]
 
 
+def test_a_k_0_round_runs_no_draft_and_captures_no_aux():
+    """A draft decoder's k = 0 round is the plain decode step: no draft forward and no aux hidden states in
+    the target's verify (forward hooks on the real EAGLE3 head and target, inside rounds only), while a
+    drafting round of the same decoder runs both; the output is the target's."""
+    from engine.speculative.adaptive_k import AdaptiveK
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1,), batch=1)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    gen = spec_generator(target, plan, head, gs, k, 1, params)
+    script = [0] * 6 + [3] * 9
+
+    class Scripted(AdaptiveK):
+        def choose(self, b, mix=None):
+            return script.pop(0)
+
+    gen.adaptive = Scripted({1: {0: 1.0, 3: 1.0}}, 3)
+    running, calls = [None], []  # the index of the round running (None: between rounds); (round, what) per forward
+    gen.phase_hook = lambda phase: running.__setitem__(0, gen.rounds if phase else None)
+    hooks = [
+        head.register_forward_hook(lambda m, i, o: calls.append((running[0], "draft"))),
+        target.register_forward_hook(
+            lambda m, i, o: calls.append((running[0], "plain" if o.aux_hidden_states is None else "aux"))
+        ),
+    ]
+    prompt = random_prompts(1, seed=7)
+    try:
+        got = gen.generate(prompt, params)[0].tokens
+    finally:
+        for h in hooks:
+            h.remove()
+    assert got == Generator(target, 1).generate(prompt, params)[0].tokens
+    assert [gen.ks_used[0], gen.ks_used[3]] == [6, 3]  # 1 + 6 + 3 x 4 >= 10 tokens: the k = 3 rounds ran too
+    k_0 = [what for r, what in calls if r is not None and r < 6]
+    drafting = {what for r, what in calls if r is not None and r >= 6}
+    assert k_0 == ["plain"] * 6 and drafting == {"draft", "aux"}
+
+
 def test_a_row_that_does_not_speculate_emits_what_k_0_would():
     """Through the scheduler, with the oracle draft (it proposes the target's own greedy continuation, so
     a speculating row keeps every draft): the row whose request turned speculation off keeps none and
