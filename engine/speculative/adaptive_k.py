@@ -18,9 +18,8 @@ Acceptance: c_i follows the rows that reached draft i (an exponential average fr
 more token than the best k, so a position the policy stopped drafting is measured again and k climbs
 back when it pays; while the best k stays 0 the interval doubles, up to `explore_max` (a probe from 0
 pays the draft's whole fixed cost), and falls back to `explore_every` once drafting pays or a round
-sees most of its rows keep a draft. Rows whose
-draft missed the last round (k = 0 rounds do not advance it: its first proposal is stale) and rows
-that do not speculate teach nothing about acceptance.
+sees most of its rows keep a draft. Rows whose draft missed the last round (k = 0 rounds do not
+advance it: its first proposal is stale) and rows that do not speculate teach nothing about acceptance.
 """
 
 from __future__ import annotations
