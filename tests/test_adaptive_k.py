@@ -88,3 +88,28 @@ def test_k_climbs_back_when_acceptance_rises():
     good = simulate(policy, 0.9, 1000, rng, behind)
     assert good.index(3) < 300 and good[-200:] == [3] * 200
     assert min(policy.rates[False]) > 0.8
+
+
+def test_a_k_not_run_lately_cannot_look_cheaper_than_the_k_that_runs():
+    """Served k = 0 rounds cost 3x the capture's replay (real kv lengths, the host): the drafting rounds'
+    table costs, never served, rise with them (plus the table's extra for the drafts), so a draft that is
+    never kept does not win on a stale price."""
+    policy = AdaptiveK(COSTS, 3, prior=0.8)
+    for _ in range(400):
+        policy.observe(3, [0], [])
+        policy.observe_cost(1, 0, False, 3.0, None)
+    assert policy.cost[1, 1, False] == 1.1  # its own estimate: the table's
+    assert [round(c, 2) for c in policy.round_costs(1, False).values()] == [3.0, 3.1, 3.2, 3.3]
+    assert policy.best(1) == 0 and policy.rates[False][0] < 0.05
+
+
+def test_probes_from_k_0_back_off_and_come_back_when_drafts_are_kept():
+    """At k = 0 a probe pays the draft's whole cost: the rounds between probes double (32, 64, 128, then
+    128), so 2000 rounds where nothing pays hold about 2 x 2000 / 128 probe rounds, not 2 x 2000 / 32;
+    a probe whose rows keep their drafts brings the interval back to 32, and k climbs back."""
+    policy, rng, behind = AdaptiveK(COSTS, 3), random.Random(1), [False]
+    simulate(policy, 0.9, 300, rng, behind)
+    bad = simulate(policy, 0.0, 2000, rng, behind)
+    assert bad[-1000:].count(0) == 1000 - 2 * 8 and policy._every[1] == 128
+    good = simulate(policy, 0.9, 400, rng, behind)
+    assert good.index(3) < 200 and good[-100:] == [3] * 100

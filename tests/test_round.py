@@ -328,6 +328,97 @@ def test_a_round_after_k_0_rounds_teaches_the_policy_nothing():
     assert gen.adaptive.seen[:5] == [(3, 1), (0, 1), (0, 0), (3, 0), (3, 1)]
 
 
+def test_a_k_0_round_runs_no_draft_and_captures_no_aux():
+    """A draft decoder's k = 0 round is the plain decode step: no draft forward and no aux hidden states in
+    the target's verify (forward hooks on the real EAGLE3 head and target, inside rounds only), while a
+    drafting round of the same decoder runs both; the output is the target's."""
+    from engine.speculative.adaptive_k import AdaptiveK
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1,), batch=1)
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    gen = spec_generator(target, plan, head, gs, k, 1, params)
+    script = [0] * 6 + [3] * 9
+
+    class Scripted(AdaptiveK):
+        def choose(self, b, mix=None):
+            return script.pop(0)
+
+    gen.adaptive = Scripted({1: {0: 1.0, 3: 1.0}}, 3)
+    running, calls = [None], []  # the index of the round running (None: between rounds); (round, what) per forward
+    gen.phase_hook = lambda phase: running.__setitem__(0, gen.rounds if phase else None)
+    hooks = [
+        head.register_forward_hook(lambda m, i, o: calls.append((running[0], "draft"))),
+        target.register_forward_hook(
+            lambda m, i, o: calls.append((running[0], "plain" if o.aux_hidden_states is None else "aux"))
+        ),
+    ]
+    prompt = random_prompts(1, seed=7)
+    try:
+        got = gen.generate(prompt, params)[0].tokens
+    finally:
+        for h in hooks:
+            h.remove()
+    assert got == Generator(target, 1).generate(prompt, params)[0].tokens
+    assert [gen.ks_used[0], gen.ks_used[3]] == [6, 3]  # 1 + 6 + 3 x 4 >= 10 tokens: the k = 3 rounds ran too
+    k_0 = [what for r, what in calls if r is not None and r < 6]
+    drafting = {what for r, what in calls if r is not None and r >= 6}
+    assert k_0 == ["plain"] * 6 and drafting == {"draft", "aux"}
+
+
+def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round():
+    """A batch that starts while the policy runs k = 0 does not prefill the draft; a batch started after
+    it on the same rows replaces it; the first drafting round prefills the draft for the latest one,
+    inside that round, to the state an eager prefill gives (the two decoders' draft buffers are equal
+    after the same rounds), and the output is the target's."""
+    from engine.speculative.adaptive_k import AdaptiveK
+
+    class Scripted(AdaptiveK):
+        def __init__(self, ks):
+            super().__init__({2: {0: 1.0, 3: 1.0}}, 3)
+            self.script = ks
+
+        def choose(self, b, mix=None):
+            return self.script.pop(0)
+
+    params = SamplingParams(max_new_tokens=10, ignore_eos=True)
+    prompts = random_prompts(6, seed=8)
+    gens, begins = [], []  # begins: (decoder, inside a round?) per draft prefill
+    for index in range(2):
+        target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
+        gen = spec_generator(target, plan, head, gs, k, 2, params)
+        begin, round_ = gen.draft.begin, gen.round
+        inside = [False]
+
+        def counted(*a, i=index, begin=begin, inside=inside, **kw):
+            begins.append((i, inside[0]))
+            return begin(*a, **kw)
+
+        def in_round(*a, round_=round_, inside=inside, **kw):
+            inside[0] = True
+            try:
+                return round_(*a, **kw)
+            finally:
+                inside[0] = False
+
+        gen.draft.begin, gen.round = counted, in_round
+        gens.append(gen)
+    late, eager = gens
+    late.adaptive = Scripted([0] * 20)
+    late.generate(prompts[:2], params)  # k = 0 throughout: the draft state is never read
+    assert begins == [(0, False)]  # the first batch's prefill ran at its start (no round had run yet)
+    late.generate(prompts[2:4], params)  # put off, never run: superseded
+    late.adaptive.script = [3] * 20
+    got = late.generate(prompts[4:], params)  # put off, then run by the first round (k = 3)
+    assert begins == [(0, False), (0, True)]
+    eager.adaptive = Scripted([3] * 20)
+    want = eager.generate(prompts[4:], params)
+    assert begins[-1] == (1, False)
+    assert [r.tokens for r in got] == [r.tokens for r in want]
+    assert [r.tokens for r in got] == [r.tokens for r in Generator(target, 2).generate(prompts[4:], params)]
+    for name in ("d_hidden", "d_next"):
+        assert torch.equal(late.draft.buf[name], eager.draft.buf[name]), name
+
+
 def test_a_row_that_does_not_speculate_emits_what_k_0_would():
     """Through the scheduler, with the oracle draft (it proposes the target's own greedy continuation, so
     a speculating row keeps every draft): the row whose request turned speculation off keeps none and

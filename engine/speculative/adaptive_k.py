@@ -10,13 +10,16 @@ does not pay at this batch size and temperature mix.
 
 Costs: t starts from the capture-time table (`measure_round_costs`: replays over dead rows, the greedy
 and sampled variants) and follows each served round's own time (launch to tokens on the host, at real
-kv lengths), h follows the gap since the previous round; both are exponential averages.
+kv lengths), h follows the gap since the previous round; both are exponential averages. A round of k
+drafts costs at least a served round of j < k plus the table's t(k) - t(j) (it does that work and
+more), so a k the server has not run lately cannot look cheaper than the k it runs.
 Acceptance: c_i follows the rows that reached draft i (an exponential average from `prior`, weight
-`alpha` a row). Recovery:
-every `explore_every` rounds of a bucket, `explore_rounds` rounds draft one more token than the best
-k, so a position the policy stopped drafting is measured again and k climbs back when it pays. Rows
-whose draft missed the last round (k = 0 rounds do not advance it: its first proposal is stale) and
-rows that do not speculate teach nothing about acceptance.
+`alpha` a row). Recovery: every `explore_every` rounds of a bucket, `explore_rounds` rounds draft one
+more token than the best k, so a position the policy stopped drafting is measured again and k climbs
+back when it pays; while the best k stays 0 the interval doubles, up to `explore_max` (a probe from 0
+pays the draft's whole fixed cost), and falls back to `explore_every` once drafting pays or a round
+sees most of its rows keep a draft. Rows whose draft missed the last round (k = 0 rounds do not
+advance it: its first proposal is stale) and rows that do not speculate teach nothing about acceptance.
 """
 
 from __future__ import annotations
@@ -57,19 +60,22 @@ class AdaptiveK:
         beta: float = 0.1,  # weight of a served round's time in its cost estimate
         explore_every: int = 32,
         explore_rounds: int = 2,
+        explore_max: int = 128,  # the longest interval between probes while k = 0
     ):
         if not costs or any(not per_k for per_k in costs.values()):
             raise ValueError("adaptive k needs a measured round cost per capture size and k")
         self.k_max, self.alpha, self.beta = k_max, alpha, beta
-        self.explore_every, self.explore_rounds = explore_every, explore_rounds
+        self.explore_every, self.explore_rounds, self.explore_max = explore_every, explore_rounds, explore_max
         self.sizes = sorted(costs)
         self._ks = {b: sorted(per_k) for b, per_k in costs.items()}
         sampled_costs = sampled_costs or costs
         self.cost = {(b, k, s): c[b][k] for s, c in ((False, costs), (True, sampled_costs)) for b in c for k in c[b]}
+        self.table_cost = dict(self.cost)  # the capture-time table: what a k costs more than a smaller one
         self.host = dict.fromkeys(self.sizes, 0.0)  # h(B)
         self.rates = {False: [prior] * k_max, True: [prior] * k_max}  # c_i per kind (sampled?)
-        self.rounds: Counter = Counter()  # rounds chosen per bucket (the exploration clock)
+        self.rounds: Counter = Counter()  # rounds chosen per bucket since its last probe (the exploration clock)
         self._explore_left = dict.fromkeys(self.sizes, 0)
+        self._every = dict.fromkeys(self.sizes, explore_every)  # rounds between probes, per bucket
 
     def bucket(self, b: int) -> int:
         return next((s for s in self.sizes if s >= b), self.sizes[-1])
@@ -89,20 +95,32 @@ class AdaptiveK:
         """The k with the most tokens per second for a round over b rows (None: b greedy rows); ties: the smaller."""
         mix, bucket = mix or Mix(greedy=b), self.bucket(b)
         greedy, sampled, host = self.expected_drafts(False), self.expected_drafts(True), self.host[bucket]
+        cost = self.round_costs(bucket, mix.sampled_round)
 
         def tokens_per_s(k: int) -> float:
             tokens = mix.rows + mix.greedy * greedy[k] + mix.sampled * sampled[k]
-            return tokens / (self.cost[bucket, k, mix.sampled_round] + host)
+            return tokens / (cost[k] + host)
 
         return max(self.ks(b), key=lambda k: (tokens_per_s(k), -k))
+
+    def round_costs(self, bucket: int, sampled_round: bool) -> dict[int, float]:
+        """{k: seconds} a round is expected to cost: its own estimate, or more where a smaller k's served
+        cost plus the table's difference says so."""
+        own = {k: self.cost[bucket, k, sampled_round] for k in self._ks[bucket]}
+        table = {k: self.table_cost[bucket, k, sampled_round] for k in own}
+        return {k: max(own[j] + table[k] - table[j] for j in own if j <= k) for k in own}
 
     def choose(self, b: int, mix: Optional[Mix] = None) -> int:
         """The round's k: the best, or in an exploration run the next larger one."""
         mix, bucket, ks = mix or Mix(greedy=b), self.bucket(b), self.ks(b)
         k = self.best(b, mix)
         self.rounds[bucket] += 1
-        if self.rounds[bucket] % self.explore_every == 0:
+        if self.rounds[bucket] >= self._every[bucket]:  # a probe; after one from k = 0, wait twice as long
+            self.rounds[bucket] = 0
             self._explore_left[bucket] = self.explore_rounds
+            self._every[bucket] = min(2 * self._every[bucket], self.explore_max) if k == 0 else self.explore_every
+        elif k > 0:
+            self._every[bucket] = self.explore_every
         if self._explore_left[bucket] and mix.greedy + mix.sampled and k < ks[-1]:
             self._explore_left[bucket] -= 1
             return ks[ks.index(k) + 1]
@@ -111,6 +129,9 @@ class AdaptiveK:
     def observe(self, k: int, greedy: list[int], sampled: list[int]) -> None:
         """A round of k drafts: the draft tokens accepted by each speculating row whose draft was current.
         Position i's rows (those that reached it) count as that many steps of the average, at their mean."""
+        rows = greedy + sampled
+        if k and rows and 2 * sum(a > 0 for a in rows) >= len(rows):  # most rows kept a draft: probe often again
+            self._every = dict.fromkeys(self.sizes, self.explore_every)
         for kind, accepted in ((False, greedy), (True, sampled)):
             rates, stopped, reach = self.rates[kind], [0] * (k + 1), len(accepted)
             for a in accepted:
@@ -134,7 +155,7 @@ class AdaptiveK:
     def describe(self, b: int) -> str:
         """What the policy holds for b rows now: each k's round cost, greedy / sampled, and the host's gap."""
         bucket = self.bucket(b)
-        ms = {s: " ".join(f"{1e3 * self.cost[bucket, k, s]:.2f}" for k in self.ks(b)) for s in (False, True)}
+        ms = {s: " ".join(f"{1e3 * c:.2f}" for c in self.round_costs(bucket, s).values()) for s in (False, True)}
         rates = {s: " ".join(f"{c:.2f}" for c in self.rates[s]) for s in (False, True)}
         return (
             f"{bucket} rows: round ms by k {self.ks(b)} greedy [{ms[False]}], sampled [{ms[True]}]; "

@@ -9,6 +9,8 @@ proposal in, the round replayed or run eagerly, its `out` copied to the host onc
 `SpecState` advanced). Rollback is free: validity is by position, so rejected slots are overwritten
 later; finished rows ride along writing the dummy slot. `Generator.generate` (eval) and
 engine/serve/scheduler.py (serve) drive it, so served greedy outputs are the eval's, token for token.
+With adaptive k at k = 0 a join's draft prefill waits for the next drafting round (k = 0 rounds read
+no draft state); a later join on the same rows replaces it.
 """
 
 from __future__ import annotations
@@ -76,6 +78,17 @@ def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int
             f"a prompt of {worst} tokens + eval.max_new_tokens={max_new_tokens}{extra} does not fit the KV cache",
             f">= {need}, or a smaller eval.max_new_tokens",
         )
+
+
+def _runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Sorted rows -> (first, count) of each run of consecutive ones."""
+    out: list[tuple[int, int]] = []
+    for r in rows:
+        if out and out[-1][0] + out[-1][1] == r:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((r, 1))
+    return out
 
 
 def _features(out: ForwardOutput, kind: FeatureKind) -> Optional[Tensor]:
@@ -168,6 +181,8 @@ class SpecDecoder:
         self.sampled = [False] * batch_size  # host mirror: which rows sample (a round of any: the sampled program)
         self.speculating = [True] * batch_size  # host mirror of the `speculate` buffer (written at start)
         self._behind = [False] * batch_size  # rows whose draft missed a round (k = 0): its next proposal is stale
+        self._put_off: list[tuple[set[int], slice, tuple]] = []  # draft prefills a k = 0 policy put off (below)
+        self._last_k: Optional[int] = None  # the last round's k
         self._t_end: Optional[float] = None  # perf_counter() at the last round's end (None: a prefill since)
         self.kind = draft.features if draft is not None else FeatureKind.none  # target features it reads
         self.mode = CaptureHiddenMode.FULL if self.kind != FeatureKind.none else CaptureHiddenMode.NULL
@@ -284,8 +299,27 @@ class SpecDecoder:
         if rows is None:
             self.buffers["live"][n:] = False
         if self.draft is not None:
-            feats = _features(pre.out, self.kind)
-            self.draft.begin(state, feats, pre.tokens, pre.valid, pre.embeds, first, rows=rows, draws=draws)
+            args = (state, _features(pre.out, self.kind), pre.tokens, pre.valid, pre.embeds, first, draws)
+            mine = set(range(sl.start, sl.stop))
+            for owned, _, _ in self._put_off:  # a prefill put off for these rows is theirs no more
+                owned -= mine
+            self._put_off = [p for p in self._put_off if p[0]]
+            if self.adaptive is not None and self.device_draft is not None and self._last_k == 0:
+                self._put_off.append((mine, sl, args))  # k = 0 rounds read no draft: prefill at the next k > 0
+            else:
+                self.draft.begin(*args[:6], rows=rows, draws=draws)
+
+    def _begin_put_off(self, state: SpecState) -> None:
+        """The draft prefills put off while rounds ran k = 0, for the rows still live that they still own,
+        before a drafting round (their draft then stands at the prompt's end: behind, if a round ran since)."""
+        for owned, sl, (st, feats, tokens, valid, embeds, first, draws) in self._put_off:
+            rows = [r for r in range(sl.start, sl.stop) if r in owned and state.live[r]]
+            for i, n in _runs(rows):  # each run of contiguous rows in one prefill: [i, i + n)
+                j = slice(i - sl.start, i - sl.start + n)
+                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
+                row_embeds = embeds[j] if embeds is not None else None
+                self.draft.begin(st, feats[j], tokens[j], valid[j], row_embeds, first[j], slice(i, i + n), part)
+        self._put_off = []
 
     def push_live(self, state: SpecState) -> None:
         """The host's live flags (rows that finished or left) to the device, for the next round."""
@@ -357,6 +391,12 @@ class SpecDecoder:
         if self.adaptive is not None:
             mix = self._mix(state, b, sampled)
             k = self.adaptive.choose(b, mix)
+        put_off_s = 0.0
+        if k and self._put_off:  # the joins' draft prefills: neither this round's time nor the host's gap
+            t1 = time.perf_counter()
+            self._begin_put_off(state)
+            put_off_s = time.perf_counter() - t1
+        self._last_k = k
         marks: list[tuple[str, object]] = [("draft", clock.mark())]
         if self._last_end is not None:  # the stream waited for the host since the last round
             clock.span("host", self._last_end, marks[0][1])
@@ -390,7 +430,8 @@ class SpecDecoder:
                 state.lengths[i] += len(new[i])
         self.ks_used[k] += 1
         if self.adaptive is not None:
-            self._observe(state, b, k, mix, acc, now - t0, t0 - self._t_end if self._t_end is not None else None)
+            host_s = t0 - self._t_end if self._t_end is not None else None
+            self._observe(state, b, k, mix, acc, now - t0 - put_off_s, host_s)
         self._t_end = now
         if self.device_draft is not None:  # a k = 0 round leaves the draft behind; a drafting round catches up
             self._behind[:b] = [k == 0 and live for live in state.live[:b]]

@@ -19,7 +19,8 @@ reads and advances it in place and costs one device->host copy: `out`, read by t
 
 Each phase is its own graph (engine/graphs/breakable.py `phase`). A side (target, draft) under policy
 none runs eagerly as a whole; under breakable / debug with SDPA its attentions run eagerly (the live
-kv_len); otherwise (full, or the Triton attention) it is captured whole. k = 0 is plain decoding.
+kv_len); otherwise (full, or the Triton attention) it is captured whole. k = 0 is plain decoding: no
+draft phase, no draft extend, no aux capture, whatever the run's draft.
 """
 
 from __future__ import annotations
@@ -141,8 +142,14 @@ class Round:
         return Verified(out[:, 1 : k + 2], out[:, 0], bonus, feats)
 
     def verify_forward(self, tokens: Tensor, positions: Tensor, valid: Tensor, kv_len: Live) -> tuple:
-        """The target on the k + 1 positions -> (logits, ids, the draft's features) (its side's policy)."""
-        out = self.target(tokens, positions, self.cache, valid=valid, kv_len=kv_len, greedy=not self.sampled)
+        """The target on the k + 1 positions -> (logits, ids, the draft's features) (its side's policy).
+        A round without a draft (k = 0) captures no aux hidden states: nothing reads them."""
+        t = self.target
+        saved, t.aux_layer_ids = t.aux_layer_ids, t.aux_layer_ids if self.draft is not None else ()
+        try:
+            out = t(tokens, positions, self.cache, valid=valid, kv_len=kv_len, greedy=not self.sampled)
+        finally:
+            t.aux_layer_ids = saved
         kind = self.draft.features if self.draft is not None else FeatureKind.none
         return out.logits, out.ids, getattr(out, FEATURES[kind]) if kind in FEATURES else None
 
