@@ -207,7 +207,7 @@ class MLPOut(Op):
                 norm.variance_epsilon,
                 layer.gate_up_weight,
                 layer.gate_up_bias,
-                swiglu=True,
+                glu="silu",
             )  # [b, t, h], [b, t, inter]
             return h, gemv(act, down.weight, down.bias)
         h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
