@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from engine.errors import ConfigError
 from engine.loading import describe_model, load_model
-from engine.model import LlamaModel, ModelArgs
+from engine.model import LlamaModel, ModelArgs, RMSNorm
 from engine.sampling import SamplingParams
 from engine.speculative.generate import Generator
 from pipeline.__main__ import run
@@ -86,6 +86,23 @@ def test_gemma3_1b_config_json_describes_its_layers_and_parameters():
         ours = LlamaModel(args, 64)
     assert args.num_params() == sum(p.numel() for p in hf.parameters()) == 999_885_952
     assert set(ours.state_dict()) == set(hf.state_dict())
+
+
+def test_a_random_gemma3_target_starts_with_unit_norms():
+    """model.random.model_type=gemma3_text: Gemma's layer, its norms' w at 0 (a scale of 1 + w = 1)."""
+    from engine.loading import random_args
+    from engine.model import init_normal_
+    from schema import RandomArchConfig
+
+    args = random_args(RandomArchConfig(model_type="gemma3_text"))
+    assert args.sandwich_norms and args.qk_norm and args.hidden_act == "gelu_pytorch_tanh"
+    model = init_normal_(LlamaModel(args, 32), 0)
+    norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
+    assert len(norms) == 6 * args.num_layers + 1 and all(
+        torch.equal(m.scale(), torch.ones_like(m.scale())) for m in norms
+    )
+    ids = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(_forward(model, ids).logits).all()
 
 
 @pytest.mark.parametrize("key", ["final_logit_softcapping", "attn_logit_softcapping"])
