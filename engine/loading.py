@@ -394,8 +394,8 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             (
                 "model.random.model_type",
                 r.model_type,
-                r.model_type in (types := SUPPORTED_MODEL_TYPES),
-                types,
+                r.model_type in SUPPORTED_MODEL_TYPES,
+                SUPPORTED_MODEL_TYPES,
                 "unknown",
             ),
         ]

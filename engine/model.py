@@ -282,7 +282,8 @@ class Attention(nn.Module):
     """GQA self-attention over a static cache. `in_features` > hidden for EAGLE3's [embed, hidden] input.
 
     `project` (q/k/v, RoPE, cache write) feeds `forward` (the attention over the live prefix of the
-    cache: the one call a breakable graph runs eagerly).
+    cache: the one call a breakable graph runs eagerly). With `args.qk_norm`, q_norm / k_norm (built by
+    `norm(head_dim, eps)`, RMSNorm by default) norm each q and k head before RoPE, on both paths.
     """
 
     def __init__(

@@ -15,6 +15,7 @@ from helpers.spec import build
 from helpers.train import TINY_TRAIN
 from mlflow import MlflowClient
 
+from engine.aux_layers import normalise
 from engine.errors import ConfigError
 from engine.loading import describe_model, load_model
 from engine.model import LlamaModel, ModelArgs, RMSNorm
@@ -113,8 +114,9 @@ def test_softcapping_is_refused_by_name(key):
 
 def test_logits_aux_states_and_windows_match_transformers():
     """Logits on both prefill paths (the masked one and SDPA's causal one, which the sliding layers
-    leave for the windowed mask), aux hidden states (input_of: transformers' hidden_states[i]), and the
-    window: 12 tokens past a window of 4 give other logits without it."""
+    leave for the windowed mask), aux hidden states in both conventions (input_of i: transformers'
+    hidden_states[i]; output_of i: hidden_states[i + 1]), and the window: 12 tokens past a window of 4
+    give other logits without it."""
     hf, ours = gemma3_pair()
     ours.set_aux_layers([0, 1, 3])
     ids = torch.randint(0, 320, (2, 12), generator=torch.Generator().manual_seed(1))
@@ -131,6 +133,11 @@ def test_logits_aux_states_and_windows_match_transformers():
         torch.testing.assert_close(ours.model.norm(aux[2]), ref.hidden_states[3], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(out.hidden_states, ref.hidden_states[3], rtol=1e-5, atol=1e-5)
     assert (wide - ref.logits).abs().max() > 1e-2
+    ours.set_aux_layers(normalise([0, 1], "output_of", 3))  # EAGLE3's convention: layer i's output
+    with torch.no_grad():
+        aux = _forward(ours, ids).aux_hidden_states.chunk(2, dim=-1)
+    for got, i in zip(aux, (0, 1)):
+        torch.testing.assert_close(got, ref.hidden_states[i + 1], rtol=1e-5, atol=1e-5)
 
 
 def test_greedy_generation_equals_transformers_and_batches_alike():

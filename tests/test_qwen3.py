@@ -28,11 +28,12 @@ from pipeline.__main__ import run
 from pipeline.tracking import default_tracking_uri
 
 FUSED = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the fused path's: CPU under the interpreter
 
 
 def _forward(model, ids: torch.Tensor):
     b, t = ids.shape
-    return model(ids, torch.arange(t).expand(b, t), model.new_cache(b), kv_len=t)
+    return model(ids, torch.arange(t, device=ids.device).expand(b, t), model.new_cache(b), kv_len=t)
 
 
 def test_logits_match_transformers_and_the_qk_norms_matter():
@@ -88,9 +89,10 @@ def test_fused_path_equals_plain_and_a_decode_row_is_batch_invariant():
     """The fused path (q/k norms inside the RoPE + cache-write kernel, the rows kernels, the Triton
     attention): the plain path's logits and aux states; a decode row's logits bitwise the same alone and
     beside other rows."""
-    _, target = qwen3_pair(max_seq_len=64)
+    target = qwen3_pair(max_seq_len=64)[1].to(DEVICE)
+    target.init_buffers(DEVICE)
     target.set_aux_layers([1, 3])
-    ids = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(5))
+    ids = torch.randint(0, 256, (3, 7), generator=torch.Generator().manual_seed(5)).to(DEVICE)
     with torch.no_grad():
         ref = _forward(target, ids)
         target.attention_kernel = True
@@ -102,8 +104,8 @@ def test_fused_path_equals_plain_and_a_decode_row_is_batch_invariant():
         def decode(rows: slice) -> torch.Tensor:  # a 6-token prefill, then one decode step of these rows
             b = rows.stop - rows.start
             cache = target.new_cache(b)
-            target(ids[rows, :6], torch.arange(6).expand(b, 6), cache, kv_len=6)
-            return target(ids[rows, 6:], torch.full((b, 1), 6), cache, kv_len=7).logits  # [b, 1, vocab]
+            target(ids[rows, :6], torch.arange(6, device=DEVICE).expand(b, 6), cache, kv_len=6)
+            return target(ids[rows, 6:], torch.full((b, 1), 6, device=DEVICE), cache, kv_len=7).logits  # [b, 1, V]
 
         assert torch.equal(decode(slice(0, 3))[1], decode(slice(1, 2))[0])
 
@@ -219,7 +221,7 @@ def round_trips(head, state: dict[str, torch.Tensor], path: Path, out: Path) -> 
     mine = head.state_dict()
     assert set(mine) == set(state)
     for k, v in state.items():
-        assert torch.equal(mine[k].to(v.dtype), v), k
+        assert torch.equal(mine[k].cpu().to(v.dtype), v), k
     head.save(out)
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         assert set(f.keys()) == set(state)
@@ -259,26 +261,28 @@ def test_dflash_drafter_in_z_labs_qwen3_layout_round_trips_and_its_qk_norms_coun
     """z-lab's layout in: Qwen3 layers with q/k norms; target_layer_ids [0, 2] (output_of) -> input_of [1, 3];
     block and mask token from the checkpoint. The drafter loads every tensor, saves the same ones, drafts
     losslessly, proposes the same on the fused path, and its q/k norms change its proposals (they are applied)."""
-    _, target = qwen3_pair()
+    target = qwen3_pair()[1].to(DEVICE)  # on the GPU where there is one: its fused path runs there
+    target.init_buffers(DEVICE)
     state = dflash_checkpoint(tmp_path / "in")
     ckpt = dict(init="checkpoint", path=str(tmp_path / "in"), num_steps=3)
     plan = plan_draft(draft_config("dflash", **ckpt), target.args)
     assert plan.aux.input_of == (1, 3) and plan.head_config["block_size"] == 4
     assert plan.head_config["mask_token_id"] == 300
-    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    head = load_head(plan, target, 0, DEVICE, torch.float32)
     assert head.args.qk_norm and head.layers[1].self_attn.k_norm.weight.shape == (32,)
     round_trips(head, state, tmp_path / "in", tmp_path / "out")
     drafts_losslessly(target, plan, head)
 
     target.set_aux_layers(plan.aux.input_of)
-    tokens = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    tokens = torch.randint(0, 256, (1, 6), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    pos = torch.arange(10, device=DEVICE)[None]  # the prompt's 6 positions, then the block's 4
 
     def proposal(h):  # the context of a 6-token prompt, then one block: logits [1, 3, vocab]
-        feats = target(tokens, torch.arange(6)[None], target.new_cache(1), kv_len=6).aux_hidden_states
+        feats = target(tokens, pos[:, :6], target.new_cache(1), kv_len=6).aux_hidden_states
         cache = h.new_cache(1)
-        h.write_context(feats, cache, h.attn_inputs(torch.arange(6)[None], None, 6))
-        block = torch.tensor([[5, 300, 300, 300]])
-        return h(block, cache, h.block_inputs(torch.arange(6, 10)[None], None, 6, torch.float32), 3, True).logits
+        h.write_context(feats, cache, h.attn_inputs(pos[:, :6], None, 6))
+        block = torch.tensor([[5, 300, 300, 300]], device=DEVICE)
+        return h(block, cache, h.block_inputs(pos[:, 6:], None, 6, torch.float32), 3, True).logits
 
     with torch.no_grad():
         ref = proposal(head)
