@@ -4,7 +4,8 @@
     written to the dummy slot) -> logits [b, t or 1, vocab], hidden [b, t, hidden], aux hidden states
     kv cache [layers, b, kv_heads, max_seq + 1, head_dim] (slot max_seq: the dummy)
 
-One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row.
+One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row (a
+sliding layer: p - window + 1..p).
 `forward` reads top to bottom; the fused kernels hide in the ops each layer calls (engine/ops.py), and
 the attention is the one call a breakable graph runs eagerly. Parameter names are Hugging Face's
 (`model.layers.N.self_attn.q_proj.weight`); aux layer ids follow `input_of` (id N: the last layer's
@@ -283,7 +284,8 @@ class Attention(nn.Module):
 
     `project` (q/k/v, RoPE, cache write) feeds `forward` (the attention over the live prefix of the
     cache: the one call a breakable graph runs eagerly). With `args.qk_norm`, q_norm / k_norm (built by
-    `norm(head_dim, eps)`, RMSNorm by default) norm each q and k head before RoPE, on both paths.
+    `norm(head_dim, eps)`, the model's RMSNorm kind by default) norm each q and k head before RoPE, on
+    both paths. `scale`: the scores' factor (Gemma's query_pre_attn_scalar ** -0.5; None: head_dim's).
     """
 
     def __init__(
@@ -292,15 +294,14 @@ class Attention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
-        self.scale = args.attn_scale  # None: SDPA's and the kernel's default, head_dim ** -0.5
+        self.scale = args.attn_scale
         h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         d_in = in_features or h
         self.q_proj = nn.Linear(d_in, q, bias=args.qkv_bias)
         self.k_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
-        # qk_norm: norm(head_dim, eps) over each q / k head before RoPE (the fused op reads its kernel_weight,
-        # eps); None: the model's RMSNorm (Gemma's scales by 1 + w)
+        # the fused op reads the q/k norms' kernel_weight and eps; Gemma's norms scale by 1 + w
         norm = norm or functools.partial(RMSNorm, unit_offset=args.norm_unit_offset)
         self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
