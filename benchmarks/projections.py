@@ -47,9 +47,9 @@ class Projection:
     def call(self, x, w, delta, norm_w):
         if self.kind == "plain":
             return gemv(x, w)
-        swiglu, argmax = self.kind == "swiglu", self.kind == "argmax"
+        glu, argmax = "silu" if self.kind == "swiglu" else None, self.kind == "argmax"
         d = None if self.kind == "logits" else delta
-        return add_rmsnorm_gemv(x, d, norm_w, 1e-5, w, swiglu=swiglu, argmax=argmax)[1]
+        return add_rmsnorm_gemv(x, d, norm_w, 1e-5, w, glu=glu, argmax=argmax)[1]
 
     def bytes(self, m: int) -> int:
         out = {"swiglu": self.n // 2, "argmax": 0}.get(self.kind, self.n) * m * 2

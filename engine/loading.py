@@ -35,7 +35,8 @@ from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+WINDOWED_MODEL_TYPES = ("gemma3_text",)  # whose sliding_attention layers the target implements
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 
@@ -72,13 +73,21 @@ def _check_model_type(cfg_json: dict, where: str) -> None:
     windowed = "sliding_attention" in (cfg_json.get("layer_types") or ()) or (
         cfg_json.get("use_sliding_window") and cfg_json.get("max_window_layers", 0) < cfg_json["num_hidden_layers"]
     )  # Qwen2 / Qwen3: layers from max_window_layers on attend over a window this target does not implement
-    if windowed:
+    if windowed and mt not in WINDOWED_MODEL_TYPES:
         raise ConfigError(
             "model.path",
             where,
             "config.json has sliding-window layers (use_sliding_window, layer_types)",
             "a checkpoint whose layers all attend globally",
         )
+
+
+def _hf_args(cfg_json: dict, where: str) -> ModelArgs:
+    """ModelArgs of a config.json; a value it cannot run (a softcapping, an activation) names its key."""
+    try:
+        return ModelArgs.from_hf_config(cfg_json)
+    except ValueError as e:
+        raise ConfigError("model.path", where, f"config.json: {e}") from None
 
 
 # ------------------------------------------------------------------------------------------- hf dirs
@@ -118,7 +127,7 @@ def _load_hf_dir(path: Path, max_seq_len: int) -> LoadedModel:
     from safetensors import safe_open
 
     cfg = _read_hf_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    args = _hf_args(cfg, str(path))
     with torch.device("meta"):
         model = LlamaModel(args, max_seq_len)
     state: dict[str, torch.Tensor] = {}
@@ -333,7 +342,8 @@ def _describe_hf(cfg, weights_dir: Path) -> ModelArgs:
         raise ConfigError(
             "model.path", cfg.path, "model.source=hf needs a directory", "a local HF checkpoint directory"
         )
-    return ModelArgs.from_hf_config(_read_hf_config(Path(cfg.path).expanduser()))
+    path = Path(cfg.path).expanduser()
+    return _hf_args(_read_hf_config(path), str(path))
 
 
 def _load_hf(cfg, weights_dir: Path, device=None, dtype=None) -> LoadedModel:

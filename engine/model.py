@@ -1,19 +1,25 @@
-"""The target model: one Llama-family transformer (Llama, SmolLM2, Mistral, Qwen2, Qwen3) over a static KV cache.
+"""The target model: one transformer (Llama, SmolLM2, Mistral, Qwen2, Qwen3, Gemma 3) over a static KV cache.
 
     tokens [b, t] (or input_embeds [b, t, hidden]), positions [b, t], valid [b, t] (False: padding,
     written to the dummy slot) -> logits [b, t or 1, vocab], hidden [b, t, hidden], aux hidden states
     kv cache [layers, b, kv_heads, max_seq + 1, head_dim] (slot max_seq: the dummy)
 
-One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row.
+One forward serves prefill, decode and verify; a token at position p sees slots 0..p of its row (a
+sliding layer: p - window + 1..p).
 `forward` reads top to bottom; the fused kernels hide in the ops each layer calls (engine/ops.py), and
 the attention is the one call a breakable graph runs eagerly. Parameter names are Hugging Face's
 (`model.layers.N.self_attn.q_proj.weight`); aux layer ids follow `input_of` (id N: the last layer's
 output). RMSNorm and RoPE compute in float32, as transformers does: fp32 logits match it to ~1e-6.
-Qwen3's q/k norms (`qk_norm`) normalise each q and k head over head_dim before RoPE.
+Architectures differ only in ModelArgs fields: Qwen3's and Gemma 3's q/k norms (`qk_norm`: each q and k
+head normed over head_dim before RoPE) and Gemma 3's (`ARCH_FIELDS`): the norm's (1 + w), the MLP's
+activation, the norms on each sublayer's output, the embedding scale, per-layer sliding windows and their
+RoPE base. The layer, attention and MLP are written once.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -51,6 +57,14 @@ class ModelArgs:
     max_position_embeddings: int = 2048
     bos_token_id: Optional[int] = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS): silu (SwiGLU), gelu_pytorch_tanh (GeGLU)
+    norm_unit_offset: bool = False  # Gemma: every RMSNorm scales by (1 + w), in float32
+    sandwich_norms: bool = False  # Gemma: norms on the attention's and the MLP's outputs too (see DecoderLayer)
+    embed_scale: float = 1.0  # token embeddings times this (Gemma: sqrt(hidden)), in their dtype
+    attn_scale: Optional[float] = None  # scores times this; None: head_dim ** -0.5
+    sliding_window: int = 0  # positions a sliding_attention layer sees (its own included)
+    layer_types: tuple[str, ...] = ()  # per layer: full_attention | sliding_attention; (): all full
+    rope_local_theta: Optional[float] = None  # the sliding layers' RoPE base (no scaling); None: rope_theta
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any]) -> "ModelArgs":
@@ -63,7 +77,7 @@ class ModelArgs:
         attention_bias = bool(cfg.get("attention_bias", False))
         eos = cfg.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        return cls(
+        fields = cls(
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],
@@ -82,12 +96,19 @@ class ModelArgs:
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
+            hidden_act=cfg.get("hidden_act", "silu"),
         )
+        arch = ARCH_FIELDS.get(model_type)
+        args = dataclasses.replace(fields, **arch(cfg)) if arch else fields
+        if args.hidden_act not in ACTIVATIONS:
+            raise ValueError(f"hidden_act={args.hidden_act!r} is not supported; valid: {sorted(ACTIVATIONS)}")
+        return args
 
     def num_params(self) -> int:
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + 2 * h + (2 * self.head_dim if self.qk_norm else 0)
+        norms = (4 if self.sandwich_norms else 2) * h + (2 * self.head_dim if self.qk_norm else 0)
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * i + norms
         return v * h * (1 if self.tie_word_embeddings else 2) + self.num_layers * per_layer + h
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
@@ -95,15 +116,50 @@ class ModelArgs:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * elem
 
 
+def _gemma3_fields(cfg: dict[str, Any]) -> dict[str, Any]:
+    """Gemma 3 text (transformers 4.x keys rope_theta / rope_local_base_freq / rope_scaling /
+    sliding_window_pattern, or 5.x rope_parameters per layer type and layer_types)."""
+    for key in ("final_logit_softcapping", "attn_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):  # Gemma 2's softcaps, EmbeddingGemma's bidirectional attention: not implemented
+            raise ValueError(f"{key}={cfg[key]!r} is not supported; valid: null (as Gemma 3's text models)")
+    n, rope = cfg["num_hidden_layers"], cfg.get("rope_parameters") or {}
+    full = dict(rope.get("full_attention") or cfg.get("rope_scaling") or {})
+    local = dict(rope.get("sliding_attention") or {})
+    rope_type = full.get("rope_type", full.get("type", "default"))
+    pattern = cfg.get("sliding_window_pattern", 6)
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    return dict(
+        hidden_act=cfg.get("hidden_activation") or cfg.get("hidden_act") or "gelu_pytorch_tanh",
+        norm_unit_offset=True,
+        sandwich_norms=True,
+        qk_norm=True,
+        embed_scale=cfg["hidden_size"] ** 0.5,
+        attn_scale=cfg.get("query_pre_attn_scalar", 256) ** -0.5,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+        rope_theta=float(full.get("rope_theta", cfg.get("rope_theta", 1_000_000.0))),
+        rope_scaling=None if rope_type == "default" else {**full, "rope_type": rope_type},
+        rope_local_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10_000.0))),
+        sliding_window=cfg.get("sliding_window") or 0,
+        layer_types=tuple(types),
+    )
+
+
+ARCH_FIELDS = {"gemma3_text": _gemma3_fields}  # model_type -> its ModelArgs fields beyond Llama's
+LAYER_TYPES = ("full_attention", "sliding_attention")  # Hugging Face's names
+
+
 def init_normal_(module: nn.Module, seed: int, std: float = 0.02) -> nn.Module:
-    """Normal(0, std) weights, unit norms, zero biases (transformers' Llama init), from a fixed seed, drawn
-    on the parameters' device (a CPU draw is the same on every host)."""
+    """Normal(0, std) weights, unit norms (w = 1, or w = 0 where the norm scales by 1 + w), zero biases
+    (transformers' init), from a fixed seed, drawn on the parameters' device (a CPU draw is the same on
+    every host)."""
     device = next(module.parameters()).device
     g = torch.Generator(device).manual_seed(seed)
+    offset = {n + ".weight" for n, m in module.named_modules() if getattr(m, "unit_offset", False)}
     with torch.no_grad():
         for name, p in module.named_parameters():
             if name.endswith("norm.weight"):
-                p.fill_(1.0)
+                p.fill_(0.0 if name in offset else 1.0)
             elif name.endswith("bias"):
                 p.zero_()
             elif device.type == "cpu":
@@ -140,8 +196,11 @@ def _inv_freq_llama3(args: ModelArgs) -> Tensor:
 ROPE_INV_FREQ = {"default": _inv_freq_default, "linear": _inv_freq_linear, "llama3": _inv_freq_llama3}
 
 
-def rope_tables(args: ModelArgs, max_seq_len: int) -> tuple[Tensor, Tensor]:
-    """cos, sin: [max_seq_len, head_dim] in float32 (the half-rotation layout of HF Llama)."""
+def rope_tables(args: ModelArgs, max_seq_len: int, layer_type: str = "full_attention") -> tuple[Tensor, Tensor]:
+    """cos, sin: [max_seq_len, head_dim] in float32 (the half-rotation layout of HF Llama); a
+    sliding_attention layer's with rope_local_theta (Gemma 3: its own base, no scaling)."""
+    if layer_type == "sliding_attention" and args.rope_local_theta is not None:
+        args = dataclasses.replace(args, rope_theta=args.rope_local_theta, rope_scaling=None)
     rope_type = (args.rope_scaling or {}).get("rope_type", "default")
     if rope_type not in ROPE_INV_FREQ:
         raise ValueError(f"rope_scaling.rope_type={rope_type!r} is not supported; valid: {sorted(ROPE_INV_FREQ)}")
@@ -189,16 +248,39 @@ class StaticKVCache:
 
 # --------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """w * rmsnorm(x), the normed value rounded to x's dtype first (Llama); with unit_offset (Gemma),
+    round(rmsnorm(x) * (1 + w)) in float32, w starting at 0. The fused kernels multiply by
+    `kernel_weight`: w, or 1 + w folded in float32 once by `fuse()`."""
+
+    def __init__(self, dim: int, eps: float, unit_offset: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.zeros(dim) if unit_offset else torch.ones(dim))
+        self.variance_epsilon, self.unit_offset = eps, unit_offset
+        self.folded: Optional[Tensor] = None  # 1 + w in float32, set by fuse()
 
     def forward(self, x: Tensor) -> Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.unit_offset:
+            return (x * (1.0 + self.weight.float())).to(dtype)
         return self.weight * x.to(dtype)
+
+    def scale(self) -> Tensor:
+        """What the normed value is multiplied by: w, or 1 + w in float32 (a draft head's init copies it)."""
+        return 1.0 + self.weight.float() if self.unit_offset else self.weight
+
+    def fuse(self) -> None:
+        if self.unit_offset:
+            self.folded = self.scale().detach().contiguous()
+
+    @property
+    def kernel_weight(self) -> Tensor:
+        return self.weight if self.folded is None else self.folded
+
+
+def make_norm(args: ModelArgs, dim: Optional[int] = None) -> RMSNorm:
+    return RMSNorm(dim or args.hidden_size, args.rms_norm_eps, args.norm_unit_offset)
 
 
 class Attention(nn.Module):
@@ -206,20 +288,25 @@ class Attention(nn.Module):
 
     `project` (q/k/v, RoPE, cache write) feeds `forward` (the attention over the live prefix of the
     cache: the one call a breakable graph runs eagerly). With `args.qk_norm`, q_norm / k_norm (built by
-    `norm(head_dim, eps)`, RMSNorm by default) norm each q and k head before RoPE, on both paths.
+    `norm(head_dim, eps)`, the model's RMSNorm kind by default) norm each q and k head before RoPE, on
+    both paths. `scale`: the scores' factor (Gemma's query_pre_attn_scalar ** -0.5; None: head_dim's).
     """
 
-    def __init__(self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None, norm: Callable = RMSNorm):
+    def __init__(
+        self, args: ModelArgs, layer_idx: int, in_features: Optional[int] = None, norm: Optional[Callable] = None
+    ):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_heads, self.n_kv, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.scale = args.attn_scale
         h, q, kv = args.hidden_size, args.num_heads * args.head_dim, args.num_kv_heads * args.head_dim
         d_in = in_features or h
         self.q_proj = nn.Linear(d_in, q, bias=args.qkv_bias)
         self.k_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.v_proj = nn.Linear(d_in, kv, bias=args.qkv_bias)
         self.o_proj = nn.Linear(q, h, bias=args.o_bias)
-        # qk_norm: norm(head_dim, eps) over each q / k head before RoPE (the fused op reads its weight, eps)
+        # the fused op reads the q/k norms' kernel_weight and eps; Gemma's norms scale by 1 + w
+        norm = norm or functools.partial(RMSNorm, unit_offset=args.norm_unit_offset)
         self.q_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = norm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
 
@@ -268,42 +355,56 @@ class Attention(nn.Module):
         gqa = self.n_kv != self.n_heads
         if a.causal:
             out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True, enable_gqa=gqa
+                q, k_cache[:, :, :t], v_cache[:, :, :t], is_causal=True, enable_gqa=gqa, scale=self.scale
             )
         elif a.kernel:
             one_split = a.max_rows is not None and b * t > a.max_rows
-            out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=1 if one_split else None, qlo=a.qlo)
+            splits = 1 if one_split else None
+            out = decode_attention(q, k_cache, v_cache, a.qpos, num_splits=splits, qlo=a.qlo, scale=self.scale)
         else:
             mask = a.mask()  # [b, 1, t, kv_len]
             kv_len = mask.shape[-1]
             out = F.scaled_dot_product_attention(
-                q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=gqa
+                q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask, enable_gqa=gqa, scale=self.scale
             )  # [b, heads, t, d]
         return out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)
 
 
+ACTIVATIONS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # HF's names
+
+
 class MLP(nn.Module):
+    """down(act(gate(x)) * up(x)): SwiGLU (silu) or GeGLU (gelu_pytorch_tanh); `act` names the fused
+    projection's epilogue too (kernels/gemv.py GLU_EPILOGUES)."""
+
     def __init__(self, args: ModelArgs):
         super().__init__()
         h, i = args.hidden_size, args.intermediate_size
         self.gate_proj = nn.Linear(h, i, bias=args.mlp_bias)
         self.up_proj = nn.Linear(h, i, bias=args.mlp_bias)
         self.down_proj = nn.Linear(i, h, bias=args.mlp_bias)
+        self.act = args.hidden_act
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(ACTIVATIONS[self.act](self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    """A Llama layer over the residual stream carried as (x, delta) (engine/ops.py): its ops pick the
-    plain-torch or the fused path, once."""
+    """A layer over the residual stream carried as (x, delta) (engine/ops.py): its ops pick the
+    plain-torch or the fused path, once. Norms in HF's names: Llama's post_attention_layernorm is the
+    MLP's input norm; with sandwich_norms (Gemma) it norms the attention's output, and
+    pre_feedforward_layernorm / post_feedforward_layernorm the MLP's input / output (ops.sublayer_norms).
+    `layer_type`: full_attention, or sliding_attention (a window and its own RoPE tables)."""
 
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
+        self.layer_type = args.layer_types[layer_idx] if args.layer_types else "full_attention"
         self.self_attn = Attention(args, layer_idx)
         self.mlp = MLP(args)
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.input_layernorm = make_norm(args)
+        self.post_attention_layernorm = make_norm(args)
+        if args.sandwich_norms:
+            self.pre_feedforward_layernorm, self.post_feedforward_layernorm = make_norm(args), make_norm(args)
         self.qkv_in, self.mlp_out = QKVIn(self), MLPOut(self)
 
     def forward(
@@ -322,6 +423,9 @@ class DecoderLayer(nn.Module):
         att, mlp = self.self_attn, self.mlp
         self.qkv_weight, self.qkv_bias = fuse_linears([att.q_proj, att.k_proj, att.v_proj])
         self.gate_up_weight, self.gate_up_bias = fuse_gate_up(mlp)
+        for m in self.modules():
+            if isinstance(m, RMSNorm):
+                m.fuse()
         self.qkv_in.fuse()
         self.mlp_out.fuse()
 
@@ -343,7 +447,7 @@ def fuse_linears(mods: list[nn.Linear]) -> tuple[Tensor, Optional[Tensor]]:
 
 def fuse_gate_up(mlp: "MLP") -> tuple[Tensor, Optional[Tensor]]:
     """The MLP's gate and up rows interleaved in one weight [2I, H] (g0, u0, g1, u1, ...: the layout of
-    add_rmsnorm_gemv's SwiGLU epilogue); gate_proj / up_proj become its even / odd row views."""
+    add_rmsnorm_gemv's gated epilogue); gate_proj / up_proj become its even / odd row views."""
     g, u = mlp.gate_proj, mlp.up_proj
     w = interleave_gate_up(g.weight, u.weight).contiguous()
     bias = interleave_gate_up(g.bias, u.bias).contiguous() if g.bias is not None else None
@@ -361,7 +465,7 @@ class _Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = make_norm(args)
 
 
 @dataclass
@@ -394,14 +498,17 @@ class LlamaModel(nn.Module):
         self.batch_invariant = True  # set_batch_invariant
 
     def init_buffers(self, device: Optional[torch.device] = None) -> None:
-        """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast)."""
-        with torch.device("cpu"):
-            cos, sin = rope_tables(self.args, self.max_seq_len + 1)  # [max_seq + 1, head_dim]
+        """(Re)build the RoPE tables in float32 on `device` (after meta-init or a dtype cast): rope_cos /
+        rope_sin, and with sliding_attention layers local_cos / local_sin (their own base, if any)."""
         device = device or self.lm_head.weight.device
-        if device.type == "meta":
-            cos, sin = cos.to("meta"), sin.to("meta")
-        self.register_buffer("rope_cos", cos.to(device), persistent=False)
-        self.register_buffer("rope_sin", sin.to(device), persistent=False)
+        tables = {"rope": "full_attention"}
+        if "sliding_attention" in self.args.layer_types:
+            tables["local"] = "sliding_attention"
+        for name, layer_type in tables.items():
+            with torch.device("cpu"):
+                cos, sin = rope_tables(self.args, self.max_seq_len + 1, layer_type)  # [max_seq + 1, head_dim]
+            self.register_buffer(f"{name}_cos", cos.to(device), persistent=False)
+            self.register_buffer(f"{name}_sin", sin.to(device), persistent=False)
 
     # -- configuration --------------------------------------------------------------------------
     def set_aux_layers(self, ids: list[int] | tuple[int, ...]) -> None:
@@ -442,6 +549,23 @@ class LlamaModel(nn.Module):
             max_rows=None if self.batch_invariant else THROUGHPUT_ROWS,
         )
 
+    def layer_inputs(self, a: AttnInputs) -> dict[str, AttnInputs]:
+        """Each layer type's metadata: full_attention's is `a`; sliding_attention's reads slots > p - window
+        and its own RoPE tables (one per call, shared by the layers of that type)."""
+        out = {"full_attention": a}
+        if "sliding_attention" in self.args.layer_types:
+            window = self.args.sliding_window or self.max_seq_len + 1  # no window: every slot
+            out["sliding_attention"] = a.windowed(window, self.local_cos, self.local_sin)
+        return out
+
+    def embed(self, tokens: Tensor) -> Tensor:
+        """tokens [b, t] -> what the first layer takes [b, t, hidden]: the embedding times embed_scale,
+        rounded to the embedding's dtype first (as transformers' Gemma3TextScaledWordEmbedding)."""
+        x = self.model.embed_tokens(tokens)
+        if self.args.embed_scale == 1.0:
+            return x
+        return x * float(torch.tensor(self.args.embed_scale, dtype=x.dtype))
+
     def forward(
         self,
         tokens: Optional[Tensor],  # [batch, seq] int64
@@ -457,11 +581,13 @@ class LlamaModel(nn.Module):
     ) -> ForwardOutput:
         """With `causal`, padding queries read slots this call did not write (their outputs are
         meaningless; no valid position reads them). The aux layers are read at each call."""
-        x = input_embeds if input_embeds is not None else self.model.embed_tokens(tokens)  # [b, t, hidden]
+        x = input_embeds if input_embeds is not None else self.embed(tokens)  # [b, t, hidden]
         a = self.attn_inputs(positions, valid, cache, x.dtype, kv_len, causal)
+        by_type = self.layer_inputs(a)
         aux, delta, embeds = [], None, x
         for i, layer in enumerate(self.model.layers):
-            x, delta = layer(x, delta, cache, a, keep=aux if i in self.aux_layer_ids else None)
+            keep = aux if i in self.aux_layer_ids else None
+            x, delta = layer(x, delta, cache, by_type[layer.layer_type], keep=keep)
         x, hidden = self.final_norm(x, delta)  # [b, t, hidden]: the last stream, normed
         if self.args.num_layers in self.aux_layer_ids:
             aux.append(x)
@@ -518,6 +644,7 @@ class LlamaModel(nn.Module):
         """Switch to the fused Triton path (kernels/fused.py); projections are fused in place."""
         for layer in self.model.layers:
             layer.fuse_projections()
+        self.model.norm.fuse()
         self.final_norm.fuse()
         self.head.fuse()
         self.fused = True

@@ -3,8 +3,10 @@ once by `fuse()`, so a layer calls the op and never branches (vLLM's CustomOp).
 
     AttnInputs                 per-call attention metadata every layer reads: slots, RoPE rows, query bounds,
                                which attention runs, the live kv_len (a `Live` box an eager replay refreshes)
-    QKVIn(layer)               (x, delta) -> (h = x + delta, q [b, heads, t, d]): norm, q/k/v, RoPE, k/v write
-    MLPOut(layer)              (h, o [b, t, heads * d]) -> (h + o_proj(o), mlp(norm(...))): the next delta
+    QKVIn(layer)               (x, delta) -> (h = x + delta, q [b, heads, t, d]): norm, q/k/v, (q/k norms),
+                               RoPE, k/v write
+    MLPOut(layer)              (h, o [b, t, heads * d]) -> (h + o_proj(o), mlp(norm(...))): the next delta;
+                               with Gemma's sandwich norms, each sublayer's output normed before it is added
 
 The residual stream is carried as (x, delta): a sublayer's output is added by the next norm, which the
 fused path does in one kernel. Ops hold no parameters of their own (state_dict names are the layer's).
@@ -14,6 +16,7 @@ and cuBLAS for prefills; an op built with `always_rows` (the EAGLE heads) runs t
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass, field
 from typing import Optional
@@ -113,6 +116,14 @@ class AttnInputs:
             slots = positions
         return cls(slots, positions, positions, dummy_slot, rope_cos, rope_sin, dtype, **kw)
 
+    def windowed(self, window: int, rope_cos: Tensor, rope_sin: Tensor) -> "AttnInputs":
+        """A sliding-window layer's metadata: each query reads slots > its position - window (qlo), RoPE
+        from these tables; the same slots, bounds and live kv_len. SDPA's causal kernel has no window:
+        a windowed causal call runs on the mask (or the Triton kernel)."""
+        qlo = (self.rope_pos - (window - 1)).clamp(min=0)  # [b, t]
+        fields = dict(qlo=qlo, rope_cos=rope_cos, rope_sin=rope_sin, causal=False, _mask=(None, None))
+        return dataclasses.replace(self, **fields)
+
     @functools.cached_property
     def cos(self) -> Tensor:
         """[b, 1, t, head_dim] in the activations' dtype (the plain path's apply_rope)."""
@@ -135,7 +146,7 @@ class AttnInputs:
 
     def rope_write(self, qkv: Tensor, cache, layer: int, heads: int, kv_heads: int, q_norm=None, k_norm=None) -> Tensor:
         """qkv [b, t, (heads + 2 kv) * d] -> q [b, heads, t, d]; k (RoPE'd), v written at the slots.
-        q_norm / k_norm: the attention's per-head norm modules (Qwen3), applied before RoPE in the kernel."""
+        q_norm / k_norm: the attention's per-head norms (Qwen3, Gemma 3: their kernel_weight), before RoPE."""
         eps = k_norm.variance_epsilon if k_norm is not None else 1e-6
         return rope_cache_write(
             qkv,
@@ -147,8 +158,8 @@ class AttnInputs:
             cache.v[layer],
             heads,
             kv_heads,
-            None if q_norm is None else q_norm.weight,
-            None if k_norm is None else k_norm.weight,
+            None if q_norm is None else q_norm.kernel_weight,
+            None if k_norm is None else k_norm.kernel_weight,
             eps,
         )
 
@@ -170,8 +181,22 @@ class Op:
         return self.always_rows or rows_kernel(x, a.max_rows)
 
 
+def sublayer_norms(layer) -> tuple:
+    """(attention output norm or None, MLP input norm, MLP output norm or None) of a layer, by HF's
+    names: a layer with pre_feedforward_layernorm (Gemma) norms both sublayers' outputs."""
+    pre = getattr(layer, "pre_feedforward_layernorm", None)
+    if pre is None:
+        return None, layer.post_attention_layernorm, None
+    return layer.post_attention_layernorm, pre, layer.post_feedforward_layernorm
+
+
+def _normed(norm, y: Tensor) -> Tensor:
+    """y normed by `norm` on the fused path (a row kernel: batch-invariant); y without a norm."""
+    return y if norm is None else add_rmsnorm(y, None, norm.kernel_weight, norm.variance_epsilon)[1]
+
+
 class QKVIn(Op):
-    """input_layernorm, q/k/v, RoPE and the cache write of a Llama layer: (x, delta) -> (h, q)."""
+    """input_layernorm, q/k/v, q/k norms, RoPE and the cache write of a layer: (x, delta) -> (h, q)."""
 
     def forward_native(self, x: Tensor, delta: Optional[Tensor], cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
         layer = self.layer
@@ -180,38 +205,44 @@ class QKVIn(Op):
 
     def forward_fused(self, x: Tensor, delta: Optional[Tensor], cache, a: AttnInputs) -> tuple[Tensor, Tensor]:
         layer, att, norm = self.layer, self.layer.self_attn, self.layer.input_layernorm
+        w, eps = norm.kernel_weight, norm.variance_epsilon
         if self.rows(x, a):  # decode / verify: the norm in the projection's prologue
-            h, qkv = add_rmsnorm_gemv(x, delta, norm.weight, norm.variance_epsilon, layer.qkv_weight, layer.qkv_bias)
+            h, qkv = add_rmsnorm_gemv(x, delta, w, eps, layer.qkv_weight, layer.qkv_bias)
         else:
-            h, n = add_rmsnorm(x, delta, norm.weight, norm.variance_epsilon)
+            h, n = add_rmsnorm(x, delta, w, eps)
             qkv = F.linear(n, layer.qkv_weight, layer.qkv_bias)  # [b, t, (heads + 2 kv) * d]
         return h, a.rope_write(qkv, cache, att.layer_idx, att.n_heads, att.n_kv, att.q_norm, att.k_norm)
 
 
 class MLPOut(Op):
-    """o_proj, + residual, post_attention_layernorm and the SwiGLU MLP: (h, o) -> (h, the MLP's output)."""
+    """o_proj, + residual, the MLP's input norm and the gated MLP (sublayer_norms: Gemma's outputs normed
+    too): (h, o) -> (h, the MLP's output: the next delta)."""
 
     def forward_native(self, h: Tensor, o: Tensor, a: AttnInputs) -> tuple[Tensor, Tensor]:
         layer = self.layer
-        h = h + layer.self_attn.o_proj(o)
-        return h, layer.mlp(layer.post_attention_layernorm(h))
+        attn_out, mlp_in, mlp_out = sublayer_norms(layer)
+        o = layer.self_attn.o_proj(o)  # [b, t, hidden]
+        h = h + (o if attn_out is None else attn_out(o))
+        y = layer.mlp(mlp_in(h))
+        return h, (y if mlp_out is None else mlp_out(y))
 
     def forward_fused(self, h: Tensor, o: Tensor, a: AttnInputs) -> tuple[Tensor, Tensor]:
-        layer, norm = self.layer, self.layer.post_attention_layernorm
+        layer = self.layer
+        attn_out, norm, mlp_out = sublayer_norms(layer)
         o_proj, down = layer.self_attn.o_proj, layer.mlp.down_proj
-        if self.rows(h, a):  # three row kernels: the norm in a prologue, SwiGLU in an epilogue
+        if self.rows(h, a):  # three row kernels: the norm in a prologue, the gated activation in an epilogue
             h, act = add_rmsnorm_gemv(
                 h,
-                gemv(o, o_proj.weight, o_proj.bias),
-                norm.weight,
+                _normed(attn_out, gemv(o, o_proj.weight, o_proj.bias)),
+                norm.kernel_weight,
                 norm.variance_epsilon,
                 layer.gate_up_weight,
                 layer.gate_up_bias,
-                swiglu=True,
+                glu=layer.mlp.act,
             )  # [b, t, h], [b, t, inter]
-            return h, gemv(act, down.weight, down.bias)
-        h, n = add_rmsnorm(h, o_proj(o), norm.weight, norm.variance_epsilon)
-        return h, layer.mlp(n)  # prefill: cuBLAS through the gate / up views of the interleaved weight
+            return h, _normed(mlp_out, gemv(act, down.weight, down.bias))
+        h, n = add_rmsnorm(h, _normed(attn_out, o_proj(o)), norm.kernel_weight, norm.variance_epsilon)
+        return h, _normed(mlp_out, layer.mlp(n))  # prefill: cuBLAS through the gate / up views of gate_up_weight
 
 
 class AddNorm(Op):
@@ -222,7 +253,7 @@ class AddNorm(Op):
         return h, self.layer(h)
 
     def forward_fused(self, x: Tensor, delta: Optional[Tensor]) -> tuple[Tensor, Tensor]:
-        return add_rmsnorm(x, delta, self.layer.weight, self.layer.variance_epsilon)
+        return add_rmsnorm(x, delta, self.layer.kernel_weight, self.layer.variance_epsilon)
 
 
 class LMHead(Op):

@@ -84,11 +84,13 @@ def slot_mask(qpos: Tensor, qlo: Tensor | None, kv_len: int) -> Tensor:
     return seen[:, None]
 
 
-def decode_attention_reference(q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, qlo: Tensor | None = None) -> Tensor:
+def decode_attention_reference(
+    q: Tensor, k: Tensor, v: Tensor, qpos: Tensor, qlo: Tensor | None = None, scale: float | None = None
+) -> Tensor:
     kv_len = int(qpos.max()) + 1
     mask = slot_mask(qpos, qlo, kv_len)  # [b, 1, t, kv_len]
     return F.scaled_dot_product_attention(
-        q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1]
+        q, k[:, :, :kv_len], v[:, :, :kv_len], attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1], scale=scale
     )
 
 
@@ -231,11 +233,13 @@ def decode_attention(
     block_n: int = 64,
     num_splits: int | None = None,
     qlo: Tensor | None = None,
+    scale: float | None = None,
 ) -> Tensor:
     """Split-KV Triton kernels (see module docstring); the reference where triton is missing.
-    `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks); `qlo`: each query's first slot."""
+    `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks); `qlo`: each query's first slot;
+    `scale`: the scores' factor (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)."""
     if triton is None:
-        return decode_attention_reference(q, k, v, qpos, qlo)
+        return decode_attention_reference(q, k, v, qpos, qlo, scale)
     b, heads, t, d = q.shape
     kv_heads, slots = k.shape[1], k.shape[2]
     group = heads // kv_heads
@@ -268,7 +272,7 @@ def decode_attention(
         o_part,
         lse_part,
         out,
-        _LOG2E / math.sqrt(d),
+        _LOG2E / math.sqrt(d) if scale is None else _LOG2E * scale,
         q.stride(0),
         q.stride(1),
         q.stride(2),

@@ -10,7 +10,7 @@
         v only (DFlash's context); qkv may be a slice of a wider projection's last dim. q_norm / k_norm
         [d] (Qwen3's q/k norms, eps): each q / k head RMS-normed before RoPE, one token per program
 
-(SwiGLU is the gate / up projection's epilogue: kernels/gemv.py.) Each replaces 6-14 small PyTorch
+(SwiGLU / GeGLU is the gate / up projection's epilogue: kernels/gemv.py.) Each replaces 6-14 small PyTorch
 kernels per call; math in fp32, results rounded to the input dtype
 (as transformers rounds RMSNorm's normalised value before the weight). The `*_reference` functions
 are the plain-torch definitions they are tested against (TRITON_INTERPRET=1 on CPU, and on the GPU).
@@ -32,7 +32,7 @@ def add_rmsnorm_reference(x: Tensor, delta: Tensor | None, weight: Tensor, eps: 
     h = x if delta is None else (x.float() + delta.float()).to(x.dtype)
     hf = h.float()
     n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return h, weight * n
+    return h, (weight.float() * n.float()).to(x.dtype)  # (a float32 weight: Gemma's folded 1 + w)
 
 
 def rotate_half(x: Tensor) -> Tensor:  # RoPE's half rotation: [x1, x2] -> [-x2, x1]
@@ -64,11 +64,6 @@ def rope_cache_write_reference(
     k_cache.scatter_(2, idx, k.to(k_cache.dtype))
     v_cache.scatter_(2, idx, v.to(v_cache.dtype))
     return q.to(qkv.dtype)
-
-
-def silu_mul_reference(gu: Tensor) -> Tensor:
-    g, u = gu.float().chunk(2, dim=-1)
-    return (torch.nn.functional.silu(g) * u).to(gu.dtype)
 
 
 # ------------------------------------------------------------------------------------- kernels

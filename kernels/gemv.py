@@ -1,10 +1,11 @@
 """Batch-invariant projections for decode / verify / draft steps (M = 1..256 rows), with the norm before
-them fused into their prologue and SwiGLU or the greedy argmax into their epilogue.
+them fused into their prologue and the gated activation (SwiGLU, GeGLU) or the greedy argmax into their epilogue.
 
     gemv(x, w, bias=None) -> y                              y = x @ w^T (+ bias)
     add_rmsnorm_gemv(x, delta, norm_w, eps, w, bias=None)   h = x + delta (x when delta is None);
         -> (h, y)                                           y = rmsnorm(h; norm_w) @ w^T (+ bias)
-        swiglu=True: w's rows interleaved gate / up (interleave_gate_up): y = silu(gate) * up [M, N / 2]
+        glu=act: w's rows interleaved gate / up (interleave_gate_up): y = act(gate) * up [M, N / 2], act
+        one of GLU_EPILOGUES (HF's names: silu, gelu_pytorch_tanh)
     cat_rmsnorm_gemv(x1, x2, norm_w1, norm_w2, eps, w, ...) y = [rmsnorm(x1_row), rmsnorm(x2_row)] @ w^T;
         index1: x1 is a table [V, K1] read at rows index1[m] (the embedding lookup fused in); norm=False: as is
     argmax=True: ids = argmax_n round(y) (+ offsets[ids]; EAGLE3's d2t) instead of y, the first index on ties
@@ -21,13 +22,14 @@ why and how; the `*_reference` functions are the definitions (rounding points in
 
 from __future__ import annotations
 
+import functools
 import os
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.fused import silu_mul_reference
 from kernels.runtime import triton
 
 if triton is not None:
@@ -39,6 +41,8 @@ _PROGRAMS = 128  # the column tile narrows (down to 32) until a call has this ma
 BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
 _PLAIN, _RMSNORM = 0, 1  # prologues
+GLU_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # the references
+GLU_EPILOGUES = {"silu": 1, "gelu_pytorch_tanh": 2}  # the kernel's GLU constexpr (0: no gated epilogue)
 
 
 # ------------------------------------------------------------------------------------- references
@@ -101,13 +105,13 @@ def cat_rmsnorm_gemv_reference(
 
 def interleave_gate_up(gate: Tensor, up: Tensor) -> Tensor:
     """[I, ...] gate and up rows (weights or biases) -> [2I, ...] in the order g0, u0, g1, u1, ...: the
-    layout whose output tile holds matching gate / up columns (add_rmsnorm_gemv's swiglu epilogue)."""
+    layout whose output tile holds matching gate / up columns (add_rmsnorm_gemv's gated epilogue)."""
     return torch.stack([gate, up], 1).reshape(2 * gate.shape[0], *gate.shape[1:])
 
 
-def swiglu_reference(gu: Tensor) -> Tensor:
-    """Interleaved [..., 2I] (g0, u0, g1, u1, ...) -> round(silu(g) * u) [..., I], as silu_mul_reference."""
-    return silu_mul_reference(torch.cat([gu[..., 0::2], gu[..., 1::2]], -1))
+def glu_reference(gu: Tensor, act: str = "silu") -> Tensor:
+    """Interleaved [..., 2I] (g0, u0, g1, u1, ...) -> round(act(g) * u) [..., I], computed in fp32."""
+    return (GLU_ACTS[act](gu[..., 0::2].float()) * gu[..., 1::2].float()).to(gu.dtype)
 
 
 def argmax_reference(y: Tensor, offsets: Tensor | None = None) -> Tensor:
@@ -248,7 +252,7 @@ if triton is not None:
         HAS_DELTA: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         ARGMAX: tl.constexpr,
-        SWIGLU: tl.constexpr,  # epilogue: y holds [g0, u0, g1, u1, ...]; store round(silu(g) * u) [M, N / 2]
+        GLU: tl.constexpr,  # epilogue 1 / 2: y holds [g0, u0, g1, u1, ...]; store round(act(g) * u) [M, N / 2]
         RNE: tl.constexpr,  # round fp32 -> bf16 by hand (the interpreter, bf16 only)
         DOT_DTYPE: tl.constexpr,  # the dot's operand type: the activations' (fp32 under the interpreter)
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands: exact products, no TF32
@@ -333,9 +337,14 @@ if triton is not None:
             part = offs_m * tl.cdiv(N, BLOCK_N) + pid_n
             tl.store(PMAX + part, best, mask=mmask)
             tl.store(PIDX + part, pid_n * BLOCK_N + at, mask=mmask)
-        elif SWIGLU:  # interleaved gate / up columns: the MLP's activation, as silu_mul_reference rounds it
+        elif GLU != 0:  # interleaved gate / up columns: the MLP's activation, as glu_reference rounds it
             g, u = tl.split(tl.reshape(_round(y, DT, RNE), (ROWS, BLOCK_N // 2, 2)))  # [ROWS, BLOCK_N / 2]
-            act = _round(g / (1.0 + tl.exp(-g)) * u, DT, RNE)
+            if GLU == 1:  # silu
+                g = g / (1.0 + tl.exp(-g))
+            else:  # gelu, tanh approximation; tanh(c) = 1 - 2 / (exp(2c) + 1): +-1 at the extremes, no NaN
+                c = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+                g = 0.5 * g * (2.0 - 2.0 / (tl.exp(2.0 * c) + 1.0))
+            act = _round(g * u, DT, RNE)
             offs_a = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
             tl.store(
                 Y + offs_m[:, None] * stride_y + offs_a[None, :],
@@ -508,7 +517,7 @@ def _launch(
     eps: float = 0.0,
     argmax: bool = False,
     offsets: Tensor | None = None,
-    swiglu: bool = False,
+    glu: str | None = None,
     **tuning,
 ) -> tuple[Tensor | None, Tensor]:
     """Rows of the sources -> (h [M, K1] or None, y [M, N] or ids [M]). x1 [M, K1] (a table with index1),
@@ -546,8 +555,8 @@ def _launch(
         pidx = torch.empty(m, n_tiles, dtype=torch.int32, device=device)
         y = pmax  # unused placeholder
     else:
-        assert not swiglu or n % 2 == 0, "swiglu: interleaved [gate, up] rows, an even N"
-        out = y = torch.empty(m, n // 2 if swiglu else n, dtype=dtype, device=device)
+        assert glu is None or n % 2 == 0, "glu: interleaved [gate, up] rows, an even N"
+        out = y = torch.empty(m, n if glu is None else n // 2, dtype=dtype, device=device)
         pmax = pidx = y  # unused placeholders
     if m == 0:
         return h, out
@@ -586,7 +595,7 @@ def _launch(
         HAS_DELTA=delta is not None,
         HAS_BIAS=bias is not None,
         ARGMAX=argmax,
-        SWIGLU=swiglu,
+        GLU=0 if glu is None else GLU_EPILOGUES[glu],
         RNE=rne,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # (tf32: ignored for 16-bit operands)
@@ -641,17 +650,19 @@ def add_rmsnorm_gemv(
     *,
     argmax: bool = False,
     offsets: Tensor | None = None,
-    swiglu: bool = False,
+    glu: str | None = None,
     **tuning,
 ) -> tuple[Tensor, Tensor]:
     """(h, y): h = x + delta (x when delta is None), y = rmsnorm(h; norm_w) @ w^T (+ bias);
     x, delta [..., K], norm_w [K], w [N, K] -> h [..., K], y [..., N] (argmax, tuning: see gemv).
-    swiglu: w holds interleaved gate / up rows (`interleave_gate_up`): y = silu(gate) * up [..., N / 2],
-    the MLP's activation, rounded as silu_mul_reference rounds it, for the down projection."""
+    glu (silu: SwiGLU, gelu_pytorch_tanh: GeGLU): w holds interleaved gate / up rows (`interleave_gate_up`):
+    y = act(gate) * up [..., N / 2], the MLP's activation, rounded as glu_reference rounds it."""
+    if glu is not None and glu not in GLU_EPILOGUES:
+        raise ValueError(f"glu={glu!r} is not a gated epilogue; valid: {sorted(GLU_EPILOGUES)}")
     if triton is None:
         h, y = add_rmsnorm_gemv_reference(x, delta, norm_w, eps, w, bias)
-        if swiglu:
-            y = swiglu_reference(y)
+        if glu is not None:
+            y = glu_reference(y, glu)
         return h, (argmax_reference(y, offsets) if argmax else y)
     k = w.shape[1]
     x2 = _as_rows(x, k, "x")
@@ -672,7 +683,7 @@ def add_rmsnorm_gemv(
         eps=float(eps),
         argmax=argmax,
         offsets=offsets,
-        swiglu=swiglu,
+        glu=glu,
         **tuning,
     )
     return (x if h is None else h.view(x.shape)), _shape_out(y, x.shape[:-1], argmax)

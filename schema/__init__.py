@@ -47,7 +47,7 @@ class RandomArchConfig:
     """Architecture of a random-init target (model.source=random): tests and timing without weights."""
 
     # The family's layer, as config.json's model_type names it: llama, mistral, qwen2 (q/k/v biases),
-    # qwen3 (per-head q/k norms).
+    # qwen3 (per-head q/k norms), gemma3_text (Gemma 3's layer; its sliding layers without a window).
     model_type: str = "llama"
     vocab_size: int = 320  # >= 259: the byte tokenizer's 256 bytes + bos/eos/pad
     # The shape, in transformers' config names.

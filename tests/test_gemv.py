@@ -18,9 +18,11 @@ pytestmark = pytest.mark.skipif(G.triton is None, reason="triton is not installe
 DEVICES = ["cuda"] if torch.cuda.is_available() else (["cpu"] if os.environ.get("TRITON_INTERPRET") == "1" else [])
 DTYPES = pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 EPS = 1e-5
-# rmsnorm: add_rmsnorm_gemv with delta=None; swiglu: its epilogue over interleaved gate / up rows;
+# rmsnorm: add_rmsnorm_gemv with delta=None; swiglu / geglu: its gated epilogues over interleaved gate / up rows;
 # cat_index: cat_rmsnorm_gemv over an embedding table; cat_plain: norm=False
-KINDS = ["gemv", "add_rmsnorm", "rmsnorm", "swiglu", "cat_rmsnorm", "cat_index", "cat_plain"]
+KINDS = ["gemv", "add_rmsnorm", "rmsnorm", "swiglu", "geglu", "cat_rmsnorm", "cat_index", "cat_plain"]
+NORM_KINDS = ("add_rmsnorm", "rmsnorm", "swiglu", "geglu")  # add_rmsnorm_gemv
+GLU = {"swiglu": "silu", "geglu": "gelu_pytorch_tanh"}
 ARGMAX_KINDS = ["gemv", "add_rmsnorm", "rmsnorm", "cat_rmsnorm", "cat_index", "cat_plain"]
 
 
@@ -41,9 +43,9 @@ class Case:
         r, f, kind = self.rows, self.fixed, self.kind
         if kind == "gemv":
             return (G.gemv(r["x"], f["w"], f["bias"], **kw),)
-        if kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
+        if kind in NORM_KINDS:
             return G.add_rmsnorm_gemv(
-                r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"], swiglu=kind == "swiglu", **kw
+                r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"], glu=GLU.get(kind), **kw
             )
         x1 = f["table"] if kind == "cat_index" else r["x1"]
         return (
@@ -65,9 +67,9 @@ class Case:
         r, f, kind = self.rows, self.fixed, self.kind
         if kind == "gemv":
             return (G.gemv_reference(r["x"], f["w"], f["bias"]),)
-        if kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
+        if kind in NORM_KINDS:
             h, y = G.add_rmsnorm_gemv_reference(r["x"], r.get("delta"), f["norm_w"], EPS, f["w"], f["bias"])
-            return h, (G.swiglu_reference(y) if kind == "swiglu" else y)
+            return h, (G.glu_reference(y, GLU[kind]) if kind in GLU else y)
         x1 = f["table"] if kind == "cat_index" else r["x1"]
         return (
             G.cat_rmsnorm_gemv_reference(
@@ -115,7 +117,7 @@ def _case(
     }
     if kind == "gemv":
         return Case(kind, {"x": act(k)}, fixed)
-    if kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
+    if kind in NORM_KINDS:
         rows = {"x": act(k), "delta": act(k)} if kind != "rmsnorm" else {"x": act(k)}
         return Case(kind, rows, fixed | {"norm_w": norm_w(k)})
     k1 = k1 or k // 2 + 8
@@ -136,7 +138,7 @@ def _check(case: Case, got: tuple, dtype) -> None:
         torch.testing.assert_close(y, ry, atol=1e-5, rtol=1e-5)
     else:  # the same roundings as the reference; fp32 sums in another order: within ~1 bf16 ulp
         torch.testing.assert_close(y.float(), ry.float(), atol=2e-2, rtol=1e-2)
-    if case.kind in ("add_rmsnorm", "rmsnorm", "swiglu"):
+    if case.kind in NORM_KINDS:
         assert torch.equal(got[0], want[0])  # h: the residual stream, bit-exact
         if case.kind == "rmsnorm":
             assert got[0] is case.rows["x"]  # delta=None: h is x itself
@@ -304,7 +306,7 @@ def test_leading_dims_are_flattened(device, kind):
     """[b, t, K] in -> [b, t, N] out, or ids [b, t] (as the model's decode / verify activations come)."""
     case = _case(kind, 3, 64, 20, torch.float32, device, bias=False, seed=9, lead=(2,))
     got = case.run()
-    assert got[-1].shape == (2, 3, 10 if kind == "swiglu" else 20)  # swiglu: one output per gate / up pair
+    assert got[-1].shape == (2, 3, 10 if kind in GLU else 20)  # gated: one output per gate / up pair
     _check(case, got, torch.float32)
     if kind in ARGMAX_KINDS:
         ids = case.run(argmax=True)[-1]
@@ -323,7 +325,7 @@ def test_rejects_what_it_does_not_handle(device):
             torch.ones(32, device=device),
             EPS,
             torch.randn(15, 32, device=device),
-            swiglu=True,
+            glu="silu",
         )  # gate / up pairs
     with pytest.raises(AssertionError, match="K1 \\+ K2"):
         G.cat_rmsnorm_gemv(torch.randn(2, 16), torch.randn(2, 8), None, None, EPS, w, norm=False)
@@ -376,6 +378,7 @@ GPU_SHAPES = [  # (kind, K, N): SmolLM2-135M's layer and lm_head, its EAGLE3 hea
     ("add_rmsnorm", 4096, 6144),
     ("gemv", 4096, 4096),
     ("swiglu", 4096, 28672),
+    ("geglu", 4096, 28672),
     ("gemv", 14336, 4096),
     ("rmsnorm", 4096, 128256),
 ]

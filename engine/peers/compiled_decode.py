@@ -15,18 +15,27 @@ slot - pad[r], and it attends to slots pad[r]..slot.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.model import LlamaModel, apply_rope, rope_tables
+from engine.model import LlamaModel, ModelArgs, apply_rope, rope_tables
 from kernels.rms_norm import rms_norm_reference as rms_norm  # the target's RMSNorm, plain torch
+
+# ModelArgs fields this Llama forward does not implement (Gemma 3's), at their defaults or refused
+NOT_HERE = ("hidden_act", "norm_unit_offset", "sandwich_norms", "qk_norm", "embed_scale", "attn_scale", "layer_types")
 
 
 class CompiledDecoder(nn.Module):
     def __init__(self, target: LlamaModel, batch: int, width: int, max_new: int, device: torch.device):
         super().__init__()
         a, dtype = target.args, target.lm_head.weight.dtype
+        defaults = {f.name: f.default for f in dataclasses.fields(ModelArgs)}
+        other = {k: getattr(a, k) for k in NOT_HERE if getattr(a, k) != defaults[k]}
+        if other:
+            raise ValueError(f"eval.peers=torch_compile runs Llama-layout targets only; this target has {other}")
         self.heads, self.kv_heads, self.head_dim, self.eps = a.num_heads, a.num_kv_heads, a.head_dim, a.rms_norm_eps
         self.width, self.max_new = width, max_new
         slots = width + max_new

@@ -228,7 +228,7 @@ class SpecDecoder:
         given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)
         embeds = None
         if given or runner is not None:  # the prefill graphs take embeddings
-            embeds = self.model.model.embed_tokens(tokens)  # [b, width, hidden]
+            embeds = self.model.embed(tokens)  # [b, width, hidden]: what the first layer takes
             for i, e in enumerate(prompt_embeds or []):
                 if e is not None:
                     embeds[i, : e.shape[0]] = e.to(embeds.dtype)

@@ -105,3 +105,82 @@ def synth(target, batch_size: int, **kw):
     from engine.train.selfdistill import synthesize
 
     return synthesize(target, Generator(target.model, batch_size), **kw)
+
+
+def tiny_gemma3_config(**kw):
+    """Gemma 3 text at a tiny size: sliding layers with a window of 4 (it matters past 4 tokens) around
+    a global one, a local RoPE base and a scaled global one, a query scale that is not head_dim's, a
+    hidden size whose sqrt is not a round number (the embedding scale), q width != hidden."""
+    from transformers import Gemma3TextConfig
+
+    sliding, full = "sliding_attention", "full_attention"
+    base = dict(
+        vocab_size=320,
+        hidden_size=48,
+        intermediate_size=96,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=4,
+        layer_types=[sliding, full, sliding],
+        rope_theta=10000.0,
+        rope_local_base_freq=100.0,
+        rope_scaling={"rope_type": "linear", "factor": 2.0},
+        query_pre_attn_scalar=24,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=257,
+        pad_token_id=0,
+    )
+    base.update(kw)
+    return Gemma3TextConfig(**base)
+
+
+def gemma_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """spread_init, norm weights around 0 (Gemma's norms scale by 1 + w: w = 0 would hide a missing 1 +),
+    and narrower embeddings (scaled by sqrt(hidden), at std 0.15 the tied lm_head repeats the last token)."""
+    spread_init(model, seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+            elif "embed_tokens" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+def gemma3_pair(max_seq_len=128, seed=0, **kw):
+    """transformers' Gemma3ForCausalLM and ours with the same random weights (fp32, eager attention)."""
+    from transformers import Gemma3ForCausalLM
+
+    cfg = tiny_gemma3_config(**kw)
+    cfg._attn_implementation = "eager"
+    hf = gemma_init(Gemma3ForCausalLM(cfg), seed).eval()
+    ours = LlamaModel(ModelArgs.from_hf_config(cfg.to_dict()), max_seq_len)
+    missing, unexpected = ours.load_state_dict(hf.state_dict(), strict=False)
+    assert not unexpected and set(missing) <= {"lm_head.weight"}, (missing, unexpected)
+    return hf, ours.eval()
+
+
+def save_tiny_gemma3(path, seed: int = 0, **kw):
+    """A tiny Gemma 3 checkpoint directory as a user brings one: save_pretrained's weights and config,
+    and a character-level tokenizer (ids = byte values, <s> 256, </s> 257) with a chat template of
+    ByteTokenizer's shape. Returns transformers' model."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import Gemma3ForCausalLM, PreTrainedTokenizerFast
+
+    hf = gemma_init(Gemma3ForCausalLM(tiny_gemma3_config(**kw)), seed).eval()
+    hf.save_pretrained(path)
+    vocab = {chr(i): i for i in [10, *range(32, 127)]} | {"<unk>": 0, "<s>": 256, "</s>": 257}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    template = (
+        "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}<assistant>{% endif %}"
+    )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=template
+    ).save_pretrained(path)
+    return hf

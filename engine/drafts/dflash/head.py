@@ -203,7 +203,7 @@ class DFlashHead(HeadBase):
     def init_from_target(self, target) -> None:
         """Training from scratch: the final norm starts as the target's (it feeds the target's lm_head)."""
         with torch.no_grad():
-            self.norm.weight.copy_(target.model.norm.weight)
+            self.norm.weight.copy_(target.model.norm.scale())  # Gemma: its 1 + w
 
     # -- programs -----------------------------------------------------------------------------------
     def context(self, feats: Tensor, norm=lambda mod, x: mod(x)) -> Tensor:
@@ -217,7 +217,7 @@ class DFlashHead(HeadBase):
         + B (kv_len covers the live rows' blocks; + B a static kv_len too, when a block runs past it)."""
         a = self.attn_inputs(positions, valid, kv_len, dtype, kv_extra=self.block_size)
         if self.sliding_window:
-            a = dataclasses.replace(a, qlo=(a.rope_pos - (self.sliding_window - 1)).clamp(min=0))  # [b, t]
+            a = a.windowed(self.sliding_window, a.rope_cos, a.rope_sin)  # qlo [b, t]: slots > p - window
         last = a.qpos.amax(1, keepdim=True).expand_as(a.qpos)  # [b, t]
         return dataclasses.replace(a, qpos=last.masked_fill(a.slots == self.cache_slots, 0))
 

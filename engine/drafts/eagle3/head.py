@@ -130,7 +130,7 @@ class Eagle3Head(HeadBase):
         """Training from scratch: the final norm, and the own lm_head's rows (of the draft vocabulary set
         in d2t), start as the target's: the head starts from the target's output layer."""
         with torch.no_grad():
-            self.norm.weight.copy_(target.model.norm.weight)
+            self.norm.weight.copy_(target.model.norm.scale())  # Gemma: its 1 + w
             if not self.shares_lm_head:
                 used = self.to_target(torch.arange(self.draft_vocab_size, device=self.d2t.device))  # [draft_vocab]
                 self.lm_head.weight.copy_(target.lm_head.weight[used.to(target.lm_head.weight.device)])
