@@ -53,6 +53,15 @@ KERNELS = {"plain": ("sdpa", "false"), "fused": ("triton", "true"), "fused_sdpa"
 DEVICE = torch.device("cpu")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Hashes are recorded on one thread: how many threads share a CPU matmul changes its bits."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="module")
 def golden():
     store = json.loads(GOLDEN.read_text()) if GOLDEN.exists() else {}
