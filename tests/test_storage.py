@@ -152,3 +152,27 @@ def test_a_broken_checkpoint_file_is_one_clear_error_before_any_weights_load(tmp
             message[-1500:],
         )
         assert not (outputs / "mlflow.db").exists(), name
+
+
+def test_a_pytorch_model_bin_head_plans_and_loads_like_its_safetensors_form(tmp_path):
+    """The EAGLE authors' releases ship pytorch_model.bin: the plan reads its shapes and the head loads
+    the same weights as from model.safetensors; a truncated .bin is one clear error before loading."""
+    _, target = pair()
+    cfg = draft_config("eagle3", init="random", draft_vocab_size=200, aux_layer_ids=AUX)
+    head = load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32)
+    head.save(tmp_path / "st")
+    (tmp_path / "bin").mkdir()
+    (tmp_path / "bin" / "config.json").write_text((tmp_path / "st" / "config.json").read_text())
+    torch.save(read_state(tmp_path / "st" / "model.safetensors"), tmp_path / "bin" / "pytorch_model.bin")
+    plans = {
+        f: plan_draft(draft_config("eagle3", init="checkpoint", path=str(tmp_path / f)), target.args)
+        for f in ("st", "bin")
+    }
+    assert plans["bin"].checkpoint.shapes == plans["st"].checkpoint.shapes
+    loaded = {f: load_head(p, target, 0, torch.device("cpu"), torch.float32).state_dict() for f, p in plans.items()}
+    for name, w in loaded["st"].items():
+        assert torch.equal(loaded["bin"][name], w), name
+    data = (tmp_path / "bin" / "pytorch_model.bin").read_bytes()
+    (tmp_path / "bin" / "pytorch_model.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(Exception, match="pytorch_model.bin"):
+        plan_draft(draft_config("eagle3", init="checkpoint", path=str(tmp_path / "bin")), target.args)
