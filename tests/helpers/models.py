@@ -11,48 +11,32 @@ from engine.model import LlamaModel, ModelArgs
 from helpers.runs import compose_cfg
 from pipeline.config import to_run_config
 
+TINY_CONFIG = dict(  # transformers' config keys of the tiny targets (bos/eos: the byte tokenizer's)
+    vocab_size=320,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=512,
+    bos_token_id=256,
+    eos_token_id=257,
+)
+
 
 def tiny_hf_config(**kw):
     from transformers import LlamaConfig
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
-    base.update(kw)
-    return LlamaConfig(**base)
+    return LlamaConfig(**{**TINY_CONFIG, **kw})
 
 
 def tiny_qwen3_config(**kw):
     """A tiny Qwen3 (q/k norms, head_dim 32 != hidden / heads, tied embeddings) from transformers' own class."""
     from transformers import Qwen3Config
 
-    base = dict(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        rope_theta=1000000.0,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=True,
-        max_position_embeddings=512,
-        bos_token_id=256,
-        eos_token_id=257,
-    )
-    base.update(kw)
-    return Qwen3Config(**base)
+    return Qwen3Config(**{**TINY_CONFIG, "head_dim": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, **kw})
 
 
 def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15, norms: float = 0.0) -> torch.nn.Module:
@@ -114,27 +98,18 @@ def tiny_gemma3_config(**kw):
     from transformers import Gemma3TextConfig
 
     sliding, full = "sliding_attention", "full_attention"
-    base = dict(
-        vocab_size=320,
+    gemma = dict(
         hidden_size=48,
         intermediate_size=96,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         sliding_window=4,
         layer_types=[sliding, full, sliding],
-        rope_theta=10000.0,
         rope_local_base_freq=100.0,
         rope_scaling={"rope_type": "linear", "factor": 2.0},
         query_pre_attn_scalar=24,
-        max_position_embeddings=512,
-        bos_token_id=256,
-        eos_token_id=257,
         pad_token_id=0,
     )
-    base.update(kw)
-    return Gemma3TextConfig(**base)
+    return Gemma3TextConfig(**{**TINY_CONFIG, "tie_word_embeddings": True, **gemma, **kw})
 
 
 def gemma_init(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
