@@ -118,3 +118,30 @@ def test_a_job_leaves_nothing_on_the_device(outputs):
     release_device_memory()
     assert torch.cuda.memory_allocated() == before
     assert torch.cuda.memory_reserved() - before < 64 << 20  # the graph pools went back to the driver
+
+
+@pytest.mark.parametrize("policy", ["full", "bcg"])
+def test_an_8b_shape_target_under_graphs_equals_the_debug_runner_at_every_batch_size(policy, outputs):
+    """Llama-3.1-8B's widths (two of its 32 layers, random weights drawn on the GPU) under `policy` give the
+    debug runner's tokens, and a prompt's tokens alone are its tokens in a batch of 4 (batch invariance)."""
+
+    def tokens(graph: str, batch: int) -> list[list[int]]:
+        ctx = run(
+            compose_cfg(
+                "+experiment=baseline",
+                "model=llama3_8b_shape",
+                "model.random.num_hidden_layers=2",
+                "model.max_seq_len=512",
+                f"graph={graph}",
+                "eval=quick",
+                "eval.max_new_tokens=12",
+                "eval.ignore_eos=true",
+                f"eval.batch_size={batch}",
+                "tracking=off",
+            )
+        )
+        return [r.result.tokens for r in ctx["eval_results"]["records"]]
+
+    alone = tokens(policy, 1)
+    assert alone == tokens("debug", 1)
+    assert tokens(policy, 4) == alone
