@@ -9,7 +9,7 @@ import os
 
 import pytest
 import torch
-from helpers.models import gemma3_pair, random_prompts, save_tiny_gemma3, tiny_gemma3_config
+from helpers.models import gemma3_pair, hf_greedy, random_prompts, save_tiny_gemma3, tiny_gemma3_config
 from helpers.runs import compose_cfg, metric_history
 from helpers.spec import build
 from helpers.train import TINY_TRAIN
@@ -32,20 +32,6 @@ SLIDING, FULL = "sliding_attention", "full_attention"
 def _forward(model: LlamaModel, ids: torch.Tensor, **kw):
     b, t = ids.shape
     return model(ids, torch.arange(t, device=ids.device).expand(b, t), model.new_cache(b), kv_len=t, **kw)
-
-
-def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(prompt) :].tolist()
 
 
 def test_gemma3_1b_config_json_describes_its_layers_and_parameters():
@@ -147,7 +133,7 @@ def test_greedy_generation_equals_transformers_and_batches_alike():
     prompts = random_prompts(3, seed=11)
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     single = [Generator(ours, 1).generate([p], params)[0].tokens for p in prompts]
-    assert single == [_hf_greedy(hf, p, 16) for p in prompts]
+    assert single == [hf_greedy(hf, p, 16) for p in prompts]
     assert all(len(set(s)) > 3 for s in single)  # varied sequences
     assert [r.tokens for r in Generator(ours, 3).generate(prompts, params)] == single
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import pair, random_prompts
+from helpers.models import hf_greedy, pair, random_prompts
 from helpers.runs import compose_cfg
 
 from engine.sampling import SamplingParams
@@ -26,16 +26,7 @@ def test_cuda_fp32_logits_and_greedy_match_transformers():
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     batched = [r.tokens for r in Generator(ours, 4).generate(prompts, params)]
     for p, got in zip(prompts, batched):
-        ids = torch.tensor([p], device="cuda")
-        ref = hf.generate(
-            ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=24,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )[0, len(p) :].tolist()
-        assert got == ref
+        assert got == hf_greedy(hf, p, 24)
 
 
 def test_auto_device_picks_cuda_in_bf16(outputs):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import pair, random_prompts, tiny_hf_config
+from helpers.models import hf_greedy, pair, random_prompts, tiny_hf_config
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.model import LlamaModel
@@ -81,16 +81,7 @@ def test_greedy_equals_transformers_generate():
     params = SamplingParams(max_new_tokens=24, ignore_eos=True)
     for prompt in random_prompts(3):
         got = Generator(ours, 1).generate([prompt], params)[0].tokens
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            ref = hf.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                max_new_tokens=24,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, 24)
         assert len(set(got)) > 3  # a varied sequence, not one token repeated
         assert got == ref
 

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers.models import qwen3_pair, random_prompts
+from helpers.models import hf_greedy, qwen3_pair, random_prompts
 from helpers.runs import compose_cfg, metric_history
 from helpers.train import DFLASH_TRAIN, EAGLE3_TRAIN
 from mlflow.tracking import MlflowClient
@@ -75,11 +75,7 @@ def test_greedy_equals_transformers_generate():
     params = SamplingParams(max_new_tokens=16, ignore_eos=True)
     for prompt in random_prompts(2):
         got = Generator(ours, 1).generate([prompt], params)[0].tokens
-        with torch.no_grad():
-            ids = torch.tensor([prompt])
-            ref = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=16, do_sample=False, pad_token_id=0
-            )[0, len(prompt) :].tolist()
+        ref = hf_greedy(hf, prompt, 16)
         assert len(set(got)) > 3  # a varied sequence, not one token repeated
         assert got == ref
 

@@ -39,6 +39,16 @@ def tiny_qwen3_config(**kw):
     return Qwen3Config(**{**TINY_CONFIG, "head_dim": 32, "rope_theta": 1000000.0, "rms_norm_eps": 1e-6, **kw})
 
 
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """transformers' own greedy continuation of one prompt: n tokens, no stop token (as ignore_eos)."""
+    ids = torch.tensor([prompt], device=hf.device)
+    out = hf.generate(
+        ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def spread_init(model: torch.nn.Module, seed: int = 0, std: float = 0.15, norms: float = 0.0) -> torch.nn.Module:
     """Weights wide enough that greedy outputs vary from token to token (std 0.02 collapses to one token);
     norms > 0: the norm weights too, 1 + norms * N(0, 1) (so a q/k norm that is skipped shows)."""
