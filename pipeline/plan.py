@@ -251,9 +251,9 @@ def memory_errors(plan: "Plan") -> list[ConfigError]:
     if need <= have:
         return []
     key, rows = memory_rows(plan.cfg)
-    per_row = need / rows  # every part but the weights grows with the rows; this errs low on what fits
     fixed = mem["weights_mb"] * 2**20
-    fit = int((have - fixed) // (per_row - fixed / rows)) if have > fixed and rows > 0 else 0
+    per_row = (need - fixed) / rows  # every part but the weights grows with the rows; this errs low on what fits
+    fit = int((have - fixed) // per_row) if have > fixed and rows > 0 else 0
     gpu = " (this host has no GPU)" if not torch.cuda.is_available() else ""
     return [
         ConfigError(
