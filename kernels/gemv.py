@@ -37,7 +37,8 @@ if triton is not None:
 
 ROW_TILES = (16, 64)  # rows of one program: 16 up to 16 rows (decode, a verify), else 64 and more row tiles
 FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
-_PROGRAMS = 128  # the column tile narrows (down to 32) until a call has this many programs: the SMs busy
+_PROGRAMS = 96  # up to FUSED_M rows: the widest column tile that still gives this many programs (else 16)
+_STAGES = {16: 5, 32: 5, 64: 3, 128: 3}  # chunks in flight per column tile width, up to FUSED_M rows
 BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
 _PLAIN, _RMSNORM = 0, 1  # prologues
@@ -469,28 +470,36 @@ def gemv_config(
     num_stages: int | None = None,
     itemsize: int = 2,
     act_tiles: int = 1,
-    fused: bool = False,
 ) -> GemvConfig:
     """The launch configuration for an [N, K] weight and M rows (act_tiles: activation tiles read per
-    chunk; fused: the norm in the prologue). Any choice here may follow M: none
-    changes a row's arithmetic on the GPU (MMA k-steps in order over K, the norm's lanes of BLOCK_K
-    columns), as the GPU tests check at every M. Any field can be overridden (tests, tuning)."""
+    chunk). Any choice here may follow M: none changes a row's arithmetic on the GPU (MMA k-steps in
+    order over K, the norm's lanes of BLOCK_K columns), as the GPU tests check at every M. Any field can
+    be overridden (tests, tuning).
+
+    Up to FUSED_M rows a call streams its weight once: the widest column tile with at least _PROGRAMS
+    programs, and few chunks in flight a program (_STAGES), so several programs share an SM and the
+    last wave is short. Above, wider tiles as N grows (the activations re-read less), and as many
+    chunks in flight as the shared-memory budget holds. Both rules come from a sweep of tile, warps and
+    stages at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md, Kernels)."""
     rows = rows or row_tile(m)
     bk = BLOCK_K
-    if block_n is None:  # two configurations per weight (M <= FUSED_M, larger), both compiled by a warm-up
-        if m > FUSED_M:  # wider as N grows: the activations re-read less
-            bn = 32 if n <= 1024 else 64 if n <= 4096 else 128
-        else:  # narrow until the SMs are busy (the fused norm: at most 64 wide)
-            bn = next((b for b in ((64,) if fused else (128, 64)) if triton.cdiv(n, b) >= _PROGRAMS), 32)
+    small = m <= FUSED_M
+    if block_n is None:
+        if small:
+            bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
+        else:
+            bn = 32 if n <= 4096 else 64 if n <= 8192 else 128
     else:
         bn = block_n
     assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"
     assert rows in ROW_TILES, f"rows must be one of {ROW_TILES}, got {rows}"
-    warps = num_warps or (8 if bn == 128 else 4)
-    if num_stages is None:  # as many chunks in flight as the shared-memory budget holds
+    warps = num_warps or (8 if bn >= 64 else 4)
+    if num_stages is None:
         chunks = triton.cdiv(k, bk)
         per_stage = (bk * bn + act_tiles * rows * bk) * itemsize  # a weight chunk and the activation tiles
-        num_stages = 1 if chunks == 1 else max(2, min(chunks + 1, _SMEM_BUDGET // per_stage))
+        fit = _SMEM_BUDGET // per_stage
+        in_flight = _STAGES.get(bn, fit) if small else fit
+        num_stages = 1 if chunks == 1 else max(2, min(chunks + 1, fit, in_flight))
     return GemvConfig(rows, bn, bk, warps, num_stages)
 
 
@@ -545,8 +554,7 @@ def _launch(
         )  # fmt: skip
         prologue, x1, x2, index1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, a
     act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
-    fused = prologue == _RMSNORM
-    cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, fused=fused, **tuning)
+    cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if argmax:
         assert offsets is None or (offsets.dtype == torch.int64 and offsets.is_contiguous())
