@@ -53,10 +53,12 @@ def test_two_ranks_train_the_head_one_process_trains_on_the_same_data(outputs):
 def test_two_gpus_over_nccl_train_the_head_one_gpu_trains_on_the_same_data(outputs):
     """The same on two GPUs: NCCL beside the target's CUDA graphs; float32, so only the all-reduce's order
     and the kernels' own rounding part the runs."""
-    two_ranks_equal_one_process(outputs, "cuda", rtol=1e-3, atol=1e-4)
+    two_ranks_equal_one_process(outputs, "cuda", rtol=1e-3, atol=1e-4, acc_atol=0.02)
 
 
-def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float) -> None:
+def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float, acc_atol: float = 0.0) -> None:
+    """acc_atol: how far the logged accuracies may differ (a share of tokens: where the summed gradients
+    differ in their last bits, a near tie between two tokens may go the other way)."""
     ddp = [*DDP, f"device={device}"]
     p = _torchrun(2, *ddp, outputs=outputs)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -84,7 +86,8 @@ def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float) 
     for key in ("train_loss", "train_acc_0", "val_loss"):
         a, b = metric_history(client, two.info.run_id, key), metric_history(client, one.info.run_id, key)
         assert [s for s, _ in a] == [s for s, _ in b] and len(a) >= 2
-        assert [v for _, v in a] == pytest.approx([v for _, v in b], rel=rtol, abs=atol), key
+        tol = dict(rel=rtol, abs=max(atol, acc_atol if "acc" in key else 0.0))
+        assert [v for _, v in a] == pytest.approx([v for _, v in b], **tol), key
     val = metric_history(client, two.info.run_id, "val_loss")
     assert val[-1][1] < val[0][1]  # it trained
     heads = [load_file(str(d / "checkpoint" / "model.safetensors")) for d in (trained, trained.parent / "one")]

@@ -237,15 +237,17 @@ def target_batch(
     causal: bool = True,
     label_temperature: float = 1.0,
     graphs: Optional[TargetGraphs] = None,
+    width: Optional[int] = None,
 ) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
     attention as one causal SDPA over the fresh rows (flash on CUDA) instead of its decode path.
     `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
     toward the greedy token); the batch keeps z itself, in the target's dtype. `graphs`: the forward
-    replayed from the target's training graphs (engine/train/target_graphs.py; causal, over `cache`)."""
+    replayed from the target's training graphs (engine/train/target_graphs.py; causal, over `cache`).
+    `width`: pad the rows to this many columns (at least the longest sample's, cut to max_len)."""
     lens = [min(len(s.ids), max_len) for s in samples]
-    b, width = len(samples), max(lens)
+    b, width = len(samples), max(max(lens), width or 0)
     # Built in pinned memory and copied without a sync, so the host queues this batch's target forward
     # while the device still runs the previous step (a pageable copy would wait for it).
     pinned = torch.device(device).type == "cuda"

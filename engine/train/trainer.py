@@ -198,7 +198,7 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _batch(self, samples: list[Sample], label_temperature: float = 1.0):
+    def _batch(self, samples: list[Sample], label_temperature: float = 1.0, width: Optional[int] = None):
         return target_batch(
             self.target,
             self.cache,
@@ -209,6 +209,7 @@ class Trainer:
             self.spec.features,
             label_temperature=label_temperature,
             graphs=self.graphs,
+            width=width,
         )
 
     def _epoch_order(self) -> list[list[Sample]]:
@@ -233,7 +234,10 @@ class Trainer:
         if not mine:  # fewer samples than ranks: this rank adds no gradient
             own = torch.zeros((), dtype=torch.long, device=self.device)
             return torch.zeros((), device=self.device), {}, own, distributed.sum_across(own)
-        batch = self._batch(mine, self.s.label_temperature)
+        # every rank's part as wide as the whole batch: the same shapes on every rank (and as one process
+        # has), so the ranks compile FlexAttention for a new shape at the same step instead of in turn
+        width = min(max(len(x.ids) for x in group), self.s.max_len)
+        batch = self._batch(mine, self.s.label_temperature, width)
         with self._autocast():
             logits = self.train_forward(self.head, batch, self.s.ttt_steps)
         loss, stats = self.loss(logits, batch, self.s.loss_decay)
