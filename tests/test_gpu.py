@@ -114,7 +114,9 @@ def test_a_job_leaves_nothing_on_the_device(outputs):
 @pytest.mark.parametrize("policy", ["full", "bcg"])
 def test_an_8b_shape_target_under_graphs_equals_the_debug_runner_at_every_batch_size(policy, outputs):
     """Llama-3.1-8B's widths (two of its 32 layers, random weights drawn on the GPU) under `policy` give the
-    debug runner's tokens, and a prompt's tokens alone are its tokens in a batch of 4 (batch invariance)."""
+    debug runner's tokens alone and in a batch of 4. (Alone and in a batch a prompt's tokens may part at
+    these widths: its prefill runs on cuBLAS, whose kernel follows the row count. The decode and verify
+    projections are batch-invariant, tests/test_gemv.py.)"""
 
     def tokens(graph: str, batch: int) -> list[list[int]]:
         ctx = run(
@@ -133,6 +135,5 @@ def test_an_8b_shape_target_under_graphs_equals_the_debug_runner_at_every_batch_
         )
         return [r.result.tokens for r in ctx["eval_results"]["records"]]
 
-    alone = tokens(policy, 1)
-    assert alone == tokens("debug", 1)
-    assert tokens(policy, 4) == alone
+    for batch in (1, 4):
+        assert tokens(policy, batch) == tokens("debug", batch), batch
