@@ -478,28 +478,29 @@ def gemv_config(
 
     Up to FUSED_M rows a call streams its weight once: the widest column tile with at least _PROGRAMS
     programs, and few chunks in flight a program (_STAGES), so several programs share an SM and the
-    last wave is short. Above, wider tiles as N grows (the activations re-read less), and as many
-    chunks in flight as the shared-memory budget holds. Both rules come from a sweep of tile, warps and
-    stages at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md, Kernels)."""
+    last wave is short. Above, wider tiles as N grows (the activations re-read less; past one row tile
+    of 64, sooner), and as many chunks in flight as the shared-memory budget holds. The rules come from
+    a sweep of tile, warps and stages at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
     rows = rows or row_tile(m)
-    bk = BLOCK_K
-    small = m <= FUSED_M
-    if block_n is None:
-        if small:
-            bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
-        else:
-            bn = 32 if n <= 4096 else 64 if n <= 8192 else 128
-    else:
-        bn = block_n
+    if m <= FUSED_M:  # the widest tile that keeps the SMs busy, few chunks in flight
+        bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
+        warps = 8 if bn >= 64 else 4
+    elif m <= ROW_TILES[-1]:  # one row tile of 64: wider as N grows
+        bn = 32 if n <= 4096 else 64 if n <= 8192 else 128
+        warps = 8 if bn >= 64 else 4
+    else:  # several row tiles: wider sooner, the activations re-read less
+        bn = 32 if n <= 1024 else 64 if n <= 4096 else 128
+        warps = 8 if bn == 128 else 4
+    bn, warps = block_n or bn, num_warps or warps
+    in_flight = _STAGES.get(bn) if m <= FUSED_M else None
     assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"
     assert rows in ROW_TILES, f"rows must be one of {ROW_TILES}, got {rows}"
-    warps = num_warps or (8 if bn >= 64 else 4)
-    if num_stages is None:
+    bk = BLOCK_K
+    if num_stages is None:  # chunks in flight: as many as the shared-memory budget holds, or in_flight
         chunks = triton.cdiv(k, bk)
         per_stage = (bk * bn + act_tiles * rows * bk) * itemsize  # a weight chunk and the activation tiles
         fit = _SMEM_BUDGET // per_stage
-        in_flight = _STAGES.get(bn, fit) if small else fit
-        num_stages = 1 if chunks == 1 else max(2, min(chunks + 1, fit, in_flight))
+        num_stages = 1 if chunks == 1 else max(2, min(chunks + 1, fit, in_flight or fit))
     return GemvConfig(rows, bn, bk, warps, num_stages)
 
 

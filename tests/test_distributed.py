@@ -53,12 +53,16 @@ def test_two_ranks_train_the_head_one_process_trains_on_the_same_data(outputs):
 def test_two_gpus_over_nccl_train_the_head_one_gpu_trains_on_the_same_data(outputs):
     """The same on two GPUs: NCCL beside the target's CUDA graphs; float32, so only the all-reduce's order
     and the kernels' own rounding part the runs."""
-    two_ranks_equal_one_process(outputs, "cuda", rtol=1e-3, atol=1e-4, acc_atol=0.02)
+    two_ranks_equal_one_process(outputs, "cuda", rtol=1e-3, atol=1e-4, acc_atol=0.02, weights_rel=1e-2)
 
 
-def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float, acc_atol: float = 0.0) -> None:
+def two_ranks_equal_one_process(
+    outputs, device: str, rtol: float, atol: float, acc_atol: float = 0.0, weights_rel: float | None = None
+) -> None:
     """acc_atol: how far the logged accuracies may differ (a share of tokens: where the summed gradients
-    differ in their last bits, a near tie between two tokens may go the other way)."""
+    differ in their last bits, a near tie between two tokens may go the other way). weights_rel: compare
+    each weight by its relative distance instead of elementwise (AdamW moves a weight whose gradient is
+    near zero by a whole step either way, so a few elements may part by lr while the rest agree)."""
     ddp = [*DDP, f"device={device}"]
     p = _torchrun(2, *ddp, outputs=outputs)
     assert p.returncode == 0, p.stderr[-3000:]
@@ -93,7 +97,10 @@ def two_ranks_equal_one_process(outputs, device: str, rtol: float, atol: float, 
     heads = [load_file(str(d / "checkpoint" / "model.safetensors")) for d in (trained, trained.parent / "one")]
     assert heads[0].keys() == heads[1].keys()
     for name, w in heads[0].items():
-        torch.testing.assert_close(w, heads[1][name], atol=atol, rtol=rtol, msg=name)
+        if weights_rel is None:
+            torch.testing.assert_close(w, heads[1][name], atol=atol, rtol=rtol, msg=name)
+        else:
+            assert (w - heads[1][name]).norm() <= weights_rel * heads[1][name].norm(), name
 
 
 def test_sharded_synthesis_draws_disjoint_slices_of_the_one_process_seeds(outputs):
