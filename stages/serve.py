@@ -86,6 +86,8 @@ def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
         "prompt_tokens": stats.prompt_tokens,
         "generated_tokens": stats.generated_tokens,
         "rounds": stats.rounds,
+        "prefills": stats.prefills,  # joins: a group of requests joining together is one
+        "prefill_s": stats.prefill_s,
     }
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
     busy = stats.busy_time(time.perf_counter())

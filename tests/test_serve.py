@@ -555,7 +555,8 @@ def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
 def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     """3 slots, graphs captured for 1 and 2 rows: every round over all 3 falls back to eager, is counted,
     and the outputs still equal the eager generator's (rounds over slots 0..1 alone replay). Requests
-    waiting together prefill together. A warm-up before changes none of it."""
+    waiting together join together, each prompt through the one staging row's prefill graph (a server's
+    set-up). A warm-up before changes none of it."""
     from helpers.models import random_prompts
     from helpers.spec import build, setup
 
@@ -564,7 +565,7 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     from engine.speculative.generate import SpecDecoder
     from engine.speculative.graph_set import round_name
 
-    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3)
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=3, prefill_rows=1)
     draft = make_draft(plan, head, target, 3, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
     sched = Scheduler(SpecDecoder(target, 3, draft, k, graphs=gs), 3, 8)
     sched.warm_up()  # throwaway requests, greedy and sampled: they leave no trace in what follows
@@ -574,8 +575,11 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     reqs = [GenerationRequest(p, 10 + i, lambda ev: ev.finish_reason and done.release()) for i, p in enumerate(prompts)]
     for r in reqs:
         sched.submit(r)
-    sched.start()  # three join at once (one prefill over slots 0..2), the fourth when slot 0 frees
+    prefill = gs.get("prefill").stats
+    replays = prefill.replays
+    sched.start()  # three join at once (one join over slots 0..2), the fourth when slot 0 frees
     assert all(done.acquire(timeout=30) for _ in reqs)
+    assert prefill.replays - replays == 4 and prefill.fallbacks == 0  # a graph replay a prompt
     sched.close()
     assert sched.stats.prefills == 2 and [r.slot for r in reqs] == [0, 1, 2, 0]
     eager = build(target, "eagle3", 1, SamplingParams())

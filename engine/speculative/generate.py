@@ -110,6 +110,30 @@ class Prefill:
     embeds: Optional[Tensor]  # [b, T, hidden] when the prompts came as embeddings, else None
 
 
+def _pad_rows(parts: list[Optional[Tensor]], width: int) -> Optional[Tensor]:
+    """[1, t_i, ...] per prompt -> [n, width, ...], zero beyond each prompt (None when the parts are)."""
+    if parts[0] is None:
+        return None
+    out = parts[0].new_zeros(len(parts), width, *parts[0].shape[2:])
+    for i, x in enumerate(parts):
+        out[i, : x.shape[1]] = x[0]
+    return out
+
+
+def _stack_outputs(outs: list[ForwardOutput], width: int) -> ForwardOutput:
+    """One prompt's prefill each -> the joint prefill's output (logits at each prompt's last position)."""
+    return ForwardOutput(
+        torch.cat([o.logits for o in outs]),  # [n, 1, vocab]
+        _pad_rows([o.hidden_states for o in outs], width),
+        _pad_rows([o.aux_hidden_states for o in outs], width),
+        _pad_rows([o.input_embeds for o in outs], width),
+    )
+
+
+def _stack_embeds(ones: list["Prefill"], width: int) -> Optional[Tensor]:
+    return None if any(x.embeds is None for x in ones) else _pad_rows([x.embeds for x in ones], width)
+
+
 @dataclass
 class RoundResult:
     accepted: list[int]  # per row: draft tokens kept (a); 0 for rows not live
@@ -210,8 +234,9 @@ class SpecDecoder:
     def prefill(self, prompts: list[list[int]], prompt_embeds, rows: Optional[slice] = None) -> Prefill:
         """The target's prefill of `prompts` into cache rows `rows` (None: rows 0..b-1). Through the
         prefill graphs where a bucket holds them: over the round cache's first rows, or over the graph
-        set's staging cache, whose KV then goes into `rows` (a server's join at any slot); else eagerly
-        (counted as a fallback when the graphs write the round cache)."""
+        set's staging cache, whose KV then goes into `rows` (a server's join at any slot; a group the
+        staging rows do not hold goes through them one prompt at a time); else eagerly (counted as a
+        fallback when the graphs write the round cache)."""
         b, dev = len(prompts), self.device
         sl = rows if rows is not None else slice(0, b)
         lens = [len(p) for p in prompts]
@@ -223,6 +248,12 @@ class SpecDecoder:
         positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
         valid = positions < torch.tensor(lens, device=dev)[:, None]
         runner, staged = self.prefill_runner, self.prefill_cache not in (None, self.cache)
+        if runner is not None and staged and b > 1 and runner.bucket_for(b, width) is None:
+            if all(runner.bucket_for(1, n) is not None for n in lens):
+                embeds_of = lambda i: None if prompt_embeds is None else [prompt_embeds[i]]  # noqa: E731
+                row = lambda i: slice(sl.start + i, sl.start + i + 1)  # noqa: E731
+                one = [self.prefill([p], embeds_of(i), row(i)) for i, p in enumerate(prompts)]
+                return Prefill(_stack_outputs([x.out for x in one], width), tokens, valid, _stack_embeds(one, width))
         if runner is not None and (staged and runner.bucket_for(b, width) is None or not staged and sl.start):
             runner = None  # the staging rows do not hold it / the graphs write rows 0..b-1 of the round cache
         given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)

@@ -98,6 +98,7 @@ def setup(
     device="cpu",
     prefill=(16, 64),
     target_policy=None,
+    prefill_rows=None,
 ):
     _, target = pair()
     target = target.to(device)
@@ -123,6 +124,7 @@ def setup(
         list(prefill),
         features=plan is not None and plan.features.value != "none",
         round_ks=sorted({0, k}),
+        prefill_rows=prefill_rows,
     ).capture()
     return target, plan, head, gs, k
 
