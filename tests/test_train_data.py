@@ -167,6 +167,11 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
         torch.testing.assert_close(out.feats[m], ref.feats[m])
         torch.testing.assert_close(out.labels[m], ref.labels[m])
         assert torch.equal(out.top[m], ref.top[m]) and torch.equal(out.tokens, ref.tokens)
+    # padded wider (a rank's part as wide as the whole batch under torchrun): the same trained positions
+    wide = target_batch(target, cache, samples, vocab, 64, "cpu", features, width=40)
+    w = out.mask.shape[1]
+    assert wide.mask.shape[1] == 39 and not wide.mask[:, w:].any() and torch.equal(wide.mask[:, :w], out.mask)
+    torch.testing.assert_close(wide.feats[:, :w][out.mask], out.feats[out.mask])
     # spans: the mask's trained positions [first, end) per row, on the host; also for rows cut at max_len
     # inside the answer or the prompt (no trained position)
     cut = samples + [Sample("", ids(9), ids(4))]
