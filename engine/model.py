@@ -482,6 +482,12 @@ class ForwardOutput:
         return cls(env.get("logits"), env.get("hidden"), env.get("aux"), env.get("embeds"), env.get("ids"))
 
 
+def scale_embeddings(x: Tensor, scale: float) -> Tensor:
+    """Token embeddings [..., hidden] times `scale` rounded to their dtype (Gemma: sqrt(hidden), as
+    transformers' Gemma3TextScaledWordEmbedding); the embeddings themselves at scale 1."""
+    return x if scale == 1.0 else x * float(torch.tensor(scale, dtype=x.dtype))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_seq_len: int):
         super().__init__()
@@ -561,10 +567,7 @@ class LlamaModel(nn.Module):
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [b, t] -> what the first layer takes [b, t, hidden]: the embedding times embed_scale,
         rounded to the embedding's dtype first (as transformers' Gemma3TextScaledWordEmbedding)."""
-        x = self.model.embed_tokens(tokens)
-        if self.args.embed_scale == 1.0:
-            return x
-        return x * float(torch.tensor(self.args.embed_scale, dtype=x.dtype))
+        return scale_embeddings(self.model.embed_tokens(tokens), self.args.embed_scale)
 
     def forward(
         self,
