@@ -35,6 +35,7 @@ from kernels.fused import rotate_half
 from kernels.gemv import interleave_gate_up
 
 QK_NORM_MODEL_TYPES = ("qwen3",)  # model_types whose attention norms each q / k head
+QKV_BIAS_MODEL_TYPES = ("qwen2", "mimo")  # model_types whose q/k/v projections have biases (MiMo: Qwen2 layers)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=model_type in QKV_BIAS_MODEL_TYPES or attention_bias,
+            o_bias=attention_bias and model_type not in QKV_BIAS_MODEL_TYPES,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),

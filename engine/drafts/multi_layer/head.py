@@ -34,6 +34,7 @@ Checkpoint (`architectures: ["LlamaForCausalLMMultiLayerEagle"]`, DeepSeek-V3 MT
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.post_attention_layernorm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.shared_head.norm.weight
     config: num_nextn_predict_layers (modules), hidden_size, ... (a one-layer Llama config per module)
+A target checkpoint's own MTP layers load into these names through public.py's tables.
 """
 
 from __future__ import annotations
