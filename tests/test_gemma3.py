@@ -168,6 +168,30 @@ def test_fused_kernels_equal_the_plain_path_and_stay_batch_invariant():
     _assert_row_is_batch_invariant(target, device)
 
 
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_sliding_layers_read_only_their_window_in_decode_and_verify():
+    """Past 72 tokens (a window of 4, blocks of 64 slots): the Triton attention's logits of a decode step
+    and of a verify of 3 equal transformers' with the sliding layers' slots 0..63 poisoned with NaN (a
+    kernel that read them would return NaN); the global layer still reads every slot."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf, ours = gemma3_pair(max_seq_len=256)
+    ours = ours.to(device)
+    ours.init_buffers(torch.device(device))
+    ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(8))
+    sliding = [i for i, t in enumerate(ours.args.layer_types) if t == SLIDING]
+    with torch.no_grad():
+        ref = hf(ids).logits[0, 72:]  # [3, vocab]
+        ids, cache = ids.to(device), ours.new_cache(1)
+        ours(ids[:, :72], torch.arange(72, device=device)[None], cache, kv_len=72)  # the prefill on SDPA
+        cache.k[sliding, :, :, :64] = float("nan")
+        cache.v[sliding, :, :, :64] = float("nan")
+        ours.attention_kernel = True
+        decode = ours(ids[:, 72:73], torch.tensor([[72]], device=device), cache, kv_len=73).logits[0]  # [1, vocab]
+        verify = ours(ids[:, 72:], torch.arange(72, 75, device=device)[None], cache, kv_len=75).logits[0]
+    torch.testing.assert_close(decode.cpu(), ref[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(verify.cpu(), ref, rtol=1e-4, atol=1e-4)  # [3, vocab]
+
+
 def _assert_row_is_batch_invariant(target: LlamaModel, device: str) -> None:
     """Row 0's logits bitwise the same in a decode step alone, in a verify of 4 tokens, and beside other
     rows (its prompt of 8 tokens past the window of 4)."""
