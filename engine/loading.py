@@ -31,11 +31,12 @@ from typing import Callable, Optional
 
 import torch
 
+from engine.drafts.multi_layer.public import mtp_module
 from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "mimo")  # mimo: Qwen2 + MTP layers
 WINDOWED_MODEL_TYPES = ("gemma3_text",)  # whose sliding_attention layers the target implements
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
@@ -133,7 +134,8 @@ def _load_hf_dir(path: Path, max_seq_len: int) -> LoadedModel:
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            state.update({k: sf.get_tensor(k) for k in sf.keys()})
+            keys = [k for k in sf.keys() if mtp_module(k, args.num_layers) is None]  # MTP layers: a draft's
+            state.update({k: sf.get_tensor(k) for k in keys})
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)

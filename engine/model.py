@@ -35,6 +35,7 @@ from kernels.fused import rotate_half
 from kernels.gemv import interleave_gate_up
 
 QK_NORM_MODEL_TYPES = ("qwen3",)  # model_types whose attention norms each q / k head
+QKV_BIAS_MODEL_TYPES = ("qwen2", "mimo")  # model_types whose q/k/v projections have biases (MiMo: Qwen2 layers)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class ModelArgs:
             rope_theta=float(theta),
             rope_scaling=None if rope_type == "default" else {**rope, "rope_type": rope_type},
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=model_type == "qwen2" or attention_bias,
-            o_bias=attention_bias and model_type != "qwen2",
+            qkv_bias=model_type in QKV_BIAS_MODEL_TYPES or attention_bias,
+            o_bias=attention_bias and model_type not in QKV_BIAS_MODEL_TYPES,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=model_type in QK_NORM_MODEL_TYPES,
             max_position_embeddings=cfg.get("max_position_embeddings", 2048),
@@ -482,6 +483,12 @@ class ForwardOutput:
         return cls(env.get("logits"), env.get("hidden"), env.get("aux"), env.get("embeds"), env.get("ids"))
 
 
+def scale_embeddings(x: Tensor, scale: float) -> Tensor:
+    """Token embeddings [..., hidden] times `scale` rounded to their dtype (Gemma: sqrt(hidden), as
+    transformers' Gemma3TextScaledWordEmbedding); the embeddings themselves at scale 1."""
+    return x if scale == 1.0 else x * float(torch.tensor(scale, dtype=x.dtype))
+
+
 class LlamaModel(nn.Module):
     def __init__(self, args: ModelArgs, max_seq_len: int):
         super().__init__()
@@ -561,10 +568,7 @@ class LlamaModel(nn.Module):
     def embed(self, tokens: Tensor) -> Tensor:
         """tokens [b, t] -> what the first layer takes [b, t, hidden]: the embedding times embed_scale,
         rounded to the embedding's dtype first (as transformers' Gemma3TextScaledWordEmbedding)."""
-        x = self.model.embed_tokens(tokens)
-        if self.args.embed_scale == 1.0:
-            return x
-        return x * float(torch.tensor(self.args.embed_scale, dtype=x.dtype))
+        return scale_embeddings(self.model.embed_tokens(tokens), self.args.embed_scale)
 
     def forward(
         self,

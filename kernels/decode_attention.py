@@ -18,9 +18,10 @@ Flash-decoding: two kernels, split-KV then combine.
    BLOCK_N slots, split s taking blocks s, s + num_splits, s + 2 * num_splits, ... up to the largest
    live length among its rows, loads each K / V block once for all its rows (q @ k^T and p @ v as
    tl.dot, fp32 accumulation) and masks per row (slot <= qpos[b, i], and slot >= qlo[b, i] when windowed:
-   the blocks below a window are still read, as a DFlash context is a few blocks). It keeps an online softmax per
-   row and writes its partial result: the normalised output and its log-sum-exp (log2 domain), into
-   fp32 workspaces
+   a split starts at its first block that reaches the lowest window start among its rows, so a sliding
+   layer reads its window, not the whole prefix; a block all rows mask would add exactly nothing). It
+   keeps an online softmax per row and writes its partial result: the normalised output and its
+   log-sum-exp (log2 domain), into fp32 workspaces
        o_part [batch, heads, t, num_splits, head_dim],  lse_part [batch, heads, t, num_splits]
    A split that saw no live slot for a row writes o = 0, lse = -inf.
 2. `_combine_kernel`, grid (batch, heads, t): out = sum_s 2^(lse_s - lse_max) o_s / sum_s 2^(lse_s -
@@ -148,8 +149,12 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         n = tl.load(QPOS + b * s_pb + i * s_pt, mask=valid, other=-1) + 1  # [ROWS] live slots, 0 for padding
         n_max = tl.max(n, 0)
+        first = split * BLOCK_N  # this split's first block: split, split + NUM_SPLITS, ...
         if WINDOWED:  # [ROWS] first live slot of each row (its sliding window's start)
             lo = tl.load(QLO + b * s_lb + i * s_lt, mask=valid, other=0)
+            lo_min = tl.min(tl.where(valid, lo, n_max), 0)  # below it no row of the tile reads a slot
+            below = tl.maximum(lo_min // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+            first = (split + below * NUM_SPLITS) * BLOCK_N  # this split's first block that reaches lo_min
 
         q_ptr = Q + b * s_qb + h[:, None] * s_qh + i[:, None] * s_qt + d[None, :]
         q = tl.load(q_ptr, mask=valid[:, None], other=0.0).to(K.dtype.element_ty).to(DOT_DTYPE)  # [ROWS, D]
@@ -159,7 +164,7 @@ if triton is not None:
         m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 domain)
         l_i = tl.zeros([ROWS], tl.float32)  # running sum of 2^(s - m_i)
         acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for start in range(split * BLOCK_N, n_max, NUM_SPLITS * BLOCK_N):
+        for start in range(first, n_max, NUM_SPLITS * BLOCK_N):
             offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
             in_prefix = offs < n_max  # slots below n_max hold written K / V (finite)
             kt = tl.load(k_base + offs[None, :] * s_ks + d[:, None], mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]

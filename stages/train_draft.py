@@ -61,7 +61,7 @@ class TrainDraftStage(Stage):
             spec = train_spec(d.algorithm)
         except ConfigError as e:
             errors.append(e)
-        if spec is not None and spec.check is not None:
+        if spec is not None and spec.check is not None and env.draft_plan is not None:  # None: its error is reported
             errors += raised(spec.check, cfg, env.draft_plan)
         flex = spec is not None and spec.flex
         errors += train_problems(cfg.train, d.algorithm, flex, env.device, cfg.model.max_seq_len)

@@ -16,6 +16,7 @@ from helpers.train import TINY_TRAIN
 from mlflow import MlflowClient
 
 from engine.aux_layers import normalise
+from engine.drafts.registry import draft_config, load_head, plan_draft
 from engine.errors import ConfigError
 from engine.loading import describe_model, load_model
 from engine.model import LlamaModel, ModelArgs, RMSNorm
@@ -27,6 +28,7 @@ from pipeline.tracking import default_tracking_uri
 
 KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
 SLIDING, FULL = "sliding_attention", "full_attention"
+AUX = ("eagle3", "dflash")  # drafts that read aux layers
 
 
 def _forward(model: LlamaModel, ids: torch.Tensor, **kw):
@@ -166,6 +168,30 @@ def test_fused_kernels_equal_the_plain_path_and_stay_batch_invariant():
     _assert_row_is_batch_invariant(target, device)
 
 
+@pytest.mark.skipif(not KERNELS, reason="Triton kernels need CUDA or TRITON_INTERPRET=1")
+def test_sliding_layers_read_only_their_window_in_decode_and_verify():
+    """Past 72 tokens (a window of 4, blocks of 64 slots): the Triton attention's logits of a decode step
+    and of a verify of 3 equal transformers' with the sliding layers' slots 0..63 poisoned with NaN (a
+    kernel that read them would return NaN); the global layer still reads every slot."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    hf, ours = gemma3_pair(max_seq_len=256)
+    ours = ours.to(device)
+    ours.init_buffers(torch.device(device))
+    ids = torch.randint(0, 256, (1, 75), generator=torch.Generator().manual_seed(8))
+    sliding = [i for i, t in enumerate(ours.args.layer_types) if t == SLIDING]
+    with torch.no_grad():
+        ref = hf(ids).logits[0, 72:]  # [3, vocab]
+        ids, cache = ids.to(device), ours.new_cache(1)
+        ours(ids[:, :72], torch.arange(72, device=device)[None], cache, kv_len=72)  # the prefill on SDPA
+        cache.k[sliding, :, :, :64] = float("nan")
+        cache.v[sliding, :, :, :64] = float("nan")
+        ours.attention_kernel = True
+        decode = ours(ids[:, 72:73], torch.tensor([[72]], device=device), cache, kv_len=73).logits[0]  # [1, vocab]
+        verify = ours(ids[:, 72:], torch.arange(72, 75, device=device)[None], cache, kv_len=75).logits[0]
+    torch.testing.assert_close(decode.cpu(), ref[:1], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(verify.cpu(), ref, rtol=1e-4, atol=1e-4)  # [3, vocab]
+
+
 def _assert_row_is_batch_invariant(target: LlamaModel, device: str) -> None:
     """Row 0's logits bitwise the same in a decode step alone, in a verify of 4 tokens, and beside other
     rows (its prompt of 8 tokens past the window of 4)."""
@@ -227,10 +253,45 @@ def test_eagle3_head_on_a_gemma3_target_is_lossless():
     assert [r.tokens for r in gen.generate(prompts, params)] == plain
 
 
-def test_eagle3_trains_on_a_gemma3_checkpoint_through_the_real_loop_and_drafts_losslessly(outputs, tmp_path):
-    """The EAGLE3 recipe on a saved tiny Gemma 3 (model=hf): self-distilled data, the trainer, the held-out
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "dflash", "multi_layer_eagle"])
+def test_a_draft_head_takes_the_embeddings_the_gemma3_target_takes(algorithm):
+    """A head bound to a Gemma target embeds tokens as the target's first layer does (times sqrt(hidden):
+    transformers' hidden_states[0]); the fused MTP input (its embedding gather) equals the plain one."""
+    hf, target = gemma3_pair()
+    ids = torch.randint(0, 320, (2, 5), generator=torch.Generator().manual_seed(3))
+    cfg = draft_config(algorithm, num_steps=2, init="random", **({"aux_layer_ids": [1, 3]} if algorithm in AUX else {}))
+    head = load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32)
+    with torch.no_grad():
+        want = hf(ids, output_hidden_states=True).hidden_states[0]  # [2, 5, 48]
+        torch.testing.assert_close(head.embed_tokens(ids), want, rtol=0, atol=0)
+        if algorithm == "multi_layer_eagle" and KERNELS:
+            hidden = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(4))
+            mod = head.layers[0]
+            plain = mod.fused_in(ids, hidden)  # [2, 5, 48]
+            mod.fused_in.fuse()
+            torch.testing.assert_close(mod.fused_in(ids, hidden), plain, rtol=1e-5, atol=1e-5)
+
+
+# Each recipe's own keys on the tiny Gemma 3 (k = 3; aux layers for the drafts that read them)
+GEMMA_RECIPES = {
+    "eagle3": ["draft.aux_layer_ids=[1,2,3]", "draft.draft_vocab_size=96"],
+    "dflash": [
+        "draft.aux_layer_ids=[1,2,3]",
+        "draft.aux_layer_convention=input_of",
+        "draft.block_size=4",
+        "draft.num_layers=1",
+        "draft.num_kv_heads=4",
+    ],
+    "mtp": ["draft.intermediate_size=null"],
+}
+
+
+@pytest.mark.parametrize("recipe", list(GEMMA_RECIPES))
+def test_a_head_trains_on_a_gemma3_checkpoint_through_the_real_loop_and_drafts_losslessly(recipe, outputs, tmp_path):
+    """Each draft recipe on a saved tiny Gemma 3 (model=hf): self-distilled data, the trainer, the held-out
     loss falls; the exported head then drafts on the same target through the graph runners (graph=debug:
-    the prefill graphs take the scaled embeddings) with greedy output the target's and transformers'."""
+    the prefill graphs take the scaled embeddings, the head the same scaled embeddings) with greedy
+    output the target's and transformers'."""
     save_tiny_gemma3(tmp_path / "gemma")
     model = ["model=hf", f"model.path={tmp_path / 'gemma'}", "model.max_seq_len=640", "dtype=float32"]
     tiny = [o for o in TINY_TRAIN if not o.startswith("model")]
@@ -238,9 +299,9 @@ def test_eagle3_trains_on_a_gemma3_checkpoint_through_the_real_loop_and_drafts_l
         compose_cfg(
             *model,
             *tiny,
-            "+experiment=train_eagle3_smollm2",
-            "draft.aux_layer_ids=[1,2,3]",
-            "draft.draft_vocab_size=96",
+            f"+experiment=train_{recipe}_smollm2",
+            *GEMMA_RECIPES[recipe],
+            "draft.num_steps=3",
             "train.lr=5e-3",
             "train.steps=20",
             "train.eval_every=20",
@@ -252,13 +313,13 @@ def test_eagle3_trains_on_a_gemma3_checkpoint_through_the_real_loop_and_drafts_l
         )
     )
     client = MlflowClient(default_tracking_uri(outputs))
-    (r,) = client.search_runs([client.get_experiment_by_name("train_eagle3_smollm2").experiment_id])
+    (r,) = client.search_runs([client.get_experiment_by_name(f"train_{recipe}_smollm2").experiment_id])
     val = metric_history(client, r.info.run_id, "val_loss")
     assert r.info.status == "FINISHED" and val[-1][0] == 20 and val[-1][1] < val[0][1]
     evaluated = run(
         compose_cfg(
             *model,
-            "+experiment=eagle3",
+            f"+experiment={recipe}",
             "draft.init=checkpoint",
             f"draft.path={ctx['draft_checkpoint']}",
             "graph=debug",

@@ -151,13 +151,21 @@ def gemma3_pair(max_seq_len=128, seed=0, **kw):
 
 def save_tiny_gemma3(path, seed: int = 0, **kw):
     """A tiny Gemma 3 checkpoint directory as a user brings one: save_pretrained's weights and config,
-    and a character-level tokenizer (ids = byte values, <s> 256, </s> 257) with a chat template of
-    ByteTokenizer's shape. Returns transformers' model."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import Gemma3ForCausalLM, PreTrainedTokenizerFast
+    and the byte tokenizer (save_byte_tokenizer). Returns transformers' model."""
+    from transformers import Gemma3ForCausalLM
 
     hf = gemma_init(Gemma3ForCausalLM(tiny_gemma3_config(**kw)), seed).eval()
     hf.save_pretrained(path)
+    save_byte_tokenizer(path)
+    return hf
+
+
+def save_byte_tokenizer(path) -> None:
+    """A character-level tokenizer (ids = byte values, <s> 256, </s> 257) with a chat template of
+    ByteTokenizer's shape, saved as a checkpoint directory's tokenizer files."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
     vocab = {chr(i): i for i in [10, *range(32, 127)]} | {"<unk>": 0, "<s>": 256, "</s>": 257}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
@@ -168,4 +176,3 @@ def save_tiny_gemma3(path, seed: int = 0, **kw):
     PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>", chat_template=template
     ).save_pretrained(path)
-    return hf

@@ -51,7 +51,7 @@ class FeatureDraft(DeviceDraft):
         embeds = None
         if input_embeds is not None:  # the multimodal path: reuse the target's embeddings
             embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
-            embeds[r, last] = self.head.embed(first)
+            embeds[r, last] = self.head.embed_tokens(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
         cache = self.cache.rows(rows if rows is not None else b)
         a = self.head.attn_inputs(positions, valid, t)

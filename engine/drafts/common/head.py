@@ -24,7 +24,7 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
-from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables
+from engine.model import ModelArgs, StaticKVCache, fuse_gate_up, fuse_linears, rope_tables, scale_embeddings
 from engine.ops import AttnInputs, Live
 
 
@@ -55,6 +55,7 @@ class HeadBase(nn.Module):
         self.embed_ref: list[nn.Embedding] = []  # the target's embedding, set by bind()
         self.target_ref: list[nn.Module] = []  # the target itself (lists keep them out of state_dict)
         self.target_lm_head: list[nn.Linear] = []  # the target's lm_head (set by bind())
+        self.embed_scale = 1.0  # the target's embedding scale (Gemma: sqrt(hidden)), set by bind()
         self.attention_kernel = False  # follows the target's choice in bind()
         self.fused = False  # the fused Triton path (use_fused_kernels; inference drafts on a fused target)
 
@@ -90,12 +91,23 @@ class HeadBase(nn.Module):
         self.target_ref = [target]
         self.embed_ref = [target.model.embed_tokens]
         self.target_lm_head = [target.lm_head]
+        self.embed_scale = target.args.embed_scale
         self.attention_kernel = target.attention_kernel
         return self
 
     @property
     def embed(self) -> nn.Embedding:
+        """The target's embedding table (unscaled: `embed_tokens` is what the target's first layer takes)."""
         return self.embed_ref[0]
+
+    def embed_tokens(self, tokens: Tensor) -> Tensor:
+        """tokens [b, t] -> [b, t, H]: the target's embeddings as its first layer takes them (Gemma: scaled)."""
+        return scale_embeddings(self.embed(tokens), self.embed_scale)
+
+    def embed_gather(self, tokens: Tensor) -> tuple[Tensor, Optional[Tensor]]:
+        """(table, rows) for a fused kernel that gathers the embeddings of `tokens`: the target's table and
+        the ids, or, under an embedding scale, the scaled embeddings [b, t, H] and no ids."""
+        return (self.embed.weight, tokens) if self.embed_scale == 1.0 else (self.embed_tokens(tokens), None)
 
     def graph_meta(self) -> dict:
         """The target storage a captured draft graph reads (hazard 7: capture after sharing the

@@ -224,7 +224,7 @@ class DFlashHead(HeadBase):
     def forward(self, tokens: Tensor, cache: StaticKVCache, a: AttnInputs, num_drafts: int, sampled: bool) -> DraftOut:
         """The block forward: tokens [b, B] = [x_L, m, ..., m] -> logits and / or ids [b, num_drafts] at
         block indices 1..num_drafts (DraftOut.hidden: None)."""
-        x, delta = self.embed(tokens), None  # [b, B, hidden]
+        x, delta = self.embed_tokens(tokens), None  # [b, B, hidden]
         for layer in self.layers:
             x, delta = layer(x, delta, cache, a)  # attention: eager under a breakable graph
         k = slice(1, num_drafts + 1)

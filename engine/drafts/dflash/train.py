@@ -131,7 +131,7 @@ def dflash_forward(head, batch: Batch, steps: int, ops: ForwardOps = TORCH_OPS) 
     formulas, or as Triton kernels (train.kernels=triton)."""
     blk = _block_size(head, steps)
     b, t = batch.tokens.shape
-    x = head.embed(_block_tokens(head, batch.tokens)).detach().view(b, t * blk, -1)  # the target's, frozen
+    x = head.embed_tokens(_block_tokens(head, batch.tokens)).detach().view(b, t * blk, -1)  # the target's, frozen
     c = head.context(batch.feats, ops.norm)  # [B, T, hidden]
     block_pos = (batch.positions[:, :, None] + 1 + torch.arange(blk, device=x.device)).view(b, t * blk)
     window = head.sliding_window
@@ -329,7 +329,8 @@ def dflash_forward_packed(head, batch: Batch, steps: int, ops: ForwardOps = TORC
     b, t = batch.tokens.shape
     pack = AnchorPack.plan(batch.spans, t, steps, blk, head.sliding_window, batch.tokens.device)
     row = pack.row.clamp(min=0)  # an idle anchor reads row 0's tokens; nothing reads its outputs
-    x = head.embed(_block_tokens(head, batch.tokens[row, pack.pos])).detach().flatten(0, 1)[None]  # [1, N*blk, hidden]
+    x = head.embed_tokens(_block_tokens(head, batch.tokens[row, pack.pos])).detach()  # the target's, frozen
+    x = x.flatten(0, 1)[None]  # [1, N*blk, hidden]
     pad = (0, pack.ctx_pad - b * t)  # the blocks' keys start at a tile
     c = F.pad(head.context(batch.feats, ops.norm).view(1, b * t, -1), (0, 0, *pad))  # [1, ctx_pad, hidden]
     ctx_pos = F.pad(batch.positions.reshape(1, -1), pad)  # [1, ctx_pad]

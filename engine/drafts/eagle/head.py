@@ -29,13 +29,13 @@ class EagleIn(Op):
 
     def forward_native(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
         head = self.layer
-        embeds = embeds if embeds is not None else head.embed(tokens)
+        embeds = embeds if embeds is not None else head.embed_tokens(tokens)
         x = head.fc(torch.cat([embeds, hidden], dim=-1))  # [b, t, hidden]
         return x, head.attention.project(x, cache, a)
 
     def forward_fused(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
         head, layer = self.layer, self.layer.layers[0]
-        table, rows = (embeds, None) if embeds is not None else (head.embed.weight, tokens)  # gathered in-kernel
+        table, rows = (embeds, None) if embeds is not None else head.embed_gather(tokens)  # gathered in-kernel
         fc = head.fc
         x = cat_rmsnorm_gemv(table, hidden, None, None, 0.0, fc.weight, fc.bias, index1=rows, norm=False)  # [b, t, H]
         att = layer.self_attn

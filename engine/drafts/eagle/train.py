@@ -28,7 +28,7 @@ def eagle_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: 
     """Unroll an EagleHead for `steps` TTT steps -> per-step logits [B, T, V] (differentiable in the head)."""
     layer = head.layers[0]
     att = layer.self_attn
-    emb = head.embed(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
+    emb = head.embed_tokens(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
     rot = torch.promote_types(emb.dtype, head.fc.weight.dtype)
     cos = head.rope_cos[batch.positions].to(rot)  # [B, T, D]
     sin = head.rope_sin[batch.positions].to(rot)

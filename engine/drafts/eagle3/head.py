@@ -49,7 +49,7 @@ class Eagle3In(Op):
 
     def forward_native(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
         head, m = self.layer, self.layer.midlayer
-        embeds = embeds if embeds is not None else head.embed(tokens)  # [b, t, H]
+        embeds = embeds if embeds is not None else head.embed_tokens(tokens)  # [b, t, H]
         g = head.fc(hidden) if hidden.shape[-1] != head.args.hidden_size else hidden  # [b, t, H]
         x = torch.cat([m.input_layernorm(embeds), m.hidden_norm(g)], dim=-1)  # [b, t, 2H]
         return g, m.self_attn.project(x, cache, a)
@@ -57,7 +57,7 @@ class Eagle3In(Op):
     def forward_fused(self, tokens, embeds, hidden: Tensor, cache, a) -> tuple[Tensor, Tensor]:
         head, m = self.layer, self.layer.midlayer
         g = gemv(hidden, head.fc.weight) if hidden.shape[-1] != head.args.hidden_size else hidden  # [b, t, H]
-        table, rows = (embeds, None) if embeds is not None else (head.embed.weight, tokens)  # gathered in-kernel
+        table, rows = (embeds, None) if embeds is not None else head.embed_gather(tokens)  # gathered in-kernel
         qkv = cat_rmsnorm_gemv(
             table,
             g,

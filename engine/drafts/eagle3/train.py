@@ -13,7 +13,7 @@ from engine.drafts.train_contract import Batch, shift
 def ttt_forward(head, batch: Batch, steps: int, attention=ttt_attention, ops: ForwardOps = TORCH_OPS) -> list[Tensor]:
     """Unroll an Eagle3Head for `steps` TTT steps -> per-step logits [B, T, Vd] (differentiable)."""
     m, att = head.midlayer, head.midlayer.self_attn
-    emb = ops.norm(m.input_layernorm, head.embed(batch.tokens).detach())  # [B, T, H]; the target's embedding, frozen
+    emb = ops.norm(m.input_layernorm, head.embed_tokens(batch.tokens).detach())  # [B, T, H]; the target's, frozen
     rot = torch.promote_types(emb.dtype, m.input_layernorm.weight.dtype)  # the norm module's output dtype
     cos = head.rope_cos[batch.positions].to(rot)  # [B, T, D]
     sin = head.rope_sin[batch.positions].to(rot)

@@ -4,6 +4,7 @@ KV pool, over the target's final hidden state (`LlamaForCausalLMMultiLayerEagle`
     head.py   MultiLayerEagleHead (its modules and per-module KV pools) and its config.json
     loop.py   MultiLayerDraft: the proposal windows and the commit re-runs
     plan.py   k = draft.num_steps modules; a checkpoint's width and module count
+    public.py MTP layers inside a target's checkpoint (MiMo, DeepSeek-V3 names) read as the modules
     train.py  every module teacher-forced over whole sequences
 """
 

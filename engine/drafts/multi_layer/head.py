@@ -34,6 +34,7 @@ Checkpoint (`architectures: ["LlamaForCausalLMMultiLayerEagle"]`, DeepSeek-V3 MT
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.post_attention_layernorm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.shared_head.norm.weight
     config: num_nextn_predict_layers (modules), hidden_size, ... (a one-layer Llama config per module)
+A target checkpoint's own MTP layers load into these names through public.py's tables.
 """
 
 from __future__ import annotations
@@ -68,19 +69,18 @@ class StepCaches:
 class MTPIn(Op):
     """The module's input fusion: (tokens [b, t], hidden [b, t, H]) -> eh_proj([enorm(embed), hnorm(hidden)])."""
 
-    def __init__(self, mod: "MTPModule", embed):
+    def __init__(self, mod: "MTPModule", head):
         super().__init__(mod)
-        self.embed = embed  # () -> the target's embedding (bound after the module is built)
+        self.head = head  # () -> the head (bound to the target's embedding after it is built)
 
     def forward_native(self, tokens: Tensor, hidden: Tensor) -> Tensor:
-        return self.layer.fuse_input(self.embed()(tokens), hidden)  # [b, t, H]
+        return self.layer.fuse_input(self.head().embed_tokens(tokens), hidden)  # [b, t, H]
 
     def forward_fused(self, tokens: Tensor, hidden: Tensor) -> Tensor:
         mod = self.layer  # the embedding gather, both norms and eh_proj in one kernel
+        table, rows = self.head().embed_gather(tokens)
         eps = mod.enorm.variance_epsilon
-        return cat_rmsnorm_gemv(
-            self.embed().weight, hidden, mod.enorm.weight, mod.hnorm.weight, eps, mod.eh_proj.weight, index1=tokens
-        )
+        return cat_rmsnorm_gemv(table, hidden, mod.enorm.weight, mod.hnorm.weight, eps, mod.eh_proj.weight, index1=rows)
 
 
 class MTPOut(Op):
@@ -120,7 +120,7 @@ class MTPModule(DecoderLayer):
         self.eh_proj = nn.Linear(2 * h, h, bias=False)
         self.shared_head = nn.Module()
         self.shared_head.norm = RMSNorm(h, args.rms_norm_eps)
-        self.fused_in = MTPIn(self, lambda: head.embed)
+        self.fused_in = MTPIn(self, lambda: head)
         self.out = MTPOut(self, lambda: head.lm_head)
 
     def fuse_input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
@@ -145,6 +145,13 @@ class MultiLayerEagleHead(HeadBase):
     @property
     def feature_width(self) -> int:
         return self.args.hidden_size  # the target's final hidden state
+
+    def init_from_target(self, target) -> None:
+        """Training from scratch: each module's norm starts as the target's final norm (it feeds the
+        target's lm_head; Gemma: its 1 + w)."""
+        with torch.no_grad():
+            for mod in self.layers:
+                mod.shared_head.norm.weight.copy_(target.model.norm.scale())
 
     def use_fused_kernels(self) -> None:
         for mod in self.layers:

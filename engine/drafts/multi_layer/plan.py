@@ -1,4 +1,5 @@
-"""Multi-layer EAGLE's plan: k = draft.num_steps modules; a checkpoint of the target's width with at least k."""
+"""Multi-layer EAGLE's plan: k = draft.num_steps modules; a checkpoint of the target's width with at least k:
+a head of ours, or a target checkpoint that carries MTP layers (engine/drafts/multi_layer/public.py)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from engine.drafts.checkpoint import HeadCheckpoint
 from engine.drafts.common.checks import check_init, check_vocab, mlp_width, reject_width
 from engine.drafts.config import HeadKeys
 from engine.drafts.multi_layer.head import MultiLayerEagleHead, multi_layer_config
+from engine.drafts.multi_layer.public import TargetMTPCheckpoint, declares_mtp
 from engine.errors import ConfigError
 from engine.model import ModelArgs
 
@@ -34,7 +36,12 @@ def plan_multi_layer(cfg, target: ModelArgs) -> DraftPlan:
             None,
             multi_layer_config(target, cfg.num_steps, mlp_width(cfg, target)),
         )
-    ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
+    if declares_mtp(
+        cfg.path, MultiLayerEagleHead.architecture
+    ):  # a target's checkpoint with its MTP layers (MiMo, DeepSeek-V3 layouts)
+        ckpt = TargetMTPCheckpoint.read(cfg.path, target, multi_layer_config)
+    else:
+        ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)
     reject_width(cfg, ckpt)
     check_vocab(ckpt.config, target, cfg.path)
     if ckpt.config.get("hidden_size") != target.hidden_size:

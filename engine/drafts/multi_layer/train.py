@@ -34,7 +34,7 @@ def _causal_layer(mod, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 
 def multi_layer_forward(head, batch: Batch, steps: int) -> list[Tensor]:
     """Per-module logits [B, T, V] in the TrainSpec alignment (differentiable in the head's weights)."""
-    emb = head.embed(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
+    emb = head.embed_tokens(batch.tokens).detach()  # [B, T, H]; the target's embedding, frozen
     cos = head.rope_cos[batch.positions][:, None].to(emb.dtype)  # [B, 1, T, D]
     sin = head.rope_sin[batch.positions][:, None].to(emb.dtype)
     h, out = batch.feats.to(emb.dtype), []
