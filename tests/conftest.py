@@ -12,6 +12,13 @@ import torch
 
 if not torch.cuda.is_available():  # Triton kernels run in the interpreter on CPU
     os.environ.setdefault("TRITON_INTERPRET", "1")
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ and "OMP_NUM_THREADS" not in os.environ:
+    # `-n N` workers share the cores: torch's default (a thread per core) in each would oversubscribe them;
+    # the env var reaches the processes the tests start too
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // int(os.environ["PYTEST_XDIST_WORKER_COUNT"]))
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
 from pipeline.config import register_configs
 from pipeline.paths import REPO
 
