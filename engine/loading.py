@@ -131,10 +131,11 @@ def _load_hf_dir(path: Path, max_seq_len: int) -> LoadedModel:
     args = _hf_args(cfg, str(path))
     with torch.device("meta"):
         model = LlamaModel(args, max_seq_len)
+    mtp = bool(cfg.get("num_nextn_predict_layers"))  # its MTP layers are a draft's: the target skips them
     state: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
-            keys = [k for k in sf.keys() if mtp_module(k, args.num_layers) is None]  # MTP layers: a draft's
+            keys = [k for k in sf.keys() if not (mtp and mtp_module(k, args.num_layers) is not None)]
             state.update({k: sf.get_tensor(k) for k in keys})
     if args.tie_word_embeddings:
         state.pop("lm_head.weight", None)

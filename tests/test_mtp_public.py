@@ -146,3 +146,17 @@ def test_a_mimo_directory_is_the_target_and_its_own_draft(tmp_path, outputs):
         )
     )
     assert ctx["eval_results"]["metrics"]["match_baseline"] == 1.0
+
+
+def test_a_target_without_declared_mtp_layers_refuses_extra_layer_tensors(tmp_path, outputs):
+    """The target skips layers past num_hidden_layers only when config.json declares MTP layers: otherwise
+    they are tensors it does not know, and the load names them."""
+    from engine.loading import load_model
+    from pipeline.config import to_run_config
+
+    _save_target_with_mtp(tmp_path, "deepseek")
+    cfg = to_run_config(compose_cfg("model=hf", f"model.path={tmp_path}", "model.max_seq_len=64", "device=cpu")).model
+    load_model(cfg, outputs / "weights", torch.device("cpu"), torch.float32)  # declared: skipped
+    _with_config(tmp_path, num_nextn_predict_layers=0)
+    with pytest.raises(ConfigError, match=r"unexpected \['model\.layers\.3\."):
+        load_model(cfg, outputs / "weights", torch.device("cpu"), torch.float32)
