@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.models import hf_greedy, pair, random_prompts, tiny_hf_config
+from helpers.models import TINY_CONFIG, hf_greedy, pair, random_prompts, tiny_hf_config
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from engine.model import LlamaModel
@@ -47,14 +47,7 @@ def test_logits_match_transformers(hf_cfg):
 
 def test_qwen2_style_biases_match_transformers():
     cfg = Qwen2Config(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=False,
-        max_position_embeddings=256,
+        **{**TINY_CONFIG, "num_hidden_layers": 2, "tie_word_embeddings": False, "max_position_embeddings": 256}
     )
     hf, ours = pair(Qwen2ForCausalLM, cfg)
     assert ours.args.qkv_bias and not ours.args.o_bias

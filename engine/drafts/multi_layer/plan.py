@@ -36,9 +36,7 @@ def plan_multi_layer(cfg, target: ModelArgs) -> DraftPlan:
             None,
             multi_layer_config(target, cfg.num_steps, mlp_width(cfg, target)),
         )
-    if declares_mtp(
-        cfg.path, MultiLayerEagleHead.architecture
-    ):  # a target's checkpoint with its MTP layers (MiMo, DeepSeek-V3 layouts)
+    if declares_mtp(cfg.path, MultiLayerEagleHead.architecture):  # a target's checkpoint with its MTP layers
         ckpt = TargetMTPCheckpoint.read(cfg.path, target, multi_layer_config)
     else:
         ckpt = HeadCheckpoint.read(cfg.path, MultiLayerEagleHead.architecture)

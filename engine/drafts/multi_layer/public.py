@@ -99,10 +99,10 @@ class TargetMTPCheckpoint:
             except (ValueError, OSError) as e:
                 raise ConfigError("draft.path", path, f"{f}: {e}", "a complete checkpoint") from None
         layers = cfg.get("num_hidden_layers", 0)
-        modules: dict[str, set[int]] = {}  # layout -> the module indices its tensors hold
+        modules: dict[str, dict[int, list[str]]] = {}  # layout -> module index -> its tensors' names
         for name in header:
             if (found := mtp_module(name, layers)) is not None:
-                modules.setdefault(found[0], set()).add(found[1])
+                modules.setdefault(found[0], {}).setdefault(found[1], []).append(name)
         if len(modules) != 1:
             where = " or ".join(f"{lay.module_prefix(0, layers)}* ({k})" for k, lay in LAYOUTS.items())
             raise ConfigError(
@@ -135,12 +135,10 @@ class TargetMTPCheckpoint:
                     "draft.path", path, f"{key} {cfg.get(key)} differs from the target's {want}", "this target's MTP"
                 )
         shapes, sources = {}, {}
-        for i in range(n):
+        for i, names in held.items():
             prefix = lay.module_prefix(i, layers)
-            for name, (f, shape) in header.items():
-                rest = name[len(prefix) :]
-                if not name.startswith(prefix):
-                    continue
+            for name in names:
+                (f, shape), rest = header[name], name[len(prefix) :]
                 if rest in lay.shared:
                     if shape != [target.vocab_size, target.hidden_size]:
                         raise ConfigError(
