@@ -162,23 +162,29 @@ if triton is not None:
         ss,
         x_rows,  # [ROWS, 1] pointers: the rows of this source
         d_rows,  # [ROWS, 1] pointers: delta's rows (HAS_DELTA)
+        h_rows,  # [ROWS, 1] pointers: h's rows (STORE_H)
         NW,  # norm weight of this source [K_HI - K_LO]
         w_cols,  # [1, BLOCK_N] pointers: the columns of w^T
         mmask,
         nmask,
+        pid_n,  # this program's column tile of n_tiles: it stores h's chunks c with c % n_tiles == pid_n
+        n_tiles,
         K_LO: tl.constexpr,  # this source's columns of w: [K_LO, K_HI)
         K_HI: tl.constexpr,
         BLOCK_K: tl.constexpr,
         NORM: tl.constexpr,
         HAS_DELTA: tl.constexpr,
+        STORE_H: tl.constexpr,
         RNE: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
         """acc [ROWS, BLOCK_N] += a @ w^T[K_LO:K_HI] over one source's chunks in order; with NORM,
         a = round(h * norm_w) and ss [ROWS, BLOCK_K] += h^2 by lane; else a is the source as is.
-        NORM's activations feed arithmetic before the dot, which the compiler's pipeliner does not
-        prefetch: each iteration loads the next chunk's before it uses the current one."""
+        STORE_H: h = round(x + delta) stored, each chunk by one column tile's programs (no program
+        makes a pass of its own over K for it). NORM's activations feed arithmetic before the dot,
+        which the compiler's pipeliner does not prefetch: each iteration loads the next chunk's before
+        it uses the current one."""
         KS: tl.constexpr = K_HI - K_LO
         offs_k = tl.arange(0, BLOCK_K)
         if NORM:
@@ -200,25 +206,15 @@ if triton is not None:
                 if HAS_DELTA:
                     d_n = tl.load(d_rows + kn[None, :], mask=m2, other=0.0)
                 nw_n = tl.load(NW + kn, mask=nmk, other=0.0)
-                _, a, ss = _norm_chunk(x, d, nw, ss, HAS_DELTA, RNE)
+                h, a, ss = _norm_chunk(x, d, nw, ss, HAS_DELTA, RNE)
+                if STORE_H:
+                    own = (kk < KS) & ((kk // BLOCK_K) % n_tiles == pid_n)  # [BLOCK_K]: this chunk is ours
+                    hmask = mmask[:, None] & own[None, :]
+                    tl.store(h_rows + kk[None, :], h.to(x.dtype), mask=hmask)
             else:
                 a = tl.load(x_rows + kk[None, :], mask=mmask[:, None] & (kk < KS)[None, :], other=0.0)
             acc = tl.dot(a.to(DOT_DTYPE), w.to(DOT_DTYPE), acc, input_precision=DOT_PRECISION)
         return acc, ss
-
-    @triton.jit
-    def _store_h(
-        X, stride_x, D, stride_d, H, offs_m, mmask, K1: tl.constexpr, BLOCK_K: tl.constexpr, RNE: tl.constexpr
-    ):
-        """h = round(x + delta) [rows, K1] stored (one column tile's programs do it, outside the product)."""
-        DT = X.dtype.element_ty
-        offs_k = tl.arange(0, BLOCK_K)
-        for k0 in range(0, K1, BLOCK_K):
-            kk = k0 + offs_k
-            m2 = mmask[:, None] & (kk < K1)[None, :]
-            x = tl.load(X + offs_m[:, None] * stride_x + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            d = tl.load(D + offs_m[:, None] * stride_d + kk[None, :], mask=m2, other=0.0).to(tl.float32)
-            tl.store(H + offs_m[:, None] * K1 + kk[None, :], _round(x + d, DT, RNE).to(DT), mask=m2)
 
     @triton.jit(do_not_specialize=["M"])  # one binary per row tile, whatever M
     def _gemv_kernel(
@@ -280,15 +276,19 @@ if triton is not None:
             ss,
             X1_rows,
             D + offs_m[:, None] * stride_d,
+            H + offs_m[:, None] * K1,
             NW1,
             w_cols,
             mmask,
             nmask,
+            pid_n,
+            tl.cdiv(N, BLOCK_N),
             0,
             K1,
             BLOCK_K,
             FUSED,
             HAS_DELTA,
+            FUSED and HAS_DELTA,
             RNE,
             DOT_DTYPE,
             DOT_PRECISION,
@@ -306,14 +306,18 @@ if triton is not None:
                 ss2,
                 X2 + offs_m[:, None] * stride_x2,
                 D,
+                D,
                 NW2,
                 w_cols,
                 mmask,
                 nmask,
+                pid_n,
+                1,
                 K1,
                 K,
                 BLOCK_K,
                 FUSED,
+                False,
                 False,
                 RNE,
                 DOT_DTYPE,
@@ -325,9 +329,6 @@ if triton is not None:
                 y += acc2 * tl.load(RSTD + offs_m * 2 + 1, mask=mmask, other=0.0)[:, None]
             else:
                 y = acc2
-        if FUSED and HAS_DELTA:
-            if pid_n == 0:  # h, stored once
-                _store_h(X1, stride_x1, D, stride_d, H, offs_m, mmask, K1, BLOCK_K, RNE)
 
         # ---- epilogue: y = round(y + bias), stored, or reduced to this tile's argmax per row
         if HAS_BIAS:
