@@ -80,7 +80,20 @@ def port_problem(host: str, port: int) -> Optional[str]:
     return None
 
 
-def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
+# the decoder's phase clock (stream time between CUDA events) -> the summary's names
+STREAM_PHASES = {
+    "join_target": "prefill_target_s",
+    "join_draft": "prefill_draft_s",
+    "draft": "draft_s",
+    "extend": "extend_s",
+    "verify": "verify_s",
+    "host": "host_gap_s",
+}
+
+
+def serve_metrics(stats: ServeStats, graphs, phases: Optional[dict[str, float]] = None) -> dict[str, float]:
+    """The served run's summary. phases: the decoder's clock totals (seconds of stream time by phase):
+    where the joins' and rounds' host wall time (prefill_s, round_s, emit_s) went on the device."""
     out = {
         "requests": sum(stats.finished.values()),
         "prompt_tokens": stats.prompt_tokens,
@@ -88,7 +101,10 @@ def serve_metrics(stats: ServeStats, graphs) -> dict[str, float]:
         "rounds": stats.rounds,
         "prefills": stats.prefills,  # joins: a group of requests joining together is one
         "prefill_s": stats.prefill_s,
+        "round_s": stats.round_s,
+        "emit_s": stats.emit_s,
     }
+    out.update({name: phases[key] for key, name in STREAM_PHASES.items() if key in (phases or {})})
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
     busy = stats.busy_time(time.perf_counter())
     if busy > 0:  # over the time with a request in flight: an idle server does not dilute it
@@ -241,7 +257,7 @@ class ServeStage(Stage):
             server.run()
         finally:
             self.server = None
-        metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"))
+        metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"), server.scheduler.dec.clock.totals())
         policy = server.scheduler.dec.adaptive
         if policy is not None:  # what the served rounds taught it
             print(f"[serve] adaptive k at the end, {policy.describe(cfg.serve.max_batch_size)}", flush=True)

@@ -165,7 +165,10 @@ def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly
 
 
 def test_tokens_per_s_counts_busy_time_not_idle_time(outputs):
-    s = Served(("+experiment=serve", "model=tiny", "device=cpu", "tracking=off", "serve.port=0"), outputs)
+    draft = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]", "draft.num_steps=3", "graph=debug")
+    s = Served(
+        ("+experiment=serve_eagle3_bcg", "model=tiny", "device=cpu", "tracking=off", "serve.port=0", *draft), outputs
+    )
     t0 = time.perf_counter()
     time.sleep(3.0)  # idle: no request in flight
     outs = [
@@ -183,6 +186,11 @@ def test_tokens_per_s_counts_busy_time_not_idle_time(outputs):
     assert m["busy_s"] < wall - 4.5  # the 5 s of sleep are not busy time
     assert m["tokens_per_s"] == pytest.approx(tokens / m["busy_s"])
     assert m["tokens_per_s"] > 2 * tokens / wall  # what the whole wall time would have said
+    # where the time went (on CPU the phase marks read the host clock: each phase within its wall time)
+    assert m["prefills"] == 2 and 0 < m["prefill_target_s"] and 0 < m["prefill_draft_s"]
+    assert m["prefill_target_s"] + m["prefill_draft_s"] <= m["prefill_s"]
+    assert 0 < m["verify_s"] and 0 < m["draft_s"] and m["draft_s"] + m["extend_s"] + m["verify_s"] <= m["round_s"]
+    assert 0 < m["emit_s"] < m["busy_s"] - m["round_s"] - m["prefill_s"] + m["emit_s"]
 
 
 def test_requests_generated_from_the_openapi_schema_get_no_server_error(outputs):

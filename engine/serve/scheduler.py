@@ -111,8 +111,9 @@ class ServeStats:
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per draft tokens (adaptive k)
     last_k: int = 0  # the last round's draft tokens
     prefills: int = 0  # joint prefills (one per group of requests joining together)
-    prefill_s: float = 0.0
-    round_s: float = 0.0
+    prefill_s: float = 0.0  # host wall time of the joins (target prefill, first draw, draft prefill)
+    round_s: float = 0.0  # host wall time of the rounds, to their one sync
+    emit_s: float = 0.0  # host time handing the rounds' tokens to their requests
     first_submit: Optional[float] = None
     last_finish: Optional[float] = None
     busy_s: float = 0.0  # time with at least one request submitted and not finished, closed intervals
@@ -248,6 +249,7 @@ class Scheduler:
                     if self.running:
                         self._step()
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
+        self.dec.clock.reset()  # the phases' stream time, too
         for runner in [*self.dec.runners.values(), self.dec.prefill_runner]:
             if runner is not None:  # the graphs' replay counters start with the first client too
                 runner.stats.replays = runner.stats.fallbacks = 0
@@ -357,9 +359,11 @@ class Scheduler:
 
     def _join(self, reqs: list[GenerationRequest], start: int) -> None:
         """Prefill `reqs` into slots start..start+m-1 (target, then draft), and emit their first tokens."""
-        t0, m, st = time.perf_counter(), len(reqs), self.state
+        t0, m, st, clock = time.perf_counter(), len(reqs), self.state, self.dec.clock
         rows = slice(start, start + m)
+        marks = [clock.mark()]
         pre = self.dec.prefill([r.prompt for r in reqs], None, rows)
+        marks.append(clock.mark())
         unseeded = [r.seed is None and r.temperature > 0 for r in reqs]  # greedy rows draw nothing
         drawn = iter(seeds_from(self.generator, sum(unseeded)))
         settings = RowSettings(
@@ -371,7 +375,11 @@ class Scheduler:
         for j, req in enumerate(reqs):
             st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
         first = self.dec.start(st, pre, settings, rows=rows)  # [m]: the slots' settings, round state, draft prefill
+        marks.append(clock.mark())
         toks = first.tolist()  # the join's one sync
+        clock.span("join_target", marks[0], marks[1])  # stream time: the target's prefill
+        clock.span("join_draft", marks[1], marks[2])  # the first draw and the draft's prefill
+        clock.settle()
         for j, (req, tok) in enumerate(zip(reqs, toks)):
             st.history[start + j].append(tok)
             self.slots[start + j], req.slot = req, start + j
@@ -397,6 +405,7 @@ class Scheduler:
         stats.round_s += time.perf_counter() - t0
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
         stats.last_k = r.k
+        t1 = time.perf_counter()
         for i, req in enumerate(self.slots[:rows]):
             if req is None:
                 continue
@@ -414,6 +423,7 @@ class Scheduler:
                 self._release(i, req, req.cancelled)
             else:
                 self._emit(i, req, r.emitted[i], r.time)
+        stats.emit_s += time.perf_counter() - t1
 
     def _emit(self, i: int, req: GenerationRequest, tokens: list[int], now: float) -> None:
         """Hand a slot's new tokens to its request, cut at a stop token or max_tokens."""
