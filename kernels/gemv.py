@@ -7,7 +7,8 @@ them fused into their prologue and the gated activation (SwiGLU, GeGLU) or the g
         glu=act: w's rows interleaved gate / up (interleave_gate_up): y = act(gate) * up [M, N / 2], act
         one of GLU_EPILOGUES (HF's names: silu, gelu_pytorch_tanh)
     cat_rmsnorm_gemv(x1, x2, norm_w1, norm_w2, eps, w, ...) y = [rmsnorm(x1_row), rmsnorm(x2_row)] @ w^T;
-        index1: x1 is a table [V, K1] read at rows index1[m] (the embedding lookup fused in); norm=False: as is
+        index1: x1 is a table [V, K1] read at rows index1[m] (the embedding lookup fused in); norm=False: as is;
+        zero1: the rows m with zero1[m] read x1 as zeros (public MTP layers' token embedding at position 0)
     argmax=True: ids = argmax_n round(y) (+ offsets[ids]; EAGLE3's d2t) instead of y, the first index on ties
 
 Layouts (nn.Linear's): x, delta, h [..., K] (any row stride, unit last stride; leading dims flattened into
@@ -94,8 +95,11 @@ def cat_rmsnorm_gemv_reference(
     *,
     index1: Tensor | None = None,
     norm: bool = True,
+    zero1: Tensor | None = None,
 ) -> Tensor:
     a1 = x1 if index1 is None else x1[index1]  # [..., K1]
+    if zero1 is not None:
+        a1 = a1.masked_fill(zero1[..., None], 0)
     if not norm:
         return gemv_reference(torch.cat([a1, x2], -1), w, bias)
     k1 = a1.shape[-1]
@@ -221,6 +225,7 @@ if triton is not None:
         X1,
         stride_x1,
         IDX1,
+        ZERO1,  # [M] uint8: rows whose source 1 reads as zeros (HAS_ZERO1)
         NW1,  # source 1: columns [0, K1); x1[IDX1[m]] if HAS_INDEX
         X2,
         stride_x2,
@@ -246,6 +251,7 @@ if triton is not None:
         BLOCK_K: tl.constexpr,
         PROLOGUE: tl.constexpr,  # 0: plain, 1: RMSNorm per source, 2: normed sources, rstd from RSTD
         HAS_INDEX: tl.constexpr,
+        HAS_ZERO1: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         HAS_BIAS: tl.constexpr,
         ARGMAX: tl.constexpr,
@@ -264,9 +270,11 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
         mmask, nmask = offs_m < M, offs_n < N
         w_cols = W + offs_n[None, :] * stride_w  # [1, BLOCK_N]: the columns of w^T
-        rows1 = offs_m
+        rows1, mmask1 = offs_m, mmask
         if HAS_INDEX:
             rows1 = tl.load(IDX1 + offs_m, mask=mmask, other=0)  # [ROWS] table rows (an embedding lookup)
+        if HAS_ZERO1:  # these rows load source 1 as zeros: h = 0, so its share of y is 0
+            mmask1 = mmask & (tl.load(ZERO1 + offs_m, mask=mmask, other=0) == 0)
 
         acc = tl.full([ROWS, BLOCK_N], 0.0, tl.float32)  # (tl.full: tl.zeros is slow to interpret)
         ss = tl.full([ROWS, BLOCK_K], 0.0, tl.float32)
@@ -279,7 +287,7 @@ if triton is not None:
             H + offs_m[:, None] * K1,
             NW1,
             w_cols,
-            mmask,
+            mmask1,
             nmask,
             pid_n,
             tl.cdiv(N, BLOCK_N),
@@ -368,20 +376,22 @@ if triton is not None:
         NW,
         A_row,
         eps,
+        x_cols,
         K_S: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         RNE: tl.constexpr,
     ):
-        """One row of one source [K_S]: a = round(h * norm_w) to A_row (h to H_row), -> its rstd [1]. The
-        chunk loop is unrolled, so every chunk's loads are issued before the first sum needs them."""
+        """One row of one source [K_S]: a = round(h * norm_w) to A_row (h to H_row), -> its rstd [1]; x's
+        columns from x_cols on read as zeros (0: a zeroed row). The chunk loop is unrolled, so every chunk's
+        loads are issued before the first sum needs them."""
         DT = X_row.dtype.element_ty
         offs_k = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
         ss = tl.full([1, BLOCK_K], 0.0, tl.float32)
         for k0 in tl.static_range(0, K_S, BLOCK_K):
             kk = k0 + offs_k
             km = kk < K_S
-            x = tl.load(X_row + kk, mask=km, other=0.0)
+            x = tl.load(X_row + kk, mask=kk < x_cols, other=0.0)
             d = tl.load(D_row + kk, mask=km, other=0.0) if HAS_DELTA else x
             h, a, ss = _norm_chunk(x, d, tl.load(NW + kk, mask=km, other=0.0).reshape(BLOCK_K), ss, HAS_DELTA, RNE)
             if HAS_DELTA:
@@ -394,6 +404,7 @@ if triton is not None:
         X1,
         stride_x1,
         IDX1,
+        ZERO1,
         NW1,
         X2,
         stride_x2,
@@ -408,6 +419,7 @@ if triton is not None:
         K1: tl.constexpr,
         BLOCK_K: tl.constexpr,
         HAS_INDEX: tl.constexpr,
+        HAS_ZERO1: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         RNE: tl.constexpr,
     ):
@@ -416,12 +428,14 @@ if triton is not None:
         then reads A (PROLOGUE 2)."""
         m = tl.program_id(0)
         row1 = tl.load(IDX1 + m) if HAS_INDEX else m
+        cols1 = tl.where(tl.load(ZERO1 + m) != 0, 0, K1) if HAS_ZERO1 else K1  # x1's columns read (0: zeros)
         one = tl.arange(0, 1)
-        r1 = _norm_source(X1 + row1 * stride_x1, D + m * stride_d, H + m * K1, NW1, A + m * K, eps, K1, BLOCK_K,
-                          HAS_DELTA, RNE)  # fmt: skip
+        r1 = _norm_source(X1 + row1 * stride_x1, D + m * stride_d, H + m * K1, NW1, A + m * K, eps, cols1, K1,
+                          BLOCK_K, HAS_DELTA, RNE)  # fmt: skip
         tl.store(RSTD + m * 2 + one, r1)
         if K1 < K:
-            r2 = _norm_source(X2 + m * stride_x2, X2, X2, NW2, A + m * K + K1, eps, K - K1, BLOCK_K, False, RNE)
+            r2 = _norm_source(X2 + m * stride_x2, X2, X2, NW2, A + m * K + K1, eps, K - K1, K - K1, BLOCK_K,
+                              False, RNE)  # fmt: skip
             tl.store(RSTD + m * 2 + 1 + one, r2)
 
     @triton.jit
@@ -522,6 +536,7 @@ def _launch(
     k1: int,
     x2: Tensor | None = None,
     index1: Tensor | None = None,
+    zero1: Tensor | None = None,
     delta: Tensor | None = None,
     norm_w1: Tensor | None = None,
     norm_w2: Tensor | None = None,
@@ -532,7 +547,7 @@ def _launch(
     **tuning,
 ) -> tuple[Tensor | None, Tensor]:
     """Rows of the sources -> (h [M, K1] or None, y [M, N] or ids [M]). x1 [M, K1] (a table with index1),
-    x2 [M, K - K1] (None: K = K1)."""
+    x2 [M, K - K1] (None: K = K1); zero1 [M] uint8: rows whose x1 reads as zeros."""
     n, k = w.shape
     assert w.stride(1) == 1, f"w must have a unit last stride, got strides {w.stride()}"
     assert bias is None or (bias.shape == (n,) and bias.is_contiguous())
@@ -548,13 +563,15 @@ def _launch(
         a = torch.empty(m, k, dtype=dtype, device=device)
         rstd = torch.empty(m, 2, dtype=torch.float32, device=device)
         _norm_rows_kernel[(m,)](
-            x1, x1.stride(0), index1 if index1 is not None else x1, norm_w1, x2, x2.stride(0),
-            norm_w2 if norm_w2 is not None else norm_w1, d, d.stride(0), h if h is not None else x2, a, rstd, eps,
-            K=k, K1=k1, BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None, HAS_DELTA=delta is not None, RNE=rne,
+            x1, x1.stride(0), index1 if index1 is not None else x1, zero1 if zero1 is not None else x1, norm_w1,
+            x2, x2.stride(0), norm_w2 if norm_w2 is not None else norm_w1, d, d.stride(0),
+            h if h is not None else x2, a, rstd, eps,
+            K=k, K1=k1, BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None, HAS_ZERO1=zero1 is not None,
+            HAS_DELTA=delta is not None, RNE=rne,
             num_warps=1,
             enable_fp_fusion=False,
         )  # fmt: skip
-        prologue, x1, x2, index1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, a
+        prologue, x1, x2, index1, zero1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, None, a
     act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
     cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
     n_tiles = triton.cdiv(n, cfg.block_n)
@@ -577,6 +594,7 @@ def _launch(
         x1,
         x1.stride(0),
         index1 if index1 is not None else x1,
+        zero1 if zero1 is not None else x1,
         norm_w1 if norm_w1 is not None else x1,
         x2,
         x2.stride(0),
@@ -602,6 +620,7 @@ def _launch(
         BLOCK_K=cfg.block_k,
         PROLOGUE=prologue,
         HAS_INDEX=index1 is not None,
+        HAS_ZERO1=zero1 is not None,
         HAS_DELTA=delta is not None,
         HAS_BIAS=bias is not None,
         ARGMAX=argmax,
@@ -710,6 +729,7 @@ def cat_rmsnorm_gemv(
     *,
     index1: Tensor | None = None,
     norm: bool = True,
+    zero1: Tensor | None = None,
     argmax: bool = False,
     offsets: Tensor | None = None,
     **tuning,
@@ -717,10 +737,11 @@ def cat_rmsnorm_gemv(
     """y = a @ w^T (+ bias), a = [rmsnorm(x1_row; norm_w1), rmsnorm(x2_row; norm_w2)] (each half with
     its own rstd; the plain concatenation with norm=False): x2 [..., K2], w [N, K1 + K2] -> y [..., N]
     (argmax, tuning: see gemv). x1 [..., K1] as x2, or with index1 (int64, x2's leading shape) a table
-    [V, K1] whose row index1[m] is row m's: the embedding lookup fused into the prologue.
+    [V, K1] whose row index1[m] is row m's: the embedding lookup fused into the prologue. zero1 (bool, x2's
+    leading shape): where True, row m's x1 reads as zeros (public MTP layers' token embedding at position 0).
     EAGLE3's qkv input, MTP's eh_proj input; EAGLE-1's fc input with norm=False."""
     if triton is None:
-        y = cat_rmsnorm_gemv_reference(x1, x2, norm_w1, norm_w2, eps, w, bias, index1=index1, norm=norm)
+        y = cat_rmsnorm_gemv_reference(x1, x2, norm_w1, norm_w2, eps, w, bias, index1=index1, norm=norm, zero1=zero1)
         return argmax_reference(y, offsets) if argmax else y
     k1, k2 = x1.shape[-1], x2.shape[-1]
     assert w.shape[1] == k1 + k2, f"w: {w.shape[1]} columns, expected K1 + K2 = {k1} + {k2}"
@@ -733,6 +754,10 @@ def cat_rmsnorm_gemv(
         assert x1.dim() == 2 and x1.stride(1) == 1, "x1 must be a table [V, K1] with a unit last stride"
         assert index1.shape == lead and index1.dtype == torch.int64, f"index1 must be int64 of shape {tuple(lead)}"
         x1r, idx = x1, index1.reshape(-1).contiguous()
+    z1 = None
+    if zero1 is not None:
+        assert zero1.shape == lead and zero1.dtype == torch.bool, f"zero1 must be bool of shape {tuple(lead)}"
+        z1 = zero1.reshape(-1).contiguous().view(torch.uint8)
     if norm:
         assert norm_w1 is not None and norm_w1.shape == (k1,) and norm_w1.is_contiguous()
         assert norm_w2 is not None and norm_w2.shape == (k2,) and norm_w2.is_contiguous()
@@ -745,6 +770,7 @@ def cat_rmsnorm_gemv(
         k1=k1,
         x2=x2r,
         index1=idx,
+        zero1=z1,
         norm_w1=norm_w1 if norm else None,
         norm_w2=norm_w2 if norm else None,
         eps=float(eps),

@@ -266,10 +266,10 @@ def test_a_draft_head_takes_the_embeddings_the_gemma3_target_takes(algorithm):
         torch.testing.assert_close(head.embed_tokens(ids), want, rtol=0, atol=0)
         if algorithm == "multi_layer_eagle" and KERNELS:
             hidden = torch.randn(2, 5, 48, generator=torch.Generator().manual_seed(4))
-            mod = head.layers[0]
-            plain = mod.fused_in(ids, hidden)  # [2, 5, 48]
+            mod, positions = head.layers[0], torch.arange(5).expand(2, 5)
+            plain = mod.fused_in(ids, hidden, positions)  # [2, 5, 48]
             mod.fused_in.fuse()
-            torch.testing.assert_close(mod.fused_in(ids, hidden), plain, rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(mod.fused_in(ids, hidden, positions), plain, rtol=1e-5, atol=1e-5)
 
 
 # Each recipe's own keys on the tiny Gemma 3 (k = 3; aux layers for the drafts that read them)

@@ -233,6 +233,28 @@ def test_norm_scale_is_the_references_bit_for_bit(device, m):
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@DTYPES
+@pytest.mark.parametrize("m", [6, 20], ids=["fused", "rows_first"])
+def test_zero1_rows_read_the_table_as_zeros(device, dtype, m):
+    """cat_rmsnorm_gemv over an embedding table with zero1 (public MTP layers' position 0): a marked row is
+    bitwise the call whose index points at an all-zero table row, and the reference's; an unmarked row is
+    bitwise the call without zero1; a marked row differs from it (the flag is read)."""
+    case = _case("cat_index", m, 80, 24, dtype, device, bias=False, seed=11)
+    table, zero1 = case.fixed["table"], torch.arange(m, device=device) % 3 == 0
+    f, x2, index1 = case.fixed, case.rows["x2"], case.rows["index1"]
+    args = (f["nw1"], f["nw2"], EPS, f["w"])
+    got = G.cat_rmsnorm_gemv(table, x2, *args, index1=index1, zero1=zero1)
+    zeros_row = torch.cat([table, torch.zeros_like(table[:1])])  # row 50: all zeros
+    as_zero_row = G.cat_rmsnorm_gemv(zeros_row, x2, *args, index1=torch.where(zero1, 50, index1))
+    plain = G.cat_rmsnorm_gemv(table, x2, *args, index1=index1)
+    assert torch.equal(got, as_zero_row)
+    assert torch.equal(got[~zero1], plain[~zero1]) and not torch.allclose(got[zero1], plain[zero1])
+    want = G.cat_rmsnorm_gemv_reference(table, x2, *args, index1=index1, zero1=zero1)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+
+
 # ------------------------------------------------------------------------------------- argmax epilogue
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ARGMAX_KINDS)

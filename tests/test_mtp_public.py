@@ -2,21 +2,28 @@
 model.layers.{N + i}.*) read as the multi-layer head's modules: a tiny Qwen2 target saved with two MTP
 layers written under the public names and shapes (the names below are written out here, not taken from
 engine/drafts/multi_layer/public.py), loaded with the same weights as the head they were written from,
-saved in our layout and loaded back, drafting losslessly; the plan's checks before any weight loads; and
+saved in our layout and loaded back, drafting losslessly; every module reading a zero token embedding
+at position 0 (as vLLM and sglang run these layers), in begin, propose, extend and training, plain and
+fused, while our own heads keep theirs; the plan's checks before any weight loads; and
 `model=hf model.path=DIR draft.path=DIR` on the same directory."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 from helpers.models import TINY_CONFIG, pair, random_prompts, save_byte_tokenizer
 from helpers.runs import compose_cfg
+from helpers.spec import mtp_training_proposal, tap
 from safetensors.torch import save_file
 
 from engine.drafts.multi_layer import MultiLayerEagleHead, multi_layer_config
+from engine.drafts.multi_layer.head import ZERO_EMBED_AT_0
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
 from engine.errors import ConfigError
 from engine.model import init_normal_
@@ -25,6 +32,8 @@ from engine.speculative.generate import Generator
 from pipeline.__main__ import run
 
 MODULES = 2
+KERNELS = torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1"
+SHIPPED_MTP = Path(__file__).parents[1] / "engine/drafts/checkpoints/smollm2-135m-instruct-mtp"
 MIMO_NAMES = {  # ours (after layers.{i}.) -> MiMo's (after model.mtp_layers.{i}.); the rest: the same name
     "enorm.weight": "token_layernorm.weight",
     "hnorm.weight": "hidden_layernorm.weight",
@@ -90,7 +99,9 @@ def test_mtp_layers_of_a_target_checkpoint_load_round_trip_and_draft_losslessly(
         assert torch.equal(state[name], w), name
     head.save(tmp_path / "ours")  # our layout (LlamaForCausalLMMultiLayerEagle), then back
     back = load_head(_plan(tmp_path / "ours", target.args), target, 1, torch.device("cpu"), torch.float32)
-    assert json.loads((tmp_path / "ours" / "config.json").read_text())["model_type"] == "qwen2"
+    saved = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert saved["model_type"] == "qwen2" and saved[ZERO_EMBED_AT_0] is True
+    assert head.zero_embed_at_0 and back.zero_embed_at_0  # public layers: a zero embedding at position 0
     assert all(torch.equal(back.state_dict()[k], w) for k, w in state.items())
 
     prompts, params = random_prompts(2, seed=3), SamplingParams(max_new_tokens=12, ignore_eos=True)
@@ -98,6 +109,99 @@ def test_mtp_layers_of_a_target_checkpoint_load_round_trip_and_draft_losslessly(
     plan = _plan(tmp_path / "ckpt", target.args)
     draft = make_draft(plan, head, target, 2, MODULES, cfg=draft_config("multi_layer_eagle", num_steps=MODULES))
     assert [r.tokens for r in Generator(target, 2, draft, MODULES).generate(prompts, params)] == plain
+
+
+def _rms(x, norm):
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight
+
+
+def _module_at_position_0(mod, embed, hidden):
+    """Module `mod` at position 0 in plain torch from embed [H] and hidden [H] -> (k, v [kv_heads, head_dim],
+    out [H]): its one key is its own (softmax over one key is 1; RoPE at position 0 is the identity)."""
+    att, mlp = mod.self_attn, mod.mlp
+    x = mod.eh_proj(torch.cat([_rms(embed, mod.enorm), _rms(hidden, mod.hnorm)]))  # [H]
+    n = _rms(x, mod.input_layernorm)
+    k, v = att.k_proj(n).view(att.n_kv, att.head_dim), att.v_proj(n).view(att.n_kv, att.head_dim)
+    h = x + att.o_proj(v.repeat_interleave(att.n_heads // att.n_kv, 0).flatten())  # [H]
+    m = _rms(h, mod.post_attention_layernorm)
+    return k, v, h + mlp.down_proj(F.silu(mlp.gate_proj(m)) * mlp.up_proj(m))
+
+
+def test_a_public_head_reads_a_zero_embedding_at_position_0_in_every_phase(tmp_path):
+    """k = 2 modules over a 1-token prompt (module 1 meets position 0 in propose and extend, not begin) and
+    a 6-token one (both modules in begin): every proposal is the training forward's (which zeroes there
+    too), greedy output is plain decoding's, and each module's draft K / V at position 0 are those of a
+    plain torch forward on a zero embedding (module 1's read module 0's hidden state there), not those of
+    the token's embedding."""
+    target, _ = _save_target_with_mtp(tmp_path, "mimo")
+    plan = _plan(tmp_path, target.args)
+    head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
+    prompts, params = [[65], random_prompts(1, seed=5)[0][:6]], SamplingParams(max_new_tokens=10, ignore_eos=True)
+    plain = [r.tokens for r in Generator(target, 2).generate(prompts, params)]
+    draft = make_draft(plan, head, target, 2, MODULES, cfg=draft_config("multi_layer_eagle", num_steps=MODULES))
+    checked = []
+
+    def check(s, k, logits):
+        for r in (r for r in range(2) if s.state.value.live[r]):
+            drafts = s.draft[r, :k].tolist()
+            assert drafts == mtp_training_proposal(target, head, s.state.value.history[r] + drafts[:-1], k)
+            checked.append(len(s.state.value.history[r]) - 1)  # L: the history holds x_0..x_L
+
+    tap(draft, "propose", check)
+    assert [r.tokens for r in Generator(target, 2, draft, MODULES).generate(prompts, params)] == plain
+    assert 1 in checked  # the 1-token prompt's first proposal: module 1's window at position 0
+
+    with torch.no_grad():
+        for r, (prompt, out) in enumerate(zip(prompts, plain)):
+            seq = torch.tensor([prompt + out])
+            feats = target(seq, torch.arange(seq.shape[1])[None], target.new_cache(1), kv_len=seq.shape[1])
+            h_in = feats.hidden_states[0, 0]  # the target's final hidden state at position 0
+            for i, mod in enumerate(head.layers):
+                k, v, h_out = _module_at_position_0(mod, torch.zeros(TINY_CONFIG["hidden_size"]), h_in)
+                _, v_tok, _ = _module_at_position_0(mod, head.embed_tokens(seq[0, i + 1]), h_in)  # x_{i+1}'s
+                cache = draft.caches[i]  # [layers, batch, kv_heads, slots, head_dim]: slot p holds position p
+                torch.testing.assert_close(cache.k[0, r, :, 0], k, rtol=1e-5, atol=1e-5)
+                torch.testing.assert_close(cache.v[0, r, :, 0], v, rtol=1e-5, atol=1e-5)
+                assert not torch.allclose(cache.v[0, r, :, 0], v_tok, atol=1e-3), (r, i)
+                h_in = h_out  # module i + 1 reads module i's output at position 0
+
+
+@pytest.mark.skipif(not KERNELS, reason="the fused kernels need a GPU or TRITON_INTERPRET=1")
+def test_the_fused_input_zeroes_position_0_as_the_plain_input_does(tmp_path):
+    """The fused input (embedding gather, both norms and eh_proj in one kernel, zero1 from the positions)
+    equals the plain one on rows at position 0 and past it; at position 0 it is not the unzeroed input."""
+    target, _ = _save_target_with_mtp(tmp_path, "deepseek")
+    head = load_head(_plan(tmp_path, target.args), target, 0, torch.device("cpu"), torch.float32)
+    ids = torch.randint(0, 320, (2, 5), generator=torch.Generator().manual_seed(3))
+    hidden = torch.randn(2, 5, 64, generator=torch.Generator().manual_seed(4))
+    positions = torch.tensor([[0, 1, 2, 3, 4], [3, 4, 5, 6, 7]])  # a prompt's start; a later window
+    mod = head.layers[1]
+    with torch.no_grad():
+        plain = mod.fused_in(ids, hidden, positions)  # [2, 5, 64]
+        unzeroed = mod.fuse_input(head.embed_tokens(ids), hidden)
+        mod.fused_in.fuse()
+        fused = mod.fused_in(ids, hidden, positions)
+    torch.testing.assert_close(fused, plain, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain[1], unzeroed[1], rtol=0, atol=0)
+    torch.testing.assert_close(plain[0, 1:], unzeroed[0, 1:], rtol=0, atol=0)
+    assert not torch.allclose(fused[0, 0], unzeroed[0, 0], atol=1e-3)
+
+
+def test_our_own_mtp_heads_keep_the_embedding_at_position_0(tmp_path):
+    """The shipped head's config and a head of ours (random init, saved and loaded back) carry no zeroing:
+    its input at position 0 is eh_proj of the token's embedding, as it was trained."""
+    assert ZERO_EMBED_AT_0 not in json.loads((SHIPPED_MTP / "config.json").read_text())
+    target = pair()[1]
+    cfg = draft_config("multi_layer_eagle", init="random", num_steps=MODULES)
+    head = load_head(plan_draft(cfg, target.args), target, 0, torch.device("cpu"), torch.float32)
+    head.save(tmp_path)
+    back = load_head(_plan(tmp_path, target.args), target, 0, torch.device("cpu"), torch.float32)
+    assert not head.zero_embed_at_0 and not back.zero_embed_at_0
+    ids, hidden = torch.tensor([[5, 6, 7]]), torch.randn(1, 3, 64, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got = back.layers[0].fused_in(ids, hidden, torch.arange(3)[None])
+        want = back.layers[0].fuse_input(back.embed_tokens(ids), hidden)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
 def _with_config(path, **kw):

@@ -10,13 +10,21 @@ import pytest
 import torch
 from helpers.models import pair, random_prompts
 from helpers.runs import compose_cfg
-from helpers.spec import CUDA, POLICIES, oracle_prefix, poison, run_all, setup, spec_generator, tap
+from helpers.spec import (
+    CUDA,
+    POLICIES,
+    mtp_training_proposal,
+    oracle_prefix,
+    poison,
+    run_all,
+    setup,
+    spec_generator,
+    tap,
+)
 from helpers.train import assert_trained_beats_random, tiny_train
 
 from engine.drafts.multi_layer import StepCaches
-from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
-from engine.drafts.train_contract import Batch
 from engine.errors import ConfigError
 from engine.sampling import SamplingParams
 from engine.speculative.generate import Generator
@@ -55,18 +63,6 @@ def test_greedy_is_lossless(target, batch):
     assert [r.tokens for r in run_all(_generator(target, plan, head, batch, params), prompts, params, batch)] == base
 
 
-def _teacher_forced_proposal(target, head, seq: list[int], k: int) -> list[int]:
-    """The training forward over seq = history + [d_1 .. d_{k-1}] (history ends with the pending token
-    x_L): module i at position L-1 reads x_{L+i} = d_i and predicts d_{i+1}."""
-    ids = torch.tensor([seq])
-    n = len(seq) - k  # L: tokens in the target cache
-    out = target(ids, torch.arange(len(seq))[None], target.new_cache(1), kv_len=len(seq))
-    t = len(seq) - 1
-    batch = Batch(ids[:, 1:], torch.arange(t)[None], out.hidden_states[:, :-1], None, None, None)
-    logits = multi_layer_forward(head, batch, k)  # logits[i][:, q]: module i at q - i
-    return [int(logits[i][0, n - 1 + i].argmax()) for i in range(k)]
-
-
 def _partial_run(target, head, plan, prompts, caches=None, graphs: bool = False):
     """Real MTP proposals, each row's checked against the training forward, then replaced by the target's
     own tokens up to a random depth per row (partial, per-row acceptance). graphs: through the round's
@@ -84,7 +80,7 @@ def _partial_run(target, head, plan, prompts, caches=None, graphs: bool = False)
         live = [i for i in range(len(state.live)) if state.live[i]]
         for i in live:
             drafts = tokens[i].tolist()
-            assert drafts == _teacher_forced_proposal(target, head, state.history[i] + drafts[:-1], k)
+            assert drafts == mtp_training_proposal(target, head, state.history[i] + drafts[:-1], k)
             checked.append(i)
         s.draft[:, :k] = oracle_prefix(tokens, state, base, [len(p) for p in prompts], g, k, live)
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
+from engine.drafts.multi_layer.train import multi_layer_forward
 from engine.drafts.registry import draft_config, load_head, make_draft, plan_draft
+from engine.drafts.train_contract import Batch
 from engine.graphs.breakable import eager
 from engine.speculative.generate import Generator
 from engine.speculative.graph_set import GraphSet
@@ -67,6 +69,18 @@ def tap(draft, phase: str, fn) -> None:
         hook(s, v.emitted.shape[1] - 1, v)
 
     setattr(draft, name, propose if phase == "propose" else extend)
+
+
+def mtp_training_proposal(target, head, seq: list[int], k: int) -> list[int]:
+    """A multi-layer head's proposal by its training forward over seq = history + [d_1 .. d_{k-1}] (history
+    ends with the pending token x_L): module i at position L-1 reads x_{L+i} = d_i and predicts d_{i+1}."""
+    ids = torch.tensor([seq])
+    n = len(seq) - k  # L: tokens in the target cache
+    out = target(ids, torch.arange(len(seq))[None], target.new_cache(1), kv_len=len(seq))
+    t = len(seq) - 1
+    batch = Batch(ids[:, 1:], torch.arange(t)[None], out.hidden_states[:, :-1], None, None, None)
+    logits = multi_layer_forward(head, batch, k)  # logits[i][:, q]: module i at q - i
+    return [int(logits[i][0, n - 1 + i].argmax()) for i in range(k)]
 
 
 def oracle_prefix(tokens, state, references, prompt_lens, g, k, rows=None):

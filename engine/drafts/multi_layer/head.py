@@ -4,6 +4,7 @@ Module i (0-based) at position p reads the token x_{p+i+1} and a hidden state h^
 i - 1's output at p; module -1 is the target's final normed hidden state) and predicts x_{p+i+2}:
 
     x   = eh_proj(cat(enorm(embed(tok)), hnorm(h_in)))          [b, t, 2H] -> [b, t, H]
+          (a public MTP layer, config ZERO_EMBED_AT_0: embed(tok) = 0 at position p = 0, as vLLM and sglang)
     h   = decoder layer(x)  (attention over module i's own KV pool, MLP)   -> out_hidden [b, t, H]
     logits = lm_head(norm_i(h))                                   the target's lm_head: [b, t, vocab]
 
@@ -34,6 +35,7 @@ Checkpoint (`architectures: ["LlamaForCausalLMMultiLayerEagle"]`, DeepSeek-V3 MT
     layers.{i}.self_attn.{q,k,v,o}_proj.weight, layers.{i}.post_attention_layernorm.weight,
     layers.{i}.mlp.{gate,up,down}_proj.weight, layers.{i}.shared_head.norm.weight
     config: num_nextn_predict_layers (modules), hidden_size, ... (a one-layer Llama config per module)
+    zero_embed_at_position_0 (ZERO_EMBED_AT_0): true for a target's own MTP layers (public.py sets it)
 A target checkpoint's own MTP layers load into these names through public.py's tables.
 """
 
@@ -51,6 +53,7 @@ from kernels.fused import add_rmsnorm
 from kernels.gemv import add_rmsnorm_gemv, cat_rmsnorm_gemv, gemv
 
 ARCHITECTURE = "LlamaForCausalLMMultiLayerEagle"
+ZERO_EMBED_AT_0 = "zero_embed_at_position_0"  # config.json: every module reads a zero token embedding at p = 0
 
 
 class StepCaches:
@@ -67,20 +70,23 @@ class StepCaches:
 
 
 class MTPIn(Op):
-    """The module's input fusion: (tokens [b, t], hidden [b, t, H]) -> eh_proj([enorm(embed), hnorm(hidden)])."""
+    """The module's input fusion: (tokens [b, t], hidden [b, t, H], positions [b, t]) ->
+    eh_proj([enorm(embed), hnorm(hidden)]), the embedding zeroed where the head's zero_rows says."""
 
     def __init__(self, mod: "MTPModule", head):
         super().__init__(mod)
         self.head = head  # () -> the head (bound to the target's embedding after it is built)
 
-    def forward_native(self, tokens: Tensor, hidden: Tensor) -> Tensor:
-        return self.layer.fuse_input(self.head().embed_tokens(tokens), hidden)  # [b, t, H]
+    def forward_native(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
+        head = self.head()
+        return self.layer.fuse_input(head.embed_tokens(tokens), hidden, head.zero_rows(positions))  # [b, t, H]
 
-    def forward_fused(self, tokens: Tensor, hidden: Tensor) -> Tensor:
-        mod = self.layer  # the embedding gather, both norms and eh_proj in one kernel
-        table, rows = self.head().embed_gather(tokens)
-        eps = mod.enorm.variance_epsilon
-        return cat_rmsnorm_gemv(table, hidden, mod.enorm.weight, mod.hnorm.weight, eps, mod.eh_proj.weight, index1=rows)
+    def forward_fused(self, tokens: Tensor, hidden: Tensor, positions: Tensor) -> Tensor:
+        mod, head = self.layer, self.head()  # the embedding gather, both norms and eh_proj in one kernel
+        table, rows = head.embed_gather(tokens)
+        eps, w = mod.enorm.variance_epsilon, mod.eh_proj.weight
+        zero = head.zero_rows(positions)
+        return cat_rmsnorm_gemv(table, hidden, mod.enorm.weight, mod.hnorm.weight, eps, w, index1=rows, zero1=zero)
 
 
 class MTPOut(Op):
@@ -123,8 +129,11 @@ class MTPModule(DecoderLayer):
         self.fused_in = MTPIn(self, lambda: head)
         self.out = MTPOut(self, lambda: head.lm_head)
 
-    def fuse_input(self, embeds: Tensor, hidden: Tensor) -> Tensor:
-        """[b, t, H] token embeddings, [b, t, H] hidden input -> [b, t, H] the layer's input."""
+    def fuse_input(self, embeds: Tensor, hidden: Tensor, zero: Optional[Tensor] = None) -> Tensor:
+        """[b, t, H] token embeddings, [b, t, H] hidden input -> [b, t, H] the layer's input; zero [b, t] bool
+        (None: none): the rows whose embedding reads as zeros."""
+        if zero is not None:
+            embeds = embeds.masked_fill(zero[..., None], 0)
         return self.eh_proj(torch.cat([self.enorm(embeds), self.hnorm(hidden)], dim=-1))
 
     def fuse_projections(self) -> None:
@@ -139,6 +148,7 @@ class MultiLayerEagleHead(HeadBase):
     def __init__(self, cfg: dict[str, Any], max_seq_len: int):
         super().__init__(cfg, max_seq_len)
         self.num_modules = int(cfg["num_nextn_predict_layers"])
+        self.zero_embed_at_0 = bool(cfg.get(ZERO_EMBED_AT_0, False))  # our own heads: trained without it
         self.layers = nn.ModuleList(MTPModule(self.args, self) for _ in range(self.num_modules))
         self.init_buffers()
 
@@ -152,6 +162,11 @@ class MultiLayerEagleHead(HeadBase):
         with torch.no_grad():
             for mod in self.layers:
                 mod.shared_head.norm.weight.copy_(target.model.norm.scale())
+
+    def zero_rows(self, positions: Tensor) -> Optional[Tensor]:
+        """positions [b, t] -> [b, t] bool, the rows whose token embedding every module reads as zeros
+        (position 0 of a public MTP layer; padding rows, at position 0 too, are never read); None: none."""
+        return positions == 0 if self.zero_embed_at_0 else None
 
     def use_fused_kernels(self) -> None:
         for mod in self.layers:
@@ -174,7 +189,7 @@ class MultiLayerEagleHead(HeadBase):
         """Module i over its own pool: tokens [b, t], hidden [b, t, H] -> out_hidden [b, t, H] and, at
         the rows `pick` takes ([b, t, ...] -> [b, 1 or t, ...]; None: none), logits and / or ids."""
         mod = self.layers[i]
-        x = mod.fused_in(tokens, hidden)  # [b, t, H]
+        x = mod.fused_in(tokens, hidden, a.rope_pos)  # [b, t, H]
         x, delta = mod(x, None, cache, a)  # attention: eager under a breakable graph
         return mod.out(x, delta, pick, sampled)
 

@@ -13,7 +13,9 @@ layouts below. Names are mapped once, by a table per layout; the modules' decode
               {enorm, hnorm, eh_proj, shared_head.norm}.weight under the same names, N = num_hidden_layers;
               its embed_tokens and shared_head.head are copies of the target's and are not read.
 
-Only the shapes are read at plan time (safetensors headers); `load_into` reads the modules' tensors.
+Only the shapes are read at plan time (safetensors headers); `load_into` reads the modules' tensors. The
+head's config sets ZERO_EMBED_AT_0: these layers were trained on a zero token embedding at position 0
+(vLLM's deepseek_mtp.py and mimo_mtp.py, sglang's mimo_mtp.py zero it before enorm).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from engine.drafts.multi_layer.head import ZERO_EMBED_AT_0
 from engine.drafts.storage import safetensors_header
 from engine.errors import ConfigError
 from engine.model import ModelArgs
@@ -151,7 +154,8 @@ class TargetMTPCheckpoint:
                 ours = f"layers.{i}.{lay.names.get(rest, rest)}"
                 shapes[ours], sources[ours] = shape, (f, name)
         args = ModelArgs.from_hf_config({**cfg, "model_type": model_type})
-        return cls(p, {**head_config(args, n), "model_type": model_type}, shapes, layout, sources)
+        config = {**head_config(args, n), "model_type": model_type, ZERO_EMBED_AT_0: True}  # as vLLM, sglang run them
+        return cls(p, config, shapes, layout, sources)
 
     def tensor_problems(self, head: nn.Module) -> list[str]:
         mine = {k: list(v.shape) for k, v in head.state_dict().items()}

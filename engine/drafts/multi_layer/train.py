@@ -39,6 +39,7 @@ def multi_layer_forward(head, batch: Batch, steps: int) -> list[Tensor]:
     sin = head.rope_sin[batch.positions][:, None].to(emb.dtype)
     h, out = batch.feats.to(emb.dtype), []
     for i, mod in enumerate(head.layers):
-        h = _causal_layer(mod, mod.fuse_input(shift_left(emb, i), h), cos, sin)  # [B, T, H]: h^i_p
+        x = mod.fuse_input(shift_left(emb, i), h, head.zero_rows(batch.positions))  # [B, T, H]
+        h = _causal_layer(mod, x, cos, sin)  # [B, T, H]: h^i_p
         out.append(shift(head.lm_head(mod.shared_head.norm(h)), i, 1))
     return out
