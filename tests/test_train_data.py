@@ -184,6 +184,15 @@ def test_target_batch_causal_prefill_equals_the_cache_prefix_attention(outputs):
         spanned = (p >= batch.spans[:, :1]) & (p < batch.spans[:, 1:])
         assert torch.equal(spanned, batch.mask), max_len
     assert not batch.mask[3].any() and batch.mask[1].any()  # max_len 8: the fourth prompt is cut
+    # padded to more rows (a rank's part as many rows as the largest part): copies of the last sample that
+    # train nothing, the rows before them unchanged
+    cache5 = StaticKVCache(target.args, 5, 64, torch.device("cpu"), torch.float32)
+    tall = target_batch(target, cache5, samples, vocab, 64, "cpu", features, rows=5)
+    n = len(samples)
+    assert tall.mask.shape[0] == 5 and not tall.mask[n:].any() and torch.equal(tall.mask[:n], out.mask)
+    assert torch.equal(tall.spans[n:, 0], tall.spans[n:, 1]) and torch.equal(tall.spans[:n], out.spans)
+    assert torch.equal(tall.tokens[n:], tall.tokens[n - 1 : n].expand(5 - n, -1))
+    torch.testing.assert_close(tall.feats[:n][out.mask], out.feats[out.mask])
 
 
 def check_target_graphs(outputs, device: str, dtype, policy: str, tol: float) -> None:
@@ -203,7 +212,7 @@ def check_target_graphs(outputs, device: str, dtype, policy: str, tol: float) ->
     shapes = [(len(x), max(len(s.ids) for s in x)) for x in groups]  # (3, 23), (2, 18), (4, 36)
     vocab = VocabMap.identity(target.args.vocab_size, device)
     cache = StaticKVCache(target.args, 4, 64, torch.device(device), dtype)
-    graphs = TargetGraphs(target, cache, shapes, policy=policy)
+    graphs = TargetGraphs(target, cache, [shapes], policy=policy)
     assert graphs.runner.buckets == [(4, 48), (3, 32)]  # largest first
     for group in groups + [groups[1][:1]]:
         for features in (FeatureKind.aux, FeatureKind.final):
@@ -217,7 +226,10 @@ def check_target_graphs(outputs, device: str, dtype, policy: str, tol: float) ->
             assert torch.equal(out.mask, ref.mask) and torch.equal(out.tokens, ref.tokens)
     assert graphs.stats.replays == 8 and graphs.stats.fallbacks == 0
     with pytest.raises(ValueError, match="5 rows exceeds the cache's 4"):
-        TargetGraphs(target, cache, [(5, 10)], policy=policy)
+        TargetGraphs(target, cache, [[(5, 10)]], policy=policy)
+    # two sets (a rank's parts, the held-out batches) in one width class: a bucket each, a part in its own
+    two = TargetGraphs(target, cache, [[(2, 23)], [(4, 20)]], policy=policy)
+    assert two.runner.buckets == [(4, 32), (2, 32)] and two.runner.bucket_for(2, 23) == (2, 32)
 
 
 def test_target_graphs_replay_the_training_pass_over_padded_buckets(outputs):

@@ -182,6 +182,11 @@ def split(samples: list[Sample], heldout: float, seed: int) -> tuple[list[Sample
     return [samples[i] for i in order[n:]], [samples[i] for i in order[:n]]
 
 
+def batch_width(samples: list[Sample], max_len: int) -> int:
+    """A batch's columns: its longest sample, cut to max_len."""
+    return min(max(len(s.ids) for s in samples), max_len)
+
+
 def batches(samples: list[Sample], max_tokens: int, max_len: int, seed: Optional[int]) -> list[list[Sample]]:
     """Length-bucketed batches of at most `max_tokens` padded tokens (sequences cut to `max_len`);
     the batch order is shuffled with `seed` (None: kept, for evaluation)."""
@@ -238,6 +243,7 @@ def target_batch(
     label_temperature: float = 1.0,
     graphs: Optional[TargetGraphs] = None,
     width: Optional[int] = None,
+    rows: Optional[int] = None,
 ) -> Batch:
     """Run the target over the samples -> the draft's training batch; feats are the aux hidden states
     (aux capture configured) or the final normed hidden states (`features`). `causal`: the target's
@@ -245,7 +251,10 @@ def target_batch(
     `label_temperature`: labels are softmax(z / T) over the draft vocabulary (T < 1 sharpens them
     toward the greedy token); the batch keeps z itself, in the target's dtype. `graphs`: the forward
     replayed from the target's training graphs (engine/train/target_graphs.py; causal, over `cache`).
-    `width`: pad the rows to this many columns (at least the longest sample's, cut to max_len)."""
+    `width`: pad the rows to this many columns (at least the longest sample's, cut to max_len). `rows`: pad
+    the batch to this many rows with copies of its last sample that train nothing (no answer tokens)."""
+    trained = len(samples)
+    samples = samples + samples[-1:] * ((rows or 0) - trained)
     lens = [min(len(s.ids), max_len) for s in samples]
     b, width = len(samples), max(max(lens), width or 0)
     # Built in pinned memory and copied without a sync, so the host queues this batch's target forward
@@ -257,9 +266,10 @@ def target_batch(
     ids_, answer_ = ids.numpy(), answer.numpy()  # filled through numpy: a torch op a row costs more than the row
     for i, s in enumerate(samples):
         ids_[i, : lens[i]] = s.ids[: lens[i]]
-        answer_[i, len(s.prompt_ids) : lens[i]] = True
+        answer_[i, len(s.prompt_ids) : lens[i]] = i < trained
     first = [max(len(s.prompt_ids) - 2, 0) for s in samples]  # mask[i, p] = answer[i, p + 2]
-    spans = torch.tensor([[f, max(n - 2, f)] for f, n in zip(first, lens)], dtype=torch.long)  # [B, 2] host
+    ends = [max(n - 2, f) if i < trained else f for i, (f, n) in enumerate(zip(first, lens))]  # copies: none
+    spans = torch.tensor(list(zip(first, ends)), dtype=torch.long)  # [B, 2] host
     ids, answer, length = (x.to(device, non_blocking=True) for x in (ids, answer, length))
     positions = torch.arange(width, device=device).expand(b, width)  # [B, L]
     valid = positions < length[:, None]

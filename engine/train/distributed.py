@@ -12,10 +12,13 @@ What each rank does (stages/train_draft.py, engine/train/trainer.py):
     data      rank r synthesises its share of train.data.num_samples from its own slice of the seeds,
               writes a shard; after a barrier rank 0 joins the shards (rank order) into the cached data
               set and every rank reads that same set back: same split, same batches, same order
-    step      every batch (a list of samples) is dealt out, rank r taking samples r, r + N, ...; each rank
-              weighs its loss by its share of the batch's trained tokens, and `sum_gradients` adds the
-              gradients up: the gradient of the whole batch's mean loss, as one process would get it. The
-              clip, AdamW and the EMA then run on identical gradients, so every rank keeps identical weights
+    step      every batch (a list of samples) is dealt out, rank r taking samples r, r + N, ...; each part
+              is padded to the whole batch's width and to the largest part's rows (copies that train
+              nothing), so every rank meets the same shapes at the same step, and the target's training
+              graphs hold a part's rows, not the batch's. Each rank weighs its loss by its share of the
+              batch's trained tokens, and `sum_gradients` adds the gradients up: the gradient of the whole
+              batch's mean loss, as one process would get it. The clip, AdamW and the EMA then run on
+              identical gradients, so every rank keeps identical weights
     clock     with train.max_time_s, rank 0's elapsed time is broadcast each step (the LR schedule and the
               stop read it), so every rank stops at the same step
     rank 0    alone logs to MLflow, evaluates, prints progress and writes checkpoints and the head
@@ -124,6 +127,12 @@ def share(total: int, r: int | None = None, n: int | None = None) -> int:
     """Rank r's count when `total` is dealt out over n ranks (the first total % n get one more)."""
     r, n = (rank() if r is None else r), (world_size() if n is None else n)
     return total // n + (r < total % n)
+
+
+def part_rows(total: int, n: int | None = None) -> int:
+    """The largest part when `total` items are dealt out over n ranks: every rank's part is padded to it."""
+    n = world_size() if n is None else n
+    return -(-total // n)
 
 
 def sum_across(x: Tensor) -> Tensor:

@@ -6,11 +6,13 @@ the draft's packed step the host's launching, not the device, bounds the step, a
 between kernels. Replayed from a graph, the target's forward is one launch.
 
 Batches are length-bucketed (engine/train/data.py `batches`): their shapes are known before training
-and the same every epoch. Each (rows, width) shape is put in a class by its width rounded up to
-`WIDTH_STEP`; a class's bucket holds the most rows any of its batches has. A batch replays its class's
-graph over the bucket's static buffers; padding rows and columns are invalid (written to the cache's
-dummy slot, never read by a valid query: the attention is causal over fresh rows). The runner
-(engine/graphs/runner.py) copies the inputs in and clones the outputs out:
+and the same every epoch. Each (rows, width) shape of a set is put in a class by its width rounded up to
+`WIDTH_STEP`; a class's bucket holds the most rows any of its batches has (under torchrun, a rank's parts
+of the training batches and rank 0's whole held-out batches are two sets, so a part replays a graph of a
+part's rows). A batch replays the smallest bucket that holds it, over the bucket's static buffers;
+padding rows and columns are invalid (written to the cache's dummy slot, never read by a valid query:
+the attention is causal over fresh rows). The runner (engine/graphs/runner.py) copies the inputs in and
+clones the outputs out:
 
     in   tokens, positions [b, t] int64, valid [b, t] bool, logits_index [b] int64
     out  ForwardOutput: hidden [b, t, hidden], aux [b, t, hidden * n_aux], logits [b, 1, vocab]
@@ -43,10 +45,12 @@ def width_buckets(shapes: Iterable[tuple[int, int]], step: int = WIDTH_STEP) -> 
 
 
 class TargetGraphs:
-    """The target's training forward over `cache`'s fresh rows, one graph per bucket of `shapes`."""
+    """The target's training forward over `cache`'s fresh rows, one graph per bucket of each shape set."""
 
-    def __init__(self, target, cache: StaticKVCache, shapes: Iterable[tuple[int, int]], policy: str = "full"):
-        buckets = [(r, min(t, cache.max_seq_len)) for r, t in width_buckets(shapes)]
+    def __init__(
+        self, target, cache: StaticKVCache, shape_sets: Iterable[Iterable[tuple[int, int]]], policy: str = "full"
+    ):
+        buckets = sorted({(r, min(t, cache.max_seq_len)) for s in shape_sets for r, t in width_buckets(s)})
         if max(r for r, _ in buckets) > cache.batch_size:
             raise ValueError(f"a batch of {max(r for r, _ in buckets)} rows exceeds the cache's {cache.batch_size}")
         device = target.lm_head.weight.device

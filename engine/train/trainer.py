@@ -50,7 +50,7 @@ from engine.train import checkpoints, distributed
 from engine.train.acceptance import chain_acceptance, chain_lengths, simulated_loop
 from engine.train.average import WeightAverage
 from engine.train.config import TrainConfig
-from engine.train.data import VocabMap, batches, target_batch
+from engine.train.data import VocabMap, batch_width, batches, target_batch
 from engine.train.selfdistill import Sample
 from engine.train.target_graphs import TargetGraphs
 from kernels.runtime import triton
@@ -118,15 +118,17 @@ class Trainer:
         self.device = target.lm_head.weight.device
         self.attention = train_attention(settings.attention, spec, self.device)
         self.kernels = train_kernels(settings.kernels, self.device)
-        shapes = [  # (rows, width) of every batch, the same each epoch
-            (len(g), min(max(len(x.ids) for x in g), settings.max_len))
-            for split in (train, heldout)
-            for g in batches(split, settings.max_tokens, settings.max_len, None)
-        ]
-        rows = max(r for r, _ in shapes)
+        # (rows, width) of every batch, the same each epoch: a rank's part of a training batch (its rows
+        # padded to the same count on every rank), a whole held-out one (rank 0 evaluates alone)
+        at = settings.max_tokens, settings.max_len, None
+        parts = [(distributed.part_rows(len(g)), batch_width(g, settings.max_len)) for g in batches(train, *at)]
+        whole = [(len(g), batch_width(g, settings.max_len)) for g in batches(heldout, *at)]
+        rows = max(r for r, _ in parts + whole)
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
         # on CUDA the target's forward replays from graphs: its eager launches would bound the step
-        self.graphs = TargetGraphs(target, self.cache, shapes) if self.device.type == "cuda" else None
+        # one process: one shape set; under torchrun the held-out batches get buckets of their own
+        sets = [parts + whole] if distributed.world_size() == 1 else [parts, whole]
+        self.graphs = TargetGraphs(target, self.cache, sets) if self.device.type == "cuda" else None
         self.params = [p for p in head.parameters() if p.requires_grad]
         distributed.broadcast_params(self.params)  # every rank starts from rank 0's weights (and EMA)
         decay = [p for p in self.params if p.dim() >= 2]
@@ -198,7 +200,13 @@ class Trainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return contextlib.nullcontext()
 
-    def _batch(self, samples: list[Sample], label_temperature: float = 1.0, width: Optional[int] = None):
+    def _batch(
+        self,
+        samples: list[Sample],
+        label_temperature: float = 1.0,
+        width: Optional[int] = None,
+        rows: Optional[int] = None,
+    ):
         return target_batch(
             self.target,
             self.cache,
@@ -210,6 +218,7 @@ class Trainer:
             label_temperature=label_temperature,
             graphs=self.graphs,
             width=width,
+            rows=rows,
         )
 
     def _epoch_order(self) -> list[list[Sample]]:
@@ -234,10 +243,11 @@ class Trainer:
         if not mine:  # fewer samples than ranks: this rank adds no gradient
             own = torch.zeros((), dtype=torch.long, device=self.device)
             return torch.zeros((), device=self.device), {}, own, distributed.sum_across(own)
-        # every rank's part as wide as the whole batch: the same shapes on every rank (and as one process
-        # has), so the ranks compile FlexAttention for a new shape at the same step instead of in turn
-        width = min(max(len(x.ids) for x in group), self.s.max_len)
-        batch = self._batch(mine, self.s.label_temperature, width)
+        # every rank's part as wide as the whole batch and of as many rows as the largest part: the same
+        # shapes on every rank, so the ranks compile FlexAttention for a new shape at the same step instead
+        # of in turn (a rank's extra rows are copies that train nothing)
+        width, rows = batch_width(group, self.s.max_len), distributed.part_rows(len(group))
+        batch = self._batch(mine, self.s.label_temperature, width, rows)
         with self._autocast():
             logits = self.train_forward(self.head, batch, self.s.ttt_steps)
         loss, stats = self.loss(logits, batch, self.s.loss_decay)
