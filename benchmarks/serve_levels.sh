@@ -30,7 +30,7 @@ for n in ${LEVELS:-1 8 32 64}; do
         --label "$name $side N=$n T=$t" 2>&1 | tee -a "$OUT/serve_levels.log"
     done
     kill -INT $pid; wait $pid
-    grep -A6 -E "^\[serve\] (adaptive k|stopped)" /tmp/serve_${name}_${side}_$n.log | cut -c1-300 | tee -a "$OUT/serve_levels.log"
+    grep -A10 -E "^\[serve\] (adaptive k|stopped)" /tmp/serve_${name}_${side}_$n.log | cut -c1-300 | tee -a "$OUT/serve_levels.log"
   done
 done
 echo "$name: draft / no draft" | tee -a "$OUT/serve_levels.log"
