@@ -410,9 +410,10 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
     late.adaptive.script = [3] * 20
     got = late.generate(prompts[4:], params)  # put off, then run by the first round (k = 3)
     assert begins == [(0, False), (0, True)]
+    assert late.clock.totals().get("join_draft", 0) > 0  # its time: a join's, not the round's or the host's
     eager.adaptive = Scripted([3] * 20)
     want = eager.generate(prompts[4:], params)
-    assert begins[-1] == (1, False)
+    assert begins[-1] == (1, False) and "join_draft" not in eager.clock.totals()
     assert [r.tokens for r in got] == [r.tokens for r in want]
     assert [r.tokens for r in got] == [r.tokens for r in Generator(target, 2).generate(prompts[4:], params)]
     for name in ("d_hidden", "d_next"):

@@ -422,15 +422,16 @@ class SpecDecoder:
         if self.adaptive is not None:
             mix = self._mix(state, b, sampled)
             k = self.adaptive.choose(b, mix)
-        put_off_s = 0.0
+        put_off_s, host_end = 0.0, None
         if k and self._put_off:  # the joins' draft prefills: neither this round's time nor the host's gap
-            t1 = time.perf_counter()
+            t1, host_end = time.perf_counter(), clock.mark()
             self._begin_put_off(state)
+            clock.span("join_draft", host_end, clock.mark())  # a join's phase (the server's summary)
             put_off_s = time.perf_counter() - t1
         self._last_k = k
         marks: list[tuple[str, object]] = [("draft", clock.mark())]
         if self._last_end is not None:  # the stream waited for the host since the last round
-            clock.span("host", self._last_end, marks[0][1])
+            clock.span("host", self._last_end, host_end if host_end is not None else marks[0][1])
         draft_tokens = None
         if self.draft is not None and self.device_draft is None and k:  # a host draft proposes on the host
             draft_tokens = self.draft.propose(state, k).tokens[:b]
