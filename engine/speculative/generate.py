@@ -250,9 +250,10 @@ class SpecDecoder:
         runner, staged = self.prefill_runner, self.prefill_cache not in (None, self.cache)
         if runner is not None and staged and b > 1 and runner.bucket_for(b, width) is None:
             if all(runner.bucket_for(1, n) is not None for n in lens):
-                embeds_of = lambda i: None if prompt_embeds is None else [prompt_embeds[i]]  # noqa: E731
-                row = lambda i: slice(sl.start + i, sl.start + i + 1)  # noqa: E731
-                one = [self.prefill([p], embeds_of(i), row(i)) for i, p in enumerate(prompts)]
+                one = []
+                for i, p in enumerate(prompts):  # each prompt alone into its own row
+                    embeds_i = None if prompt_embeds is None else [prompt_embeds[i]]
+                    one.append(self.prefill([p], embeds_i, slice(sl.start + i, sl.start + i + 1)))
                 return Prefill(_stack_outputs([x.out for x in one], width), tokens, valid, _stack_embeds(one, width))
         if runner is not None and (staged and runner.bucket_for(b, width) is None or not staged and sl.start):
             runner = None  # the staging rows do not hold it / the graphs write rows 0..b-1 of the round cache

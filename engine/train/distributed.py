@@ -129,12 +129,6 @@ def share(total: int, r: int | None = None, n: int | None = None) -> int:
     return total // n + (r < total % n)
 
 
-def part_rows(total: int, n: int | None = None) -> int:
-    """The largest part when `total` items are dealt out over n ranks: every rank's part is padded to it."""
-    n = world_size() if n is None else n
-    return -(-total // n)
-
-
 def sum_across(x: Tensor) -> Tensor:
     """x summed over the ranks (x itself in one process); x is left as it was."""
     if not dist.is_initialized():

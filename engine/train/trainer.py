@@ -119,9 +119,9 @@ class Trainer:
         self.attention = train_attention(settings.attention, spec, self.device)
         self.kernels = train_kernels(settings.kernels, self.device)
         # (rows, width) of every batch, the same each epoch: a rank's part of a training batch (its rows
-        # padded to the same count on every rank), a whole held-out one (rank 0 evaluates alone)
+        # padded to rank 0's, the largest part), a whole held-out one (rank 0 evaluates alone)
         at = settings.max_tokens, settings.max_len, None
-        parts = [(distributed.part_rows(len(g)), batch_width(g, settings.max_len)) for g in batches(train, *at)]
+        parts = [(distributed.share(len(g), 0), batch_width(g, settings.max_len)) for g in batches(train, *at)]
         whole = [(len(g), batch_width(g, settings.max_len)) for g in batches(heldout, *at)]
         rows = max(r for r, _ in parts + whole)
         self.cache = StaticKVCache(target.args, rows, settings.max_len, self.device, target.lm_head.weight.dtype)
@@ -246,7 +246,7 @@ class Trainer:
         # every rank's part as wide as the whole batch and of as many rows as the largest part: the same
         # shapes on every rank, so the ranks compile FlexAttention for a new shape at the same step instead
         # of in turn (a rank's extra rows are copies that train nothing)
-        width, rows = batch_width(group, self.s.max_len), distributed.part_rows(len(group))
+        width, rows = batch_width(group, self.s.max_len), distributed.share(len(group), 0)  # rank 0's: the largest
         batch = self._batch(mine, self.s.label_temperature, width, rows)
         with self._autocast():
             logits = self.train_forward(self.head, batch, self.s.ttt_steps)
