@@ -186,7 +186,8 @@ def test_tokens_per_s_counts_busy_time_not_idle_time(outputs):
     assert m["busy_s"] < wall - 4.5  # the 5 s of sleep are not busy time
     assert m["tokens_per_s"] == pytest.approx(tokens / m["busy_s"])
     assert m["tokens_per_s"] > 2 * tokens / wall  # what the whole wall time would have said
-    # where the time went (on CPU the phase marks read the host clock: each phase within its wall time)
+    # where the time went (on CPU the phase marks read the host clock: each phase within its wall time;
+    # a draft prefill put off to a later round is a join's time, prefill_s's, not round_s's)
     assert m["prefills"] == 2 and 0 < m["prefill_target_s"] and 0 < m["prefill_draft_s"]
     assert m["prefill_target_s"] + m["prefill_draft_s"] <= m["prefill_s"]
     assert 0 < m["verify_s"] and 0 < m["draft_s"] and m["draft_s"] + m["extend_s"] + m["verify_s"] <= m["round_s"]

@@ -382,7 +382,7 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
 
     params = SamplingParams(max_new_tokens=10, ignore_eos=True)
     prompts = random_prompts(6, seed=8)
-    gens, begins = [], []  # begins: (decoder, inside a round?) per draft prefill
+    gens, begins, put_off = [], [], []  # begins: (decoder, inside a round?) per draft prefill
     for index in range(2):
         target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
         gen = spec_generator(target, plan, head, gs, k, 2, params)
@@ -396,7 +396,9 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
         def in_round(*a, round_=round_, inside=inside, **kw):
             inside[0] = True
             try:
-                return round_(*a, **kw)
+                r = round_(*a, **kw)
+                put_off.append(r.put_off_s)
+                return r
             finally:
                 inside[0] = False
 
@@ -411,6 +413,7 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
     got = late.generate(prompts[4:], params)  # put off, then run by the first round (k = 3)
     assert begins == [(0, False), (0, True)]
     assert late.clock.totals().get("join_draft", 0) > 0  # its time: a join's, not the round's or the host's
+    assert sum(s > 0 for s in put_off) == 1  # the round that ran it hands its wall time to the join
     eager.adaptive = Scripted([3] * 20)
     want = eager.generate(prompts[4:], params)
     assert begins[-1] == (1, False) and "join_draft" not in eager.clock.totals()

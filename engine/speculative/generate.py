@@ -140,6 +140,7 @@ class RoundResult:
     emitted: list[list[int]]  # per row: the a + 1 tokens the round emitted ([] for rows not live)
     time: float  # perf_counter() when the tokens reached the host
     k: int = 0  # the round's draft tokens
+    put_off_s: float = 0.0  # host wall time of the joins' put-off draft prefills it ran first (a join's time)
 
 
 def sync(device: torch.device) -> None:
@@ -468,7 +469,7 @@ class SpecDecoder:
         self._t_end = now
         if self.device_draft is not None:  # a k = 0 round leaves the draft behind; a drafting round catches up
             self._behind[:b] = [k == 0 and live for live in state.live[:b]]
-        return RoundResult(acc, new, now, k)
+        return RoundResult(acc, new, now, k, put_off_s)
 
     def _observe(self, state: SpecState, b: int, k: int, mix: Mix, acc: list[int], round_s: float, host_s) -> None:
         """What adaptive k learns from a round: its time, and the acceptance of the rows that speculated
