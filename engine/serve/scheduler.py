@@ -111,7 +111,7 @@ class ServeStats:
     rounds_by_k: dict[int, int] = field(default_factory=dict)  # rounds per draft tokens (adaptive k)
     last_k: int = 0  # the last round's draft tokens
     prefills: int = 0  # joint prefills (one per group of requests joining together)
-    prefill_s: float = 0.0  # host wall time of the joins (target prefill, first draw, draft prefill)
+    prefill_s: float = 0.0  # host wall time of the joins (target prefill, first draw, draft prefill, also put off)
     round_s: float = 0.0  # host wall time of the rounds, to their one sync
     emit_s: float = 0.0  # host time handing the rounds' tokens to their requests
     first_submit: Optional[float] = None
