@@ -1,8 +1,9 @@
 """`python -m pipeline [+experiment=NAME] [overrides...] [-m]`: compose, plan, validate, run, track.
 
 A bad config is reported as one message naming each bad key, its value and what is valid, with exit
-status 2; nothing has been loaded and no MLflow run exists at that point (a sweep's parent run, when a
-job of the sweep fails so, is marked FAILED: the sweep stops there). A job returns the eval's
+status 2; nothing has been loaded and no MLflow run exists at that point. A sweep checks every job so
+before the first runs; a job that fails a check only it can make (its memory on its GPU) marks the
+sweep's parent run FAILED, and the sweep stops there. A job returns the eval's
 `tokens_per_s` (None for other tasks): the objective a sweeper such as Optuna maximises. What a job
 prints also goes to its Hydra run folder's pipeline.log (pipeline/runlog.py); a dry run or a plan that
 fails leaves no folder. `--help`: the tool, its groups and experiments (pipeline/help.py).
@@ -23,7 +24,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from engine.errors import ConfigError, PlanError
-from pipeline.compose_check import compose_problems, group_origin
+from pipeline.compose_check import compose_problems, group_origin, is_hydras, parse_problems, sweep_jobs
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import PARENT_ENV, outputs_dir, outputs_error
 from pipeline.runlog import RunLog, drop_run_folder
@@ -117,8 +118,9 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def plan_problems(overrides: Optional[list[str]]) -> list:
-    """What the plan finds wrong in the config `overrides` compose to (beside composition errors)."""
+def plan_problems(overrides: Optional[list[str]], memory: bool = True) -> list:
+    """What the plan finds wrong in the config `overrides` compose to (beside composition errors); memory:
+    whether the run's memory estimate is checked against this process's device."""
     if overrides is None:
         return []
     from hydra import compose, initialize_config_dir
@@ -129,12 +131,25 @@ def plan_problems(overrides: Optional[list[str]]) -> list:
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         cfg = compose(config_name="config", overrides=overrides)
     try:
-        build_plan(to_run_config(cfg))
+        build_plan(to_run_config(cfg), check_memory=memory)
     except PlanError as e:
         return e.errors
     except ConfigError as e:
         return [e]
     return []
+
+
+def sweep_problems(overrides: list[str]) -> list[ConfigError]:
+    """Every job of a sweep checked as its single run would be, before the first one runs: each distinct
+    problem once. The memory a job needs is checked in the job, on the GPU its worker takes."""
+    if errors := parse_problems(overrides):
+        return errors
+    found: dict[str, ConfigError] = {}
+    for job in sweep_jobs(overrides):
+        problems, good = compose_problems(job)
+        for p in problems + plan_problems(good, memory=False):
+            found.setdefault(str(p), p)
+    return list(found.values())
 
 
 def stop_sweep(signum: int) -> None:
@@ -164,11 +179,16 @@ if __name__ == "__main__":
         sys.exit(2)
     register_configs()  # the run schema and each draft's (imports torch and the drafts: after --help)
     args = sys.argv[1:]
-    if not any(a.startswith("-") for a in args):  # a single run (a sweep, Hydra's flags: Hydra's own handling)
-        problems, good = compose_problems([a for a in args if not a.lstrip("+~").startswith("hydra.")])
-        if problems:
-            print(f"error: {PlanError(problems + plan_problems(good))}", file=sys.stderr, flush=True)
-            sys.exit(2)
+    flags, overrides = {a for a in args if a.startswith("-")}, [a for a in args if not a.startswith("-")]
+    problems = []
+    if not flags:  # a single run (Hydra's other flags: Hydra's own handling)
+        problems, good = compose_problems([o for o in overrides if not is_hydras(o)])
+        problems += plan_problems(good) if problems else []
+    elif flags <= {"-m", "--multirun"}:  # a sweep: every job, before any runs
+        problems = sweep_problems(overrides)
+    if problems:
+        print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
+        sys.exit(2)
     install()
     from pipeline.sweep import ACTIVE
 

@@ -1,10 +1,12 @@
 """Hydra's composition errors in the pipeline's own words: the key, the value, and a hint that works.
 
-`python -m pipeline` composes the command line's config once before Hydra does (a single run; a sweep
-and Hydra's own flags go to Hydra as they are). An unknown key, a group written without its `+`, a
-config that does not exist or a value of the wrong type becomes one ConfigError, exit 2, instead of
-Hydra's traceback-free exit 1 whose `+key=value` hint leads to a second error; `compose_problems`
-finds every such override, and the plan then checks what the others compose to.
+`python -m pipeline` composes the command line's config once before Hydra does: a single run's, and
+each job of a sweep (`sweep_jobs`: the basic sweeper's split, Hydra's own overrides left out), so a
+bad job stops the sweep before any job runs. An override that does not parse, an unknown key, a group
+written without its `+`, a config that does not exist, a value of the wrong type or several values
+without -m becomes one ConfigError, exit 2, instead of Hydra's traceback or its exit 1 whose
+`+key=value` hint leads to a second error; `compose_problems` finds every such override, and the plan
+then checks what the others compose to.
 """
 
 from __future__ import annotations
@@ -50,10 +52,57 @@ def _without(compose, overrides: list[str], key: str):
             continue
 
 
+GRAMMAR = "key=value, +key=value or ~key (https://hydra.cc/docs/advanced/override_grammar/basic)"
+
+
+def _parse(override: str):
+    """One override as Hydra parses it (raises OverrideParseException); a glob sweep lists the conf's groups."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra._internal.utils import create_config_search_path
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(REPO / "conf")))
+    (parsed,) = OverridesParser.create(config_loader=loader).parse_overrides([override])
+    return parsed
+
+
+def parse_problems(overrides: list[str]) -> list[ConfigError]:
+    """The overrides Hydra's grammar rejects, each named with its parser's message."""
+    from hydra.errors import OverrideParseException
+
+    errors = []
+    for o in overrides:
+        try:
+            _parse(o)
+        except OverrideParseException as e:
+            key, _, value = o.lstrip("+~").partition("=")
+            said = [line for line in str(e).splitlines() if not line.startswith(("See https", "Error parsing"))]
+            errors.append(ConfigError(key, value, f"not an override: {said[0].split(' expecting ')[0]}", GRAMMAR))
+    return errors
+
+
+def is_hydras(override: str) -> bool:
+    """Hydra's own override (hydra.<key>=, hydra/<group>=): the launcher's, not the job's."""
+    return override.lstrip("+~").startswith(("hydra.", "hydra/"))
+
+
+def sweep_jobs(overrides: list[str]) -> list[list[str]]:
+    """The jobs a sweep over `overrides` runs, each as a single run's overrides, in the basic sweeper's
+    order (Hydra's own overrides left out). Interval sweeps (Optuna's) have no list of values: each job
+    leaves them out and its trials check them."""
+    from hydra._internal.core_plugins.basic_sweeper import BasicSweeper
+
+    parsed = [_parse(o) for o in overrides if not is_hydras(o)]
+    listed = [o for o in parsed if not o.is_interval_sweep()]
+    return [job for batch in BasicSweeper.split_arguments(listed, None) for job in batch]
+
+
 def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[list[str]]]:
     """Every composition error of `overrides` (Hydra stops at its first: each bad override found is left
     out and the rest composed again) -> (the errors, the overrides that compose together; None when an
     error names no override)."""
+    if errors := parse_problems(overrides):
+        return errors, [o for o in overrides if not any(o.lstrip("+~").startswith(f"{e.key}=") for e in errors)]
     errors, left = [], list(overrides)
     while (problem := compose_problem(left)) is not None:
         errors.append(problem)
@@ -104,6 +153,10 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
                     "no such key",
                     close or siblings or "a key of the config (python -m pipeline --cfg job lists them)",
                 )
+            if found := re.match(r"(?:Ambiguous value for argument|Sweep parameters) '[+~]?([^=]+)=(.*)'", first):
+                key, value = found.groups()  # a sweep's values in a single run
+                hint = "-m to run a job per value; [a,b] for a list; 'a,b' quoted for a string"
+                return ConfigError(key, value, "several values, which only a sweep (-m) takes", hint)
             if found := re.match(r"Error merging override ([^=]+)=(.*)$", first):
                 key, value = found.groups()
                 cause = str(e.__cause__).splitlines()[0] if e.__cause__ else first

@@ -270,10 +270,13 @@ def memory_rows(cfg: RunConfig) -> tuple[str, int]:
     return STAGES[cfg.task]().kv_rows(cfg)
 
 
-def build_plan(cfg: RunConfig, outputs: Path | None = None, origin: Optional[tuple[str, str]] = None) -> Plan:
+def build_plan(
+    cfg: RunConfig, outputs: Path | None = None, origin: Optional[tuple[str, str]] = None, check_memory: bool = True
+) -> Plan:
     """Every check that can run does: a failed registry, device or draft skips only the checks that read
     it (the stages' checks run without the draft, the graph check without a known policy). `origin`: the
-    graph group's choice and what chose it, for the error of a CUDA policy without CUDA."""
+    graph group's choice and what chose it, for the error of a CUDA policy without CUDA. check_memory:
+    the estimate against the device's free memory (off: a sweep's launcher checking jobs that run elsewhere)."""
     outputs = outputs or outputs_dir()
     if (bad := outputs_error(outputs)) is not None:
         raise PlanError([bad])
@@ -321,6 +324,6 @@ def build_plan(cfg: RunConfig, outputs: Path | None = None, origin: Optional[tup
     if errors:
         raise PlanError(errors)
     plan = Plan(cfg, stage_list, env)
-    if not gpu_plan and (errors := memory_errors(plan)):  # a GPU run planned on a CPU host: its memory is unknown
+    if check_memory and not gpu_plan and (errors := memory_errors(plan)):  # gpu_plan: memory unknown here
         raise PlanError(errors)
     return plan

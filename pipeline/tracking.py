@@ -34,7 +34,7 @@ from engine.errors import ConfigError, check_values, raised
 from pipeline.config import flatten, to_yaml
 from pipeline.paths import PARENT_ENV, REPO, outputs_problem
 from pipeline.signals import deferred
-from pipeline.store import open_store, owner_tags, reap_dead_runs, store_problem
+from pipeline.store import StoreError, open_store, owner_tags, reap_dead_runs, store_problem
 from schema import RunConfig
 from stages.base import device_name
 
@@ -153,6 +153,12 @@ class Tracker:
 
     def experiment_id(self, name: str) -> str:
         exp = self.client.get_experiment_by_name(name)
+        if exp is not None and exp.lifecycle_stage == "deleted":  # MLflow refuses runs in it, and keeps the name
+            raise StoreError(
+                f"the experiment {name!r} (id {exp.experiment_id}) is deleted in {self.uri}: restore it "
+                f"(MLFLOW_TRACKING_URI={self.uri} mlflow experiments restore --experiment-id {exp.experiment_id}) "
+                "or run under another experiment_name"
+            )
         if exp is not None:
             return exp.experiment_id
         location = (self.artifact_root / name).resolve().as_uri()

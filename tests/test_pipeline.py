@@ -167,20 +167,56 @@ def test_cli_compare(outputs):
     assert "1 run(s)" in p.stdout and "tokens_per_s" in p.stdout
 
 
-def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_path):
-    """The second job's eval.max_new_tokens=-1 fails its plan: exit 2 with the key named, the first job's
-    run FINISHED, and the sweep's parent run FAILED (not left RUNNING)."""
+@pytest.mark.fresh_store
+def test_a_sweep_with_bad_jobs_says_so_before_any_job_runs(outputs, tmp_path):
+    """Every job is checked as its single run would be before the first runs: the third job's
+    eval.max_new_tokens=-1 and a mistyped key (every job's) are one error each, exit 2, and nothing ran
+    (no MLflow store, no sweep folder)."""
     p = cli(
         "-m",
         "model=tiny",
         "eval.limit=1",
-        "eval.max_new_tokens=2,-1",
+        "eval.max_new_tokens=2,3,-1",
+        "eval.batch_sizes=1",
+        "device=cpu",
+        f"hydra.sweep.dir={tmp_path}/mr",
+        outputs=outputs,
+    )
+    assert p.returncode == 2, p.stderr[-2000:]
+    errors = [line for line in p.stderr.splitlines() if line.startswith("  - ")]
+    assert len(errors) == 2, p.stderr
+    assert any("eval.max_new_tokens=-1: out of range" in e for e in errors), p.stderr
+    assert any("eval.batch_sizes='1': no such key (valid: eval.batch_size," in e for e in errors), p.stderr
+    assert "Traceback" not in p.stderr and "[load]" not in p.stdout
+    assert not (outputs / "mlflow.db").exists() and not (tmp_path / "mr").exists()
+
+
+def test_overrides_hydra_cannot_parse_or_several_values_without_m_are_one_error(outputs):
+    for args, said in [
+        (("eval.limit=[",), "eval.limit='[': not an override"),
+        (("-m", "eval.limit=1,[2"), "eval.limit='1,[2': not an override"),
+        (("eval.limit=1,2",), "eval.limit='1,2': several values, which only a sweep (-m) takes"),
+    ]:
+        p = cli("model=tiny", "device=cpu", *args, outputs=outputs)
+        assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]
+
+
+def test_a_sweep_whose_job_fails_at_plan_time_fails_its_parent_run(outputs, tmp_path):
+    """A check only the job makes (its memory, on the device its worker takes): the second job's batch
+    does not fit, so exit 2 with the key named, the first job's run FINISHED, and the sweep's parent
+    run FAILED (not left RUNNING)."""
+    p = cli(
+        "-m",
+        "model=tiny",
+        "eval.limit=1",
+        "eval.max_new_tokens=2",
+        "eval.batch_size=1,1000000",
         "device=cpu",
         "experiment_name=badsweep",
         f"hydra.sweep.dir={tmp_path}/mr",
         outputs=outputs,
     )
-    assert p.returncode == 2 and "eval.max_new_tokens=-1" in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 2 and "eval.batch_size=1000000" in p.stderr, p.stderr[-2000:]
     parent, children = parent_and_children(outputs, "badsweep")
     assert parent.info.status == "FAILED"
     assert [c.info.status for c in children] == ["FINISHED"]

@@ -130,12 +130,27 @@ def test_a_half_created_store_is_created_afresh_and_a_used_one_is_named(outputs,
 
 
 @pytest.mark.fresh_store
-def test_a_sweep_whose_parent_run_cannot_be_created_fails(outputs, tmp_path):
+def test_a_sweep_over_a_store_that_is_not_a_database_stops_before_its_jobs(outputs, tmp_path):
     (outputs / "mlflow.db").write_text("not a database")
     p = cli("-m", *QUICK, "eval.batch_size=1,2", f"hydra.sweep.dir={tmp_path}/mr", outputs=outputs, timeout=300)
     assert p.returncode == 2, p.stderr[-2000:]
-    assert "error: the sweep's parent MLflow run could not be created: StoreError" in p.stderr, p.stderr[-2000:]
-    assert "is not an SQLite database" in p.stderr and "Traceback" not in p.stderr
+    assert "- tracking.tracking_uri='sqlite:///" in p.stderr and "is not an SQLite database" in p.stderr, p.stderr
+    assert "Traceback" not in p.stderr and not (tmp_path / "mr").exists()
+
+
+def test_a_run_or_sweep_into_a_deleted_experiment_says_how_to_restore_it(outputs, tmp_path):
+    """The experiment was deleted (in the MLflow UI; MLflow keeps its name): a run, or a sweep's parent
+    run, is refused before any load, one line naming the experiment and the restore command, exit 2."""
+    c = client(outputs)
+    gone = c.create_experiment("deleted")
+    c.delete_experiment(gone)
+    for sweep in ((), ("-m", "eval.batch_size=1,2", f"hydra.sweep.dir={tmp_path}/mr")):
+        p = cli(*sweep, *QUICK, "experiment_name=deleted", outputs=outputs, timeout=300)
+        assert p.returncode == 2, p.stderr[-2000:]
+        said = f"the experiment 'deleted' (id {gone}) is deleted in sqlite:///"
+        assert said in p.stderr and f"mlflow experiments restore --experiment-id {gone})" in p.stderr, p.stderr
+        assert "Traceback" not in p.stderr and "[load]" not in p.stdout
+    assert "sweep's parent MLflow run could not be created: StoreError" in p.stderr
 
 
 def test_a_run_killed_with_sigkill_is_marked_killed_by_the_next_run(outputs, capsys):
