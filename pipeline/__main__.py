@@ -142,14 +142,27 @@ def plan_problems(overrides: Optional[list[str]], memory: bool = True) -> list:
 def sweep_problems(overrides: list[str]) -> list[ConfigError]:
     """Every job of a sweep checked as its single run would be, before the first one runs: each distinct
     problem once. The memory a job needs is checked in the job, on the GPU its worker takes."""
-    if errors := parse_problems(overrides):
-        return errors
+    if unparsed := parse_problems(overrides):
+        return list(unparsed.values())
     found: dict[str, ConfigError] = {}
     for job in sweep_jobs(overrides):
         problems, good = compose_problems(job)
         for p in problems + plan_problems(good, memory=False):
             found.setdefault(str(p), p)
     return list(found.values())
+
+
+def folder_problems(overrides: list[str]) -> list[ConfigError]:
+    """Hydra's run or sweep folder, set on the command line, where runs cannot write (it is created here,
+    as the run would: checked last, when nothing else is wrong)."""
+    from pipeline.paths import outputs_problem
+
+    out = []
+    for o in overrides:
+        key, _, value = o.partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and "${" not in value and (bad := outputs_problem(Path(value))):
+            out.append(ConfigError(key, value, f"the folder {bad}", "a writable directory"))
+    return out
 
 
 def stop_sweep(signum: int) -> None:
@@ -186,6 +199,8 @@ if __name__ == "__main__":
         problems += plan_problems(good) if problems else []
     elif flags <= {"-m", "--multirun"}:  # a sweep: every job, before any runs
         problems = sweep_problems(overrides)
+    if not flags or flags <= {"-m", "--multirun"}:
+        problems = problems or folder_problems(overrides)
     if problems:
         print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
         sys.exit(2)

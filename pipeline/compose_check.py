@@ -66,18 +66,19 @@ def _parse(override: str):
     return parsed
 
 
-def parse_problems(overrides: list[str]) -> list[ConfigError]:
-    """The overrides Hydra's grammar rejects, each named with its parser's message."""
+def parse_problems(overrides: list[str]) -> dict[str, ConfigError]:
+    """The overrides Hydra's grammar rejects -> each one's error, naming it with its parser's message."""
     from hydra.errors import OverrideParseException
 
-    errors = []
+    errors = {}
     for o in overrides:
         try:
             _parse(o)
         except OverrideParseException as e:
-            key, _, value = o.lstrip("+~").partition("=")
+            key, eq, value = o.lstrip("+~").partition("=")
+            key, value = (key, value) if eq else ("override", o)
             said = [line for line in str(e).splitlines() if not line.startswith(("See https", "Error parsing"))]
-            errors.append(ConfigError(key, value, f"not an override: {said[0].split(' expecting ')[0]}", GRAMMAR))
+            errors[o] = ConfigError(key, value, f"not an override: {said[0].split(' expecting ')[0]}", GRAMMAR)
     return errors
 
 
@@ -101,8 +102,8 @@ def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[
     """Every composition error of `overrides` (Hydra stops at its first: each bad override found is left
     out and the rest composed again) -> (the errors, the overrides that compose together; None when an
     error names no override)."""
-    if errors := parse_problems(overrides):
-        return errors, [o for o in overrides if not any(o.lstrip("+~").startswith(f"{e.key}=") for e in errors)]
+    if unparsed := parse_problems(overrides):
+        return list(unparsed.values()), [o for o in overrides if o not in unparsed]
     errors, left = [], list(overrides)
     while (problem := compose_problem(left)) is not None:
         errors.append(problem)
@@ -153,6 +154,14 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
                     "no such key",
                     close or siblings or "a key of the config (python -m pipeline --cfg job lists them)",
                 )
+            if found := re.match(r"Multiple values for ([^ ]+)\. ", first):  # a group chosen twice
+                key = found.group(1)
+                given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key]
+                values = ",".join(o.split("=", 1)[1] for o in given)
+                if len(given) > 1:
+                    plus = "+" if given[0].startswith("+") else ""
+                    return ConfigError(key, values, "chosen more than once", f"one; a sweep: -m {plus}{key}={values}")
+                return ConfigError(key, values, "another config chose it already", f"{key}=<name>, without the +")
             if found := re.match(r"(?:Ambiguous value for argument|Sweep parameters) '[+~]?([^=]+)=(.*)'", first):
                 key, value = found.groups()  # a sweep's values in a single run
                 hint = "-m to run a job per value; [a,b] for a list; 'a,b' quoted for a string"

@@ -209,6 +209,7 @@ def _check_values(cfg: RunConfig) -> None:
     check_values(
         [
             ("seed", cfg.seed, 0 <= cfg.seed < 2**64, "0 <= seed < 2**64 (what a torch generator takes)"),
+            ("experiment_name", cfg.experiment_name, bool(cfg.experiment_name.strip()), "a name", "empty"),
             (
                 "graph.prefill_buckets",
                 list(cfg.graph.prefill_buckets),

@@ -191,11 +191,18 @@ def test_a_sweep_with_bad_jobs_says_so_before_any_job_runs(outputs, tmp_path):
     assert not (outputs / "mlflow.db").exists() and not (tmp_path / "mr").exists()
 
 
-def test_overrides_hydra_cannot_parse_or_several_values_without_m_are_one_error(outputs):
+def test_command_lines_hydra_would_refuse_or_crash_on_are_one_error(outputs, tmp_path):
+    """Each is one line naming the override, exit 2: what Hydra's grammar rejects (a traceback before),
+    several values without -m, a group chosen twice, an empty experiment name (MLflow's traceback at
+    the run's start), a Hydra folder no run can write (Hydra's FileNotFoundError)."""
+    (tmp_path / "file").write_text("")
     for args, said in [
         (("eval.limit=[",), "eval.limit='[': not an override"),
         (("-m", "eval.limit=1,[2"), "eval.limit='1,[2': not an override"),
         (("eval.limit=1,2",), "eval.limit='1,2': several values, which only a sweep (-m) takes"),
+        (("+experiment=eagle3", "+experiment=dflash"), "experiment='eagle3,dflash': chosen more than once"),
+        (("experiment_name=",), "experiment_name='': empty"),
+        ((f"hydra.run.dir={tmp_path}/file/run",), f"hydra.run.dir='{tmp_path}/file/run': the folder is below a file"),
     ]:
         p = cli("model=tiny", "device=cpu", *args, outputs=outputs)
         assert p.returncode == 2 and said in p.stderr and "Traceback" not in p.stderr, p.stderr[-2000:]

@@ -114,6 +114,22 @@ def test_hydra_run_directories_follow_specpipe_outputs(tmp_path):
     assert in_repo == []
 
 
+def test_hydra_run_directories_default_to_the_repositorys_outputs_whatever_the_cwd(tmp_path, monkeypatch):
+    """Without SPECPIPE_OUTPUTS, a run or a sweep started elsewhere keeps its Hydra folder beside the
+    MLflow store and the weights cache (<repo>/outputs), not in an outputs/ of the cwd."""
+    from hydra import compose, initialize_config_dir
+
+    from pipeline.config import register_configs
+
+    monkeypatch.delenv("SPECPIPE_OUTPUTS", raising=False)
+    monkeypatch.chdir(tmp_path)
+    register_configs()
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        hydra = compose(config_name="config", return_hydra_config=True).hydra
+    for folder in (hydra.run.dir, hydra.sweep.dir):
+        assert Path(folder).parent.parent.parent == REPO / "outputs", folder
+
+
 def test_draining_answers_503_with_retry_after_and_a_second_ctrl_c_stops_cleanly(outputs):
     server = ServerProcess(outputs, "experiment_name=serve_drain")
     try:
