@@ -31,7 +31,8 @@ from typing import Any, Optional
 
 from engine.errors import ConfigError
 from engine.speculative.timing import decimals_for
-from pipeline.paths import outputs_dir
+from pipeline.paths import outputs_dir, outputs_problem
+from pipeline.store import sqlite_path, store_problem
 from pipeline.tracking import default_tracking_uri
 
 KEY_METRICS = (
@@ -329,7 +330,14 @@ def compare(
     names = [n for n in (experiment.split(",") if isinstance(experiment, str) else experiment) if n]
     if not names:
         raise ConfigError("--experiment", experiment, "no experiment named", "NAME or NAME,NAME,...")
-    client = MlflowClient(tracking_uri=tracking_uri or default_tracking_uri(outputs_dir()))
+    if last < 1:
+        raise ConfigError("--last", last, "out of range", ">= 1")
+    uri = tracking_uri or default_tracking_uri(outputs_dir())
+    if (problem := store_problem(uri)) is None and (db := sqlite_path(uri)) is not None and not db.is_file():
+        problem = "no such file: no run has logged there yet"
+    if problem is not None:
+        raise ConfigError("--tracking-uri", uri, problem, "sqlite:///<path> or http(s)://<server>")
+    client = MlflowClient(tracking_uri=uri)
     runs, owners = find_runs(client, names, last, include_failed)
     title = f"experiment {names[0]!r}" if len(names) == 1 else f"experiments {', '.join(names)}"
     if not runs:
@@ -337,6 +345,8 @@ def compare(
     cmp = Comparison.from_runs(title, runs, owners, metrics=metrics)
     text = cmp.text()
     if out is not None:
+        if (bad := outputs_problem(Path(out))) is not None:
+            raise ConfigError("--out", str(out), f"the folder {bad}", "a writable directory")
         paths = cmp.write(Path(out))
         text += f"\nwritten to {Path(out)}: " + ", ".join(p.name for p in paths)
     return text

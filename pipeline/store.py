@@ -152,10 +152,15 @@ def _head_revision() -> str:
 
 def store_problem(uri: str) -> Optional[str]:
     """Why runs could not log to `uri` (None: they can, as far as can be told without opening it): a scheme
-    MLflow has no store for, a SQLite file that is not a database, an http(s) server that does not answer."""
+    MLflow has no store for, a folder (MLflow's file store) it refuses, a SQLite file that is not a
+    database, an http(s) server that does not answer."""
+    from mlflow.environment_variables import MLFLOW_ALLOW_FILE_STORE
+
     scheme = urlparse(uri).scheme
-    if scheme and scheme not in SCHEMES:  # no scheme: a local folder (MLflow's file store)
+    if scheme and scheme not in SCHEMES:  # no scheme: a local folder
         return f"no MLflow store for the scheme {scheme!r} (valid: {', '.join(SCHEMES)})"
+    if scheme in ("", "file") and not MLFLOW_ALLOW_FILE_STORE.get():
+        return "a folder: MLflow's file store, which it refuses (MLFLOW_ALLOW_FILE_STORE=true allows it)"
     if (db := sqlite_path(uri)) is not None:
         return _not_sqlite(db)
     if scheme == "sqlite":

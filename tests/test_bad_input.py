@@ -167,6 +167,8 @@ def test_model_values_and_files_a_user_got_wrong(outputs, tmp_path):
 def test_a_store_runs_cannot_use_is_named_at_plan_time(outputs, tmp_path):
     text = plan_errors(outputs, *TINY, "tracking.tracking_uri=foo://bar")
     assert "tracking.tracking_uri='foo://bar': no MLflow store for the scheme 'foo'" in text, text
+    text = plan_errors(outputs, *TINY, f"tracking.tracking_uri={tmp_path}/mlruns")  # MLflow's traceback at the run
+    assert f"tracking.tracking_uri='{tmp_path}/mlruns': a folder: MLflow's file store, which it refuses" in text, text
     (outputs / "mlflow.db").write_bytes(b"garbage")
     text = plan_errors(outputs, *TINY)
     assert f"{outputs / 'mlflow.db'} is not an SQLite database" in text, text

@@ -106,6 +106,19 @@ def test_compare_across_experiments_writes_csv_markdown_and_chart(outputs, tmp_p
     p = cli("--experiment", "nope,ngram", "--out", out, outputs=outputs, module="pipeline.compare", timeout=120)
     assert p.returncode == 2 and "error: --experiment='nope,ngram': no such experiment: nope" in p.stderr, p.stderr
     assert "Traceback" not in p.stderr and not (tmp_path / "x").exists()
+    (tmp_path / "a_file").write_text("not a database")
+    garbage, none = f"sqlite:///{tmp_path}/a_file", f"sqlite:///{tmp_path}/none.db"
+    for args, said in [  # each one line, exit 2 (MLflow's tracebacks before, or a wait on a dead server)
+        (("--tracking-uri", garbage), f"--tracking-uri='{garbage}': {tmp_path}/a_file is not an SQLite database"),
+        (("--tracking-uri", str(tmp_path)), f"--tracking-uri='{tmp_path}': a folder: MLflow's file store"),
+        (("--tracking-uri", none), f"--tracking-uri='{none}': no such file: no run has logged there yet"),
+        (("--tracking-uri", "http://127.0.0.1:1"), "--tracking-uri='http://127.0.0.1:1': no tracking server answers"),
+        (("--last", "0"), "--last=0: out of range (valid: >= 1)"),
+        (("--out", str(tmp_path / "a_file")), f"--out='{tmp_path / 'a_file'}': the folder is a file"),
+    ]:
+        p = cli("--experiment", "ngram", *args, outputs=outputs, module="pipeline.compare", timeout=120)
+        assert p.returncode == 2 and f"error: {said}" in p.stderr and "Traceback" not in p.stderr, p.stderr
+    assert not (tmp_path / "none.db").exists()  # looking creates no store
 
 
 def test_a_sweep_ends_with_a_summary_of_its_jobs(outputs, tmp_path):
