@@ -62,21 +62,27 @@ def api_key(cfg) -> Optional[str]:
     return cfg.serve.api_key if cfg.serve.api_key is not None else (os.environ.get(API_KEY_ENV) or None)
 
 
-def port_problem(host: str, port: int) -> Optional[str]:
-    """Why the server could not listen on host:port (None: it can), found by binding it for a moment."""
+def listen_error(host: str, port: int) -> Optional[ConfigError]:
+    """Why the server could not listen on host:port (None: it can), found by binding it for a moment: the
+    host's (it does not resolve, or is no address of this machine) or the port's (in use, privileged)."""
+    import errno
     import socket
 
+    where = "an address of this host: 127.0.0.1, or 0.0.0.0 for every interface"
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        family, _, _, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except OSError as e:
-        return f"serve.host={host!r} does not resolve ({e.strerror or e})"
-    family, _, _, _, address = infos[0]
+        return ConfigError("serve.host", host, f"does not resolve ({e.strerror or e})", where)
     with socket.socket(family, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
         try:
             s.bind(address)
         except OSError as e:
-            return e.strerror or str(e)
+            if e.errno == errno.EADDRNOTAVAIL:
+                return ConfigError("serve.host", host, f"cannot listen there ({e.strerror})", where)
+            return ConfigError(
+                "serve.port", port, f"cannot listen on {host}:{port} ({e.strerror or e})", "a free port, or 0 (any)"
+            )
     return None
 
 
@@ -160,12 +166,11 @@ class ServeStage(Stage):
                 ("serve.drain_timeout_s", s.drain_timeout_s, s.drain_timeout_s >= 0, ">= 0"),
                 ("serve.log_level", s.log_level, s.log_level in LOG_LEVELS, LOG_LEVELS, "unknown"),
                 ("serve.api_key", "***", s.api_key != "", "a token, or null (none; or $SPECPIPE_API_KEY)", "empty"),
+                ("serve.model_name", s.model_name, s.model_name != "", "a name, or null (model.name)", "empty"),
             ]
         )
-        if s.port != 0 and 0 < s.port <= 65535 and (problem := port_problem(s.host, s.port)) is not None:
-            raise ConfigError(
-                "serve.port", s.port, f"cannot listen on {s.host}:{s.port} ({problem})", "a free port, or 0 (any)"
-            )
+        if 0 <= s.port <= 65535 and (error := listen_error(s.host, s.port)) is not None:
+            raise error
         if cfg.model.max_seq_len < k + 2:
             raise ConfigError(
                 "model.max_seq_len",

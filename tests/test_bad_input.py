@@ -186,13 +186,20 @@ def test_a_store_runs_cannot_use_is_named_at_plan_time(outputs, tmp_path):
     assert f"tracking.artifact_root='{a_file}/art': the folder is below a file" in text, text
 
 
-def test_a_port_in_use_is_named_at_plan_time(outputs):
+def test_a_port_in_use_or_a_host_to_listen_on_is_named_at_plan_time(outputs):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         s.listen()
         port = s.getsockname()[1]
         text = plan_errors(outputs, "+experiment=serve", *TINY, f"serve.port={port}")
     assert f"serve.port={port}: cannot listen on 127.0.0.1:{port} (Address already in use)" in text, text
+    # any free port (0) still needs a host of this machine (uvicorn's traceback at start before)
+    text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.port=0", "serve.host=192.0.2.1")  # TEST-NET-1
+    assert "serve.host='192.0.2.1': cannot listen there (Cannot assign requested address)" in text, text
+    text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.host=no-such-host.invalid")
+    assert "serve.host='no-such-host.invalid': does not resolve" in text, text
+    text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.model_name=")
+    assert "serve.model_name='': empty (valid: a name, or null (model.name))" in text, text
 
 
 def test_the_memory_plan_refuses_what_the_host_cannot_hold(outputs):
