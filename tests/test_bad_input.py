@@ -67,9 +67,13 @@ def test_a_training_recipe_names_its_bad_draft_value_and_every_bad_train_value(o
         "train.lr=-1",
         "train.ema_decay=1",
         "train.kernels=fused",
+        "train.max_time_s=-1",  # trained one step and exported a head before
+        "train.max_tokens=16",  # under the recipe's max_len: batches of one sequence, silently
     )
     for key in ("draft.num_steps=0", "train.steps=0", "train.lr=-1.0", "train.ema_decay=1.0", "train.kernels='fused'"):
         assert key in text, text
+    assert "train.max_time_s=-1.0: out of range (valid: > 0 seconds and finite, or null" in text, text
+    assert "train.max_tokens=16: a batch of fewer padded tokens than one sequence of train.max_len=" in text, text
 
 
 # ------------------------------------------------------------------------------------------ prompt files

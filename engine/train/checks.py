@@ -6,6 +6,7 @@ naming the key, the value and what is valid; no weights read.
 
 from __future__ import annotations
 
+import math
 import os
 
 import torch
@@ -96,6 +97,20 @@ def train_problems(
         "0 <= min_lr_ratio <= 1",
     )
     errors += _range("train.lr", t.lr, t.lr > 0, "must be positive", "> 0")
+    errors += _range(
+        "train.max_time_s",
+        t.max_time_s,
+        t.max_time_s is None or 0 < t.max_time_s < math.inf,
+        "out of range",
+        "> 0 seconds and finite, or null (train.steps alone)",
+    )
+    errors += _range(
+        "train.max_tokens",
+        t.max_tokens,
+        t.max_tokens is None or t.max_len is None or t.max_tokens >= t.max_len,
+        f"a batch of fewer padded tokens than one sequence of train.max_len={t.max_len}",
+        f">= {t.max_len}, or a smaller train.max_len",
+    )
     errors += _range(
         "train.max_len",
         t.max_len,
