@@ -139,6 +139,13 @@ def plan_problems(overrides: Optional[list[str]], memory: bool = True) -> list:
     return []
 
 
+def run_problems(overrides: list[str]) -> list[ConfigError]:
+    """A single run's composition errors, and then what the plan finds in the overrides that compose (with
+    none, the run plans itself)."""
+    problems, good = compose_problems([o for o in overrides if not is_hydras(o)])
+    return problems + plan_problems(good) if problems else []
+
+
 def sweep_problems(overrides: list[str]) -> list[ConfigError]:
     """Every job of a sweep checked as its single run would be, before the first one runs: each distinct
     problem once. The memory a job needs is checked in the job, on the GPU its worker takes."""
@@ -193,17 +200,10 @@ if __name__ == "__main__":
     register_configs()  # the run schema and each draft's (imports torch and the drafts: after --help)
     args = sys.argv[1:]
     flags, overrides = {a for a in args if a.startswith("-")}, [a for a in args if not a.startswith("-")]
-    problems = []
-    if not flags:  # a single run (Hydra's other flags: Hydra's own handling)
-        problems, good = compose_problems([o for o in overrides if not is_hydras(o)])
-        problems += plan_problems(good) if problems else []
-    elif flags <= {"-m", "--multirun"}:  # a sweep: every job, before any runs
-        problems = sweep_problems(overrides)
-    if not flags or flags <= {"-m", "--multirun"}:
-        problems = problems or folder_problems(overrides)
-    if problems:
-        print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
-        sys.exit(2)
+    if flags <= {"-m", "--multirun"}:  # a single run or a sweep (Hydra's other flags: Hydra's own handling)
+        if problems := (sweep_problems if flags else run_problems)(overrides) or folder_problems(overrides):
+            print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
+            sys.exit(2)
     install()
     from pipeline.sweep import ACTIVE
 

@@ -12,6 +12,7 @@ then checks what the others compose to.
 from __future__ import annotations
 
 import difflib
+import functools
 import re
 from typing import Optional
 
@@ -55,14 +56,20 @@ def _without(compose, overrides: list[str], key: str):
 GRAMMAR = "key=value, +key=value or ~key (https://hydra.cc/docs/advanced/override_grammar/basic)"
 
 
-def _parse(override: str):
-    """One override as Hydra parses it (raises OverrideParseException); a glob sweep lists the conf's groups."""
+@functools.cache
+def _parser():
+    """Hydra's override parser, with a config loader over conf/ (a glob sweep lists the groups' options)."""
     from hydra._internal.config_loader_impl import ConfigLoaderImpl
     from hydra._internal.utils import create_config_search_path
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
     loader = ConfigLoaderImpl(config_search_path=create_config_search_path(str(REPO / "conf")))
-    (parsed,) = OverridesParser.create(config_loader=loader).parse_overrides([override])
+    return OverridesParser.create(config_loader=loader)
+
+
+def _parse(override: str):
+    """One override as Hydra parses it (raises OverrideParseException)."""
+    (parsed,) = _parser().parse_overrides([override])
     return parsed
 
 
