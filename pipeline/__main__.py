@@ -9,7 +9,8 @@ prints also goes to its Hydra run folder's pipeline.log (pipeline/runlog.py); a 
 fails leaves no folder. `--help`: the tool, its groups and experiments (pipeline/help.py).
 
 Ctrl-C and SIGTERM (pipeline/signals.py) end a run or a sweep alike: what finished is kept, the run (a
-sweep's parent and its unfinished jobs, in whichever worker) KILLED, one line, exit 130 / 143.
+sweep's parent and its unfinished jobs, in whichever worker) KILLED, one line, exit 130 / 143; while
+the command line is checked, with nothing run yet, the same line and exit.
 """
 
 from __future__ import annotations
@@ -172,6 +173,20 @@ def folder_problems(overrides: list[str]) -> list[ConfigError]:
     return out
 
 
+def check_command_line(args: list[str]) -> None:
+    """Before Hydra makes a folder or starts a job: the outputs folder, then a single run's or every job of
+    a sweep's config; what is wrong is printed, exit 2 (Hydra's other flags: Hydra's own handling)."""
+    if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
+        print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
+        sys.exit(2)
+    register_configs()  # the run schema and each draft's (imports torch and the drafts: after --help)
+    flags, overrides = {a for a in args if a.startswith("-")}, [a for a in args if not a.startswith("-")]
+    if flags <= {"-m", "--multirun"}:
+        if problems := (sweep_problems if flags else run_problems)(overrides) or folder_problems(overrides):
+            print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
+            sys.exit(2)
+
+
 def stop_sweep(signum: int) -> None:
     """A signal stopped a sweep (in this process, or in the job it ran): the parent run and its unfinished
     jobs KILLED, one line, exit 128 + signum."""
@@ -194,17 +209,12 @@ if __name__ == "__main__":
 
         print(help_text())
         sys.exit(0)
-    if (bad := outputs_error(outputs_dir())) is not None:  # before Hydra makes its run directory in it
-        print(f"error: {PlanError([bad])}", file=sys.stderr, flush=True)
-        sys.exit(2)
-    register_configs()  # the run schema and each draft's (imports torch and the drafts: after --help)
-    args = sys.argv[1:]
-    flags, overrides = {a for a in args if a.startswith("-")}, [a for a in args if not a.startswith("-")]
-    if flags <= {"-m", "--multirun"}:  # a single run or a sweep (Hydra's other flags: Hydra's own handling)
-        if problems := (sweep_problems if flags else run_problems)(overrides) or folder_problems(overrides):
-            print(f"error: {PlanError(problems)}", file=sys.stderr, flush=True)
-            sys.exit(2)
-    install()
+    install()  # a signal while the command line is checked (a sweep's jobs: seconds) ends it as it ends a run
+    try:
+        check_command_line(sys.argv[1:])
+    except KeyboardInterrupt as e:
+        print(f"{describe(signum_of(e))}: nothing ran", file=sys.stderr, flush=True)
+        sys.exit(128 + signum_of(e))
     from pipeline.sweep import ACTIVE
 
     try:

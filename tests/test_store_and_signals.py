@@ -169,6 +169,22 @@ def test_a_run_killed_with_sigkill_is_marked_killed_by_the_next_run(outputs, cap
 
 
 # ------------------------------------------------------------------------------------------ signals
+def test_a_signal_while_a_sweeps_jobs_are_checked_ends_it_in_one_line(outputs, tmp_path):
+    """Checking 199 jobs takes tens of seconds: Ctrl-C or SIGTERM meanwhile ends the command as it ends a
+    run, one line, exit 130 / 143, no job launched (Python's KeyboardInterrupt traceback before)."""
+    sweep = ("-m", *QUICK, "eval.max_new_tokens=range(1,200)", f"hydra.sweep.dir={tmp_path}/mr")
+    procs = {sig: start(outputs, *sweep) for sig in (signal.SIGINT, signal.SIGTERM)}
+    time.sleep(6)  # past the imports (about 1 s), well inside the checks
+    for sig, p in procs.items():
+        p.send_signal(sig)
+    for sig, p in procs.items():
+        out, err = p.communicate(timeout=60)
+        word = "interrupted (Ctrl-C)" if sig == signal.SIGINT else "terminated (SIGTERM)"
+        assert p.returncode == 128 + sig and err == f"{word}: nothing ran\n", err[-2000:]
+        assert "Launching" not in out
+    assert not (tmp_path / "mr").exists()
+
+
 def test_a_second_ctrl_c_and_a_sigterm_end_an_eval_as_one_ctrl_c_does(outputs):
     """One process gets Ctrl-C, then Ctrl-C again while it cleans up (after it kept its results, before
     its run is marked); the other SIGTERM (docker stop, `timeout`). Both: results kept, KILLED, one line,
