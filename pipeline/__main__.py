@@ -32,6 +32,7 @@ from pipeline.runlog import RunLog, drop_run_folder
 from pipeline.signals import Interrupted, describe, first, install, received, signum_of
 
 log = logging.getLogger("pipeline")
+SHOW_CHECKS = 16  # a sweep of this many jobs shows a progress bar while they are checked (about 0.2 s each)
 
 
 def plan_job(cfg: DictConfig):
@@ -152,8 +153,11 @@ def sweep_problems(overrides: list[str]) -> list[ConfigError]:
     problem once. The memory a job needs is checked in the job, on the GPU its worker takes."""
     if unparsed := parse_problems(overrides):
         return list(unparsed.values())
+    from tqdm.auto import tqdm
+
     found: dict[str, ConfigError] = {}
-    for job in sweep_jobs(overrides):
+    jobs = sweep_jobs(overrides)
+    for job in tqdm(jobs, desc="checking the sweep's jobs", unit="job", leave=False, disable=len(jobs) < SHOW_CHECKS):
         problems, good = compose_problems(job)
         for p in problems + plan_problems(good, memory=False):
             found.setdefault(str(p), p)
