@@ -121,6 +121,19 @@ def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[
     return errors, left
 
 
+@functools.lru_cache(maxsize=2)
+def composed(overrides: tuple[str, ...]):
+    """The config `overrides` compose to, as Hydra composes it (raises its composition errors). The last
+    two are kept: a check composes a job once for its composition and its plan (0.1 s each)."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    if GlobalHydra.instance().is_initialized():
+        return compose(config_name="config", overrides=list(overrides))
+    with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
+        return compose(config_name="config", overrides=list(overrides))
+
+
 def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
     """Compose as Hydra will; a composition error as a ConfigError (None: the config composes)."""
     from hydra import compose, initialize_config_dir
@@ -128,7 +141,7 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
 
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
         try:
-            compose(config_name="config", overrides=overrides)
+            composed(tuple(overrides))
             return None
         except MissingConfigException as e:
             text = str(e)

@@ -170,9 +170,9 @@ def test_a_run_killed_with_sigkill_is_marked_killed_by_the_next_run(outputs, cap
 
 # ------------------------------------------------------------------------------------------ signals
 def test_a_signal_while_a_sweeps_jobs_are_checked_ends_it_in_one_line(outputs, tmp_path):
-    """Checking 199 jobs takes tens of seconds: Ctrl-C or SIGTERM meanwhile ends the command as it ends a
+    """Checking 399 jobs takes tens of seconds: Ctrl-C or SIGTERM meanwhile ends the command as it ends a
     run, one line, exit 130 / 143, no job launched (Python's KeyboardInterrupt traceback before)."""
-    sweep = ("-m", *QUICK, "eval.max_new_tokens=range(1,200)", f"hydra.sweep.dir={tmp_path}/mr")
+    sweep = ("-m", *QUICK, "eval.max_new_tokens=range(1,400)", f"hydra.sweep.dir={tmp_path}/mr")
     procs = {sig: start(outputs, *sweep) for sig in (signal.SIGINT, signal.SIGTERM)}
     time.sleep(6)  # past the imports (about 1 s), well inside the checks
     for sig, p in procs.items():
