@@ -127,15 +127,15 @@ def release_device_memory() -> None:
         torch.cuda.empty_cache()
 
 
-def plan_problems(overrides: Optional[list[str]], memory: bool = True) -> list:
-    """What the plan finds wrong in the config `overrides` compose to (beside composition errors); memory:
-    whether the run's memory estimate is checked against this process's device."""
+def plan_problems(overrides: Optional[list[str]], check_memory: bool = True) -> list:
+    """What the plan finds wrong in the config `overrides` compose to (beside composition errors);
+    check_memory: whether the run's memory estimate is checked against this process's device."""
     if overrides is None:
         return []
     from pipeline.plan import build_plan
 
     try:
-        build_plan(to_run_config(composed(tuple(overrides))), check_memory=memory)
+        build_plan(to_run_config(composed(tuple(overrides))), check_memory=check_memory)
     except PlanError as e:
         return e.errors
     except ConfigError as e:
@@ -161,7 +161,7 @@ def sweep_problems(overrides: list[str]) -> list[ConfigError]:
     jobs = sweep_jobs(overrides)
     for job in tqdm(jobs, desc="checking the sweep's jobs", unit="job", leave=False, disable=len(jobs) < SHOW_CHECKS):
         problems, good = compose_problems(job)
-        for p in problems + plan_problems(good, memory=False):
+        for p in problems + plan_problems(good, check_memory=False):
             found.setdefault(str(p), p)
     return list(found.values())
 

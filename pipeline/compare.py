@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from engine.errors import ConfigError
 from engine.speculative.timing import decimals_for
+from pipeline.compose_check import override_key
 from pipeline.paths import outputs_dir, outputs_problem
 from pipeline.store import sqlite_path, store_problem
 from pipeline.tracking import default_tracking_uri
@@ -116,7 +117,7 @@ def run_labels(runs: list[Any], experiments: list[str]) -> list[str]:
         keys = sorted({k for x in peers for k in x.data.params if not k.startswith(NOT_A_LABEL)})
         apart = [k for k in keys if len({x.data.params.get(k) for x in peers}) > 1]
         swept = r.data.tags.get("sweep.job_overrides", "").split()
-        swept = [o.split("=", 1)[0].lstrip("+~") for o in swept]
+        swept = [override_key(o) for o in swept]
         apart.sort(key=lambda k: (k not in swept, k))
         parts = [e] if several or not apart else []
         for k in apart:  # as many as fit a column

@@ -22,8 +22,13 @@ from engine.errors import ConfigError
 from pipeline.paths import REPO
 
 
+def override_key(override: str) -> str:
+    """`+draft.k=3` -> `draft.k`: the key an override sets (or adds, or deletes)."""
+    return override.lstrip("+~").split("=", 1)[0]
+
+
 def _value(overrides: list[str], key: str) -> str:
-    return next((o.split("=", 1)[1] for o in overrides if o.lstrip("+~").split("=", 1)[0] == key), "")
+    return next((o.split("=", 1)[1] for o in overrides if override_key(o) == key), "")
 
 
 def _keys(cfg) -> list[str]:
@@ -45,7 +50,7 @@ def _keys(cfg) -> list[str]:
 def _without(compose, overrides: list[str], key: str):
     """The config the other overrides compose to (their group choices: draft=<name> has its own keys); where
     they do not, what their group choices alone compose to, else the defaults."""
-    others = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] != key]
+    others = [o for o in overrides if override_key(o) != key]
     for attempt in (others, [o for o in others if "." not in o.split("=", 1)[0]], []):  # then the choices only
         try:
             return compose(config_name="config", overrides=attempt)
@@ -91,7 +96,7 @@ def parse_problems(overrides: list[str]) -> dict[str, ConfigError]:
 
 def is_hydras(override: str) -> bool:
     """Hydra's own override (hydra.<key>=, hydra/<group>=): the launcher's, not the job's."""
-    return override.lstrip("+~").startswith(("hydra.", "hydra/"))
+    return override_key(override).startswith(("hydra.", "hydra/"))
 
 
 def sweep_jobs(overrides: list[str]) -> list[list[str]]:
@@ -114,7 +119,7 @@ def compose_problems(overrides: list[str]) -> tuple[list[ConfigError], Optional[
     errors, left = [], list(overrides)
     while (problem := compose_problem(left)) is not None:
         errors.append(problem)
-        culprit = [o for o in left if o.lstrip("+~").split("=", 1)[0] == problem.key]
+        culprit = [o for o in left if override_key(o) == problem.key]
         if not culprit:  # not traceable to one override: what is left is not known to compose
             return errors, None
         left.remove(culprit[0])
@@ -176,7 +181,7 @@ def compose_problem(overrides: list[str]) -> Optional[ConfigError]:
                 )
             if found := re.match(r"Multiple values for ([^ ]+)\. ", first):  # a group chosen twice
                 key = found.group(1)
-                given = [o for o in overrides if o.lstrip("+~").split("=", 1)[0] == key]
+                given = [o for o in overrides if override_key(o) == key]
                 values = ",".join(o.split("=", 1)[1] for o in given)
                 if len(given) > 1:
                     plus = "+" if given[0].startswith("+") else ""
@@ -201,7 +206,7 @@ def group_origin(group: str) -> Optional[tuple[str, str]]:
     if not HydraConfig.initialized():
         return None
     hc = HydraConfig.get()
-    choice, keys = hc.runtime.choices.get(group), [o.lstrip("+~").split("=", 1)[0] for o in hc.overrides.task]
+    choice, keys = hc.runtime.choices.get(group), [override_key(o) for o in hc.overrides.task]
     if choice is None or any(k.startswith(f"{group}.") for k in keys):
         return None
     if group in keys:

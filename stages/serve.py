@@ -169,7 +169,7 @@ class ServeStage(Stage):
                 ("serve.model_name", s.model_name, s.model_name != "", "a name, or null (model.name)", "empty"),
             ]
         )
-        if 0 <= s.port <= 65535 and (error := listen_error(s.host, s.port)) is not None:
+        if (error := listen_error(s.host, s.port)) is not None:  # the values above are in range
             raise error
         if cfg.model.max_seq_len < k + 2:
             raise ConfigError(

@@ -402,11 +402,11 @@ class Scheduler:
         rows = self._round_rows()
         r = self.dec.round(self.state, rows=rows)
         stats.rounds += 1
-        stats.round_s += time.perf_counter() - t0 - r.put_off_s
+        t1 = time.perf_counter()
+        stats.round_s += t1 - t0 - r.put_off_s
         stats.prefill_s += r.put_off_s  # a put-off draft prefill is the join's
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
         stats.last_k = r.k
-        t1 = time.perf_counter()
         for i, req in enumerate(self.slots[:rows]):
             if req is None:
                 continue
