@@ -36,7 +36,7 @@ from pipeline.compose_check import (
 from pipeline.config import register_configs, to_run_config
 from pipeline.paths import PARENT_ENV, outputs_dir, outputs_error
 from pipeline.runlog import RunLog, drop_run_folder
-from pipeline.signals import Interrupted, describe, first, install, received, signum_of
+from pipeline.signals import Interrupted, deferred, describe, first, install, received, signum_of
 
 log = logging.getLogger("pipeline")
 SHOW_CHECKS = 16  # a sweep of this many jobs shows a progress bar while they are checked (about 0.1 s each)
@@ -145,9 +145,10 @@ def plan_problems(overrides: Optional[list[str]], check_memory: bool = True) -> 
 
 def run_problems(overrides: list[str]) -> list[ConfigError]:
     """A single run's composition errors, and then what the plan finds in the overrides that compose (with
-    none, the run plans itself)."""
-    problems, good = compose_problems([o for o in overrides if not is_hydras(o)])
-    return problems + plan_problems(good) if problems else []
+    none, the run plans itself). A signal meanwhile waits for the end, as in a sweep's checks."""
+    with deferred():
+        problems, good = compose_problems([o for o in overrides if not is_hydras(o)])
+        return problems + plan_problems(good) if problems else []
 
 
 def sweep_problems(overrides: list[str]) -> list[ConfigError]:
@@ -160,9 +161,10 @@ def sweep_problems(overrides: list[str]) -> list[ConfigError]:
     found: dict[str, ConfigError] = {}
     jobs = sweep_jobs(overrides)
     for job in tqdm(jobs, desc="checking the sweep's jobs", unit="job", leave=False, disable=len(jobs) < SHOW_CHECKS):
-        problems, good = compose_problems(job)
-        for p in problems + plan_problems(good, check_memory=False):
-            found.setdefault(str(p), p)
+        with deferred():  # a signal ends the check between jobs: inside, it cuts OmegaConf's config in two
+            problems, good = compose_problems(job)  # (whose error then hides the signal)
+            for p in problems + plan_problems(good, check_memory=False):
+                found.setdefault(str(p), p)
     return list(found.values())
 
 
