@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -620,3 +621,18 @@ def test_accept_rates_count_only_the_rounds_that_drafted_the_position():
         for p in range(a):
             st.accepted_at[p] += 1
     assert st.accept_rates() == [1.0, 1.0, 0.0]  # over all row rounds: [1.0, 0.5, 0.0]
+
+
+def test_the_gil_switches_every_tenth_of_a_millisecond_while_serving_and_as_before_after(tmp_path):
+    """The engine thread waits on the event loop's GIL for at most the switch interval after each graph
+    replay and sync: the server shortens it while it runs and puts Python's back when it stops."""
+    from engine.serve.http import SWITCH_INTERVAL_S
+
+    before = sys.getswitchinterval()
+    s = Served(CONFIGS["tight"], tmp_path)
+    try:
+        assert sys.getswitchinterval() == pytest.approx(SWITCH_INTERVAL_S)
+        assert complete(s, PROMPTS[0], max_tokens=4).usage.completion_tokens == 4
+    finally:
+        s.close()
+    assert sys.getswitchinterval() == pytest.approx(before, abs=2e-6)  # kept in whole microseconds

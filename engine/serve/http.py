@@ -9,12 +9,17 @@ ABORT_GRACE_S, with no traceback.
 
 Connections (engine/serve/guard.py): at most as many as the file-descriptor limit allows (raised to its
 hard limit), each request head within a deadline; the event loop's errors are logged at a bounded rate.
+
+The GIL: the engine thread releases it in every graph replay and sync, and the event loop (streaming
+chunks, parsing requests) then holds it for up to Python's switch interval, 5 ms, while the device waits
+for the next launch. While serving, the interval is SWITCH_INTERVAL_S.
 """
 
 from __future__ import annotations
 
 import asyncio
 import signal
+import sys
 import time
 from typing import Callable, Optional
 
@@ -24,6 +29,7 @@ from engine.serve.guard import GuardedH11, RateLimitedErrors, raise_fd_limit
 from engine.serve.openai_server import OpenAIApp
 
 ABORT_GRACE_S = 2.0  # after a stop-now abort: time for handlers to write their error before uvicorn closes
+SWITCH_INTERVAL_S = 1e-4  # the GIL's switch interval while serving (Python's default: 5 ms)
 
 
 class _Server(uvicorn.Server):
@@ -114,6 +120,8 @@ class OpenAIServer:
         return self._abort_at is not None and now - self._abort_at >= ABORT_GRACE_S
 
     def run(self) -> None:
+        switch = sys.getswitchinterval()
+        sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.scheduler.start()
         try:
             self.server.run()  # returns after the drain and uvicorn's shutdown
@@ -130,6 +138,7 @@ class OpenAIServer:
             ) from None
         finally:
             self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
+            sys.setswitchinterval(switch)
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
         t0 = time.monotonic()
