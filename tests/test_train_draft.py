@@ -82,10 +82,11 @@ def test_ttt_unroll_equals_the_inference_chain(anchor, lm_head):
 
 
 @pytest.mark.filterwarnings("ignore::UserWarning")
-def test_flex_attention_unroll_equals_the_materialized_one():
+@pytest.mark.parametrize("t", [40, 200])  # one FlexAttention block (padded to two), and two
+def test_flex_attention_unroll_equals_the_materialized_one(t):
     """FlexAttention's block mask is the same attention as the materialized scores on every row a loss
     reads (p >= s). CPU runs FlexAttention's reference forward; the GPU test below covers the backward."""
-    head, batch = _head_and_batch(b=2, t=40)
+    head, batch = _head_and_batch(b=2, t=t)
     with torch.no_grad():
         ref = ttt_forward(head, batch, 5)
         flex = ttt_forward(head, batch, 5, attention=ttt_attention_flex)
@@ -95,8 +96,9 @@ def test_flex_attention_unroll_equals_the_materialized_one():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_flex_attention_training_step_matches_the_materialized_one_on_gpu():
-    head, batch = _head_and_batch(b=3, t=200, device="cuda")
+@pytest.mark.parametrize("t", [60, 200])
+def test_flex_attention_training_step_matches_the_materialized_one_on_gpu(t):
+    head, batch = _head_and_batch(b=3, t=t, device="cuda")
     head.requires_grad_(True)
     grads = []
     for attention in (None, ttt_attention_flex):
@@ -110,6 +112,24 @@ def test_flex_attention_training_step_matches_the_materialized_one_on_gpu():
     assert g0.keys() == g1.keys()
     for n in g0:
         torch.testing.assert_close(g1[n], g0[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_flex_attention_compiles_once_for_every_width_and_step():
+    """Training meets a new width every few batches and TTT steps 0..4 at each: one compiled kernel (a
+    recompile costs 10-20 s of the recipe's time budget)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    for t in (300, 512, 100, 200, 60):
+        for s in range(5):
+            q = torch.randn(4, 9, t, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            kv = [torch.randn(4, 3, t, 64, device="cuda", dtype=torch.bfloat16) for _ in range(s + 1)]
+            ttt_attention_flex(q, kv, kv, 3).float().sum().backward()
+            assert q.grad.shape == q.shape
+    assert counters["stats"]["unique_graphs"] == 1
 
 
 def test_ttt_loss_and_gradient_reach_every_trained_tensor():

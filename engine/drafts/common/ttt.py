@@ -60,6 +60,19 @@ def ttt_attention(q: Tensor, keys: list[Tensor], values: list[Tensor], group: in
     return out
 
 
+FLEX_BLOCK = 128  # FlexAttention's block: a sequence of one block compiles a kernel of its own
+_MASK_TENSORS = (  # a BlockMask's block counts and indices, [1, 1, blocks(, blocks)]; q_*: the backward's
+    "kv_num_blocks",
+    "kv_indices",
+    "full_kv_num_blocks",
+    "full_kv_indices",
+    "q_num_blocks",
+    "q_indices",
+    "full_q_num_blocks",
+    "full_q_indices",
+)
+
+
 @functools.lru_cache(maxsize=None)
 def flex_kernel(device_type: str):
     from torch.nn.attention.flex_attention import flex_attention
@@ -67,6 +80,19 @@ def flex_kernel(device_type: str):
     # CUDA: the fused Triton kernel (forward and backward). Elsewhere the reference implementation,
     # forward only (FlexAttention has no CPU backward): what the CPU tests compare against.
     return torch.compile(flex_attention, dynamic=True) if device_type == "cuda" else flex_attention
+
+
+def flex(q: Tensor, k: Tensor, v: Tensor, mask, group: int) -> Tensor:
+    """FlexAttention of q [B, H, Tq, D] over k, v [B, KV, Tk, D] under a block mask. On CUDA the sequence
+    dims (and the mask's block counts) are dynamic from the first call: left to `dynamic=True`, torch 2.11
+    compiles them static first and recompiles at the next shape, 10-20 s a compile."""
+    if q.device.type == "cuda":
+        for x in (q, k, v):
+            torch._dynamo.maybe_mark_dynamic(x, 2)
+        for x in (getattr(mask, name, None) for name in _MASK_TENSORS):
+            for d in range(2, x.dim() if x is not None else 0):
+                torch._dynamo.maybe_mark_dynamic(x, d)
+    return flex_kernel(q.device.type)(q, k, v, block_mask=mask, enable_gqa=group > 1)
 
 
 @functools.lru_cache(maxsize=1024)
@@ -85,12 +111,17 @@ def ttt_attention_flex(q: Tensor, keys: list[Tensor], values: list[Tensor], grou
 
     The keys of steps 0..s are concatenated along the sequence, [B, KV, (s+1) T, D], under a block mask
     (one per (T, s), cached). Rows p < s, which no loss reads, see only their own diagonal keys where
-    `ttt_attention` also sees zero-filled ones; every other row is the same attention."""
+    `ttt_attention` also sees zero-filled ones; every other row is the same attention. A sequence of one
+    block is padded to two (no row below T sees a padded key): one compiled kernel for every width."""
     s, t = len(keys) - 1, q.shape[2]
-    mask = _ttt_block_mask(t, s, q.device)
-    return flex_kernel(q.device.type)(
-        q, torch.cat(keys, 2), torch.cat(values, 2), block_mask=mask, enable_gqa=group > 1
-    )
+    tp = max(t, FLEX_BLOCK + 1)
+
+    def pad(x: Tensor) -> Tensor:
+        return torch.nn.functional.pad(x, (0, 0, 0, tp - t)) if tp > t else x
+
+    mask = _ttt_block_mask(tp, s, q.device)
+    k, v = torch.cat([pad(x) for x in keys], 2), torch.cat([pad(x) for x in values], 2)
+    return flex(pad(q), k, v, mask, group)[:, :, :t]
 
 
 def _autocast_dtype(x: Tensor) -> Optional[torch.dtype]:

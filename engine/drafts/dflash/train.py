@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex_kernel, head_norm
+from engine.drafts.common.ttt import TORCH_OPS, ForwardOps, flex, head_norm
 from engine.drafts.train_contract import Batch, Rows, shift
 from engine.errors import ConfigError
 
@@ -312,7 +312,7 @@ def packed_block_attention(pack: AnchorPack):
     context (padded to pack.ctx_pad keys), then the blocks."""
 
     def attend(q, k, v, group):
-        return flex_kernel(q.device.type)(q, k, v, block_mask=pack.mask, enable_gqa=group > 1)
+        return flex(q, k, v, pack.mask, group)
 
     return attend
 
