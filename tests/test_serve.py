@@ -593,6 +593,33 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     assert verify_stats.fallbacks > 0 and verify_stats.fallbacks + verify_stats.replays == sched.stats.rounds
 
 
+def test_warm_up_joins_prompts_of_every_projection_launch_rule():
+    """Each launch rule of the projections (kernels/gemv.py: up to 16 rows, one 64-row tile, several) is
+    its own compiled kernel: the warm-up joins a prompt of each, greedy and sampled, so no client's first
+    long prompt waits for a compile."""
+    from helpers.spec import setup
+
+    from engine.drafts.registry import draft_config
+    from engine.serve.scheduler import Scheduler
+    from engine.speculative.generate import SpecDecoder
+    from kernels.gemv import FUSED_M, ROW_TILES
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=2, prefill_rows=1)
+    draft = make_draft(plan, head, target, 2, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
+    sched = Scheduler(SpecDecoder(target, 2, draft, k, graphs=gs), 2, 8)
+    joined, prefill = [], sched.dec.prefill
+
+    def recording(prompts, *args):
+        joined.extend(len(p) for p in prompts)
+        return prefill(prompts, *args)
+
+    sched.dec.prefill = recording
+    sched.warm_up()
+    rules = {(n <= FUSED_M, n <= ROW_TILES[-1]) for n in joined}
+    assert rules == {(True, True), (False, True), (False, False)}
+    assert sched.stats.rounds == 0 and not any(sched.state.live)
+
+
 def test_max_queue_counts_requests_beyond_the_free_slots():
     from helpers.models import pair
 

@@ -235,8 +235,16 @@ class Scheduler:
         if self._thread is not None:
             raise RuntimeError("warm_up runs before start")
         t0, policy = time.perf_counter(), copy.deepcopy(self.dec.adaptive)
-        lens = [5, min(40, self.dec.model.max_seq_len // 4)]  # row tiles of <= 16 and of more rows
-        groups = [[(lens[0], 0.0)], [(lens[1], 1.0), (lens[0], 0.7)], [(lens[1], 0.0), (lens[0], 1.0), (lens[1], 0.0)]]
+        n_max = self.dec.model.max_seq_len
+        # prompts of each projection launch rule (kernels/gemv.py): <= 16 rows, one 64-row tile, several
+        short, mid, long = 5, min(40, n_max // 4), min(100, n_max // 2 + 1)
+        groups = [
+            [(short, 0.0)],
+            [(mid, 1.0), (short, 0.7)],
+            [(mid, 0.0), (short, 1.0), (mid, 0.0)],
+            [(long, 0.0)],
+            [(long, 0.7)],
+        ]
         with torch.inference_mode():
             for group in groups:  # each cut to the slots: one slot still sees a sampled join
                 reqs = [
