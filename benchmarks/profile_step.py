@@ -17,6 +17,13 @@ time from CUDA events at the phase boundaries (engine/speculative/phase_clock.py
 On a CPU host the kernel columns count CPU operator calls and their time instead. Also printed: the
 accept length, the projected tokens/s (tokens per round over round time) and, with --kernels, the
 kernels by total time. Writes the table (and, with PROFILE_TRACE=1, a Chrome trace) to --out.
+
+`--joins` (a serve config, e.g. `+experiment=serve_eagle3_bcg eval=mt_bench`): where a server's join goes
+instead. Builds the serve stage's scheduler (no HTTP) and joins each of the N prompts alone into slot 0,
+then releases it, in passes: greedy with each prompt length new to the process (after the server's
+warm-up), greedy again (warm), sampled at temperature 1, and greedy under the profiler. Per pass: wall ms
+a join and the decoder clock's stream ms of its two phases, `prefill` (the target's) and `start` (the
+first draw and the draft's prefill); then kernels and kernel us a join per phase.
 """
 
 from __future__ import annotations
@@ -148,22 +155,102 @@ def encode_prompts(cfg, target) -> list[list[int]]:
     return encoded
 
 
+class _Ranges:
+    """Wraps the decoder's join phases (prefill, start) in profiler ranges `phase:<name>`."""
+
+    def __init__(self, dec):
+        self.dec, self.saved = dec, {name: getattr(dec, name) for name in ("prefill", "start")}
+
+    def __enter__(self):
+        for name, fn in self.saved.items():
+            setattr(self.dec, name, self._wrap(name, fn))
+
+    def __exit__(self, *exc):
+        for name in self.saved:
+            delattr(self.dec, name)  # the class's methods again
+
+    @staticmethod
+    def _wrap(name, fn):
+        def ranged(*args, **kw):
+            with record_function(f"phase:{name}"):
+                return fn(*args, **kw)
+
+        return ranged
+
+
+def profile_joins(cfg, plan, context, n: int, kernels: int) -> str:
+    """The `--joins` report: each of the first n prompts joins slot 0 alone and leaves, per pass."""
+    from engine.serve.scheduler import GenerationRequest
+
+    serve = plan.stages[-1]
+    inputs = {k: context[k] for k in serve.requires}
+    inputs.update({k: context[k] for k in serve.optional if k in context})
+    sched = serve.build(cfg, inputs, plan.env).scheduler  # warmed up; nothing listens
+    prompts = encode_prompts(cfg, context["target"])[:n]
+    clock, cuda = sched.dec.clock, torch.cuda.is_available()
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    mean_len = sum(map(len, prompts)) / len(prompts)
+    lines = [f"{len(prompts)} joins a pass into slot 0 of {cfg.serve.max_batch_size}, prompts of {mean_len:.0f} tokens"]
+
+    def one_pass(name: str, temperature: float) -> None:
+        clock.reset()
+        walls = []
+        for p in prompts:
+            req = GenerationRequest(p, 4, lambda ev: None, temperature, 1.0, seed=1)
+            sync()
+            t0 = time.perf_counter()
+            sched._join([req], 0)
+            sync()
+            walls.append(1e3 * (time.perf_counter() - t0))
+            sched._release(0, req, "abort")
+        ms = {key: 1e3 * v / len(prompts) for key, v in clock.totals().items()}
+        walls.sort()
+        lines.append(
+            f"  {name:<16} wall ms {sum(walls) / len(walls):7.2f} (median {walls[len(walls) // 2]:.2f}, max "
+            f"{walls[-1]:.2f}); stream ms prefill {ms.get('join_target', 0):.2f}, start {ms.get('join_draft', 0):.2f}"
+        )
+
+    with torch.inference_mode():
+        one_pass("greedy, new", 0.0)
+        one_pass("greedy, warm", 0.0)
+        one_pass("temperature 1", 1.0)
+        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+        with _Ranges(sched.dec), profile(activities=acts) as prof:
+            one_pass("greedy, profiled", 0.0)
+    unit = "kernels" if cuda else "cpu ops"
+    for phase, (count, us) in sorted(_phase_table(prof, cuda).items()):
+        lines.append(f"  {phase:<16} {unit} a join {count / len(prompts):7.1f}, us a join {us / len(prompts):9.1f}")
+    if kernels:
+        key = "self_device_time_total" if cuda else "self_cpu_time_total"
+        lines.append(prof.key_averages().table(sort_by=key, row_limit=kernels, max_name_column_width=70))
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(REPO / "outputs" / "profile"))
-    ap.add_argument("--prompts", type=int, default=4, help="prompts profiled per generator")
+    ap.add_argument("--prompts", type=int, default=4, help="prompts profiled per generator (--joins: a pass)")
     ap.add_argument("--kernels", type=int, default=0, help="also print the N kernels with the most time")
+    ap.add_argument("--joins", action="store_true", help="a serve config's joins instead of its rounds")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args()
     register_configs()
     with initialize_config_dir(version_base="1.3", config_dir=str(REPO / "conf")):
-        cfg = to_run_config(compose(config_name="config", overrides=["tracking=off", *args.overrides]))
+        fixed = ["tracking=off"] + (["serve.port=0"] if args.joins else [])  # nothing listens: any free port
+        cfg = to_run_config(compose(config_name="config", overrides=[*fixed, *args.overrides]))
     plan = build_plan(cfg)
     env, context = plan.env, {}
     for stage in plan.stages[:-1]:  # load, aux capture, graph capture: what the final stage gets
         inputs = {k: context[k] for k in stage.requires}
         inputs.update({k: context[k] for k in stage.optional if k in context})
         context.update(stage.run(cfg, inputs, env))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.joins:
+        text = profile_joins(cfg, plan, context, args.prompts, args.kernels)
+        print(text, flush=True)
+        (out / "joins.txt").write_text(text + "\n")
+        return
     target, graphs, e = context["target"], context.get("graphs"), cfg.eval
     encoded = encode_prompts(cfg, target)
     params = SamplingParams(e.temperature, e.top_p, e.max_new_tokens, ignore_eos=e.ignore_eos)
@@ -177,8 +264,6 @@ def main() -> None:
         )
         runs.append((f"{cfg.draft.algorithm} k={k}", Generator(target.model, batch, draft, k, graphs=graphs)))
     cuda = torch.cuda.is_available()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     text = [
         f"{cfg.experiment_name}: {e.dataset} x{n}, batch {batch}, {e.max_new_tokens} new tokens, graph "
         f"{cfg.graph.target}/{cfg.graph.draft}, {torch.cuda.get_device_name() if cuda else 'cpu'}"

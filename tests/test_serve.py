@@ -31,6 +31,7 @@ from engine.speculative.generate import Generator
 from engine.tokenizer import ByteTokenizer
 from pipeline.__main__ import run
 from pipeline.config import to_run_config
+from pipeline.paths import REPO
 from pipeline.plan import PlanError, build_plan
 
 BASE = ("model=tiny", "device=cpu", "tracking=off", "serve.port=0", "model.random.init_std=0.15")
@@ -618,6 +619,25 @@ def test_warm_up_joins_prompts_of_every_projection_launch_rule():
     rules = {(n <= FUSED_M, n <= ROW_TILES[-1]) for n in joined}
     assert rules == {(True, True), (False, True), (False, False)}
     assert sched.stats.rounds == 0 and not any(sched.state.live)
+
+
+def test_profile_joins_times_each_pass_and_both_phases(tmp_path):
+    """`benchmarks/profile_step.py --joins`: a serve config's scheduler joins each prompt alone into slot 0
+    (no HTTP), greedy cold and warm, sampled, then profiled: wall and stream ms a pass, operators per phase."""
+    import subprocess
+
+    cmd = [sys.executable, str(REPO / "benchmarks" / "profile_step.py"), "--joins", "--prompts", "3"]
+    cmd += ["--out", str(tmp_path), "+experiment=serve_eagle3_bcg", *BASE[:2], *EAGLE3, "graph=debug", "eval=quick"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    report = (tmp_path / "joins.txt").read_text()
+    assert report.startswith("3 joins a pass into slot 0 of ")
+    for name in ("greedy, new", "greedy, warm", "temperature 1", "greedy, profiled"):
+        line = next(x for x in report.splitlines() if x.strip().startswith(name))
+        m = re.search(r"wall ms +([\d.]+) .*prefill ([\d.]+), start ([\d.]+)", line)
+        assert m and all(float(v) > 0 for v in m.groups()), line
+    ops = dict(re.findall(r"^  (prefill|start) +cpu ops a join +([\d.]+)", report, re.M))
+    assert set(ops) == {"prefill", "start"} and all(float(v) > 0 for v in ops.values())
 
 
 def test_max_queue_counts_requests_beyond_the_free_slots():
