@@ -183,9 +183,7 @@ def profile_joins(cfg, plan, context, n: int, kernels: int) -> str:
     from engine.serve.scheduler import GenerationRequest
 
     serve = plan.stages[-1]
-    inputs = {k: context[k] for k in serve.requires}
-    inputs.update({k: context[k] for k in serve.optional if k in context})
-    sched = serve.build(cfg, inputs, plan.env).scheduler  # warmed up; nothing listens
+    sched = serve.build(cfg, serve.inputs(context), plan.env).scheduler  # warmed up; nothing listens
     prompts = encode_prompts(cfg, context["target"])[:n]
     clock, cuda = sched.dec.clock, torch.cuda.is_available()
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -241,9 +239,7 @@ def main() -> None:
     plan = build_plan(cfg)
     env, context = plan.env, {}
     for stage in plan.stages[:-1]:  # load, aux capture, graph capture: what the final stage gets
-        inputs = {k: context[k] for k in stage.requires}
-        inputs.update({k: context[k] for k in stage.optional if k in context})
-        context.update(stage.run(cfg, inputs, env))
+        context.update(stage.run(cfg, stage.inputs(context), env))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.joins:

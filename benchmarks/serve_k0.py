@@ -38,9 +38,7 @@ def build(overrides: list[str], slots: int, k0: str) -> Scheduler:
     plan = build_plan(cfg)
     env, context = plan.env, {}
     for stage in plan.stages[:-1]:  # load, aux capture, graph capture
-        inputs = {k: context[k] for k in stage.requires}
-        inputs.update({k: context[k] for k in stage.optional if k in context})
-        context.update(stage.run(cfg, inputs, env))
+        context.update(stage.run(cfg, stage.inputs(context), env))
     target, graphs, k = context["target"], context.get("graphs"), cfg.draft.k
     draft = make_draft(env.draft_plan, context.get("draft_head"), target.model, slots, k, cfg=cfg.draft, graphs=graphs)
     dec = SpecDecoder(target.model, slots, draft, k, graphs=graphs)

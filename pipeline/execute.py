@@ -30,9 +30,7 @@ def execute(plan: Plan) -> dict[str, Any]:
         env.tracker = tracker
         for stage in plan.stages:
             t0 = time.perf_counter()
-            inputs = {k: context[k] for k in stage.requires}
-            inputs.update({k: context[k] for k in stage.optional if k in context})
-            out = stage.run(cfg, inputs, env)
+            out = stage.run(cfg, stage.inputs(context), env)
             if set(out) != set(stage.provides):
                 raise RuntimeError(f"stage {stage.name!r} returned {sorted(out)}, declared {sorted(stage.provides)}")
             context.update(out)

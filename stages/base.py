@@ -82,6 +82,10 @@ class Stage:
     def run(self, cfg: RunConfig, inputs: dict[str, Any], env: StageEnv) -> dict[str, Any]:
         raise NotImplementedError
 
+    def inputs(self, context: dict[str, Any]) -> dict[str, Any]:
+        """What `run` gets from what earlier stages provided: every required key, the optional ones present."""
+        return {k: context[k] for k in self.requires} | {k: context[k] for k in self.optional if k in context}
+
 
 STAGES: dict[str, type[Stage]] = {}
 
