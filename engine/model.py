@@ -246,6 +246,12 @@ class StaticKVCache:
         view.batch_size, view.max_seq_len = view.k.shape[1], self.max_seq_len
         return view
 
+    def take(self, src: "StaticKVCache", width: int) -> None:
+        """Slots 0..width-1 of src's first rows into this view's rows (a prefill staged elsewhere)."""
+        b = self.batch_size
+        self.k[:, :, :, :width].copy_(src.k[:, :b, :, :width])  # [layers, b, kv_heads, width, head_dim]
+        self.v[:, :, :, :width].copy_(src.v[:, :b, :, :width])
+
 
 # --------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):

@@ -9,11 +9,12 @@ from helpers.models import pair, random_prompts
 from helpers.runs import compose_cfg
 from helpers.spec import CUDA, POLICIES, poison, setup, spec_generator
 
-from engine.drafts.registry import make_draft
+from engine.drafts.base import SpecState
+from engine.drafts.registry import draft_config, make_draft
 from engine.graphs.program import Step
 from engine.graphs.runner import CaptureHiddenMode, GraphRunner, GraphStateError, InputSpec
-from engine.sampling import SamplingParams
-from engine.speculative.generate import Generator
+from engine.sampling import Draws, RowSettings, SamplingParams
+from engine.speculative.generate import Generator, _features
 from engine.speculative.graph_set import GraphSet, round_name
 from pipeline.config import to_run_config
 from pipeline.plan import PlanError, build_plan
@@ -393,3 +394,77 @@ def test_hazard_12_a_replay_after_a_fallback_reads_what_the_fallback_wrote(algor
     gen.run_round = alternate
     assert [r.tokens for r in gen.generate(prompts, params)] == base
     assert runner.stats.replays > 1 and runner.stats.fallbacks > 1
+
+
+@pytest.mark.parametrize("policy", ["debug", *(pytest.param(p, marks=pytest.mark.gpu) for p in ("full", "breakable"))])
+@pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash"])
+@pytest.mark.parametrize("staging", [None, 1])
+def test_draft_prefill_graphs_equal_an_eager_begin_in_any_row(policy, algorithm, staging):
+    """A device draft's prefill replays its graphs (greedy, and `_sampled` for a row that samples): into
+    rows 0..b-1 of its cache (an eval batch) or, with a staging row (a server), at any slot, the KV copied
+    there. The draft's state rows (its buffers, d_q's first column) and cache rows equal an eager `begin`
+    of the same draft on the same features, other rows stay untouched, and a prompt no bucket holds (or a
+    row the graphs cannot write) runs eagerly."""
+    if policy != "debug" and not CUDA:
+        pytest.skip("needs CUDA")
+    target, plan, head, gs, k = setup(
+        algorithm,
+        policy,
+        sizes=(1, 2, 3),
+        batch=3,
+        prefill=(8, 16),
+        prefill_rows=staging,
+        sampled=True,
+        device="cuda" if policy != "debug" else "cpu",
+    )
+    dec = spec_generator(target, plan, head, gs, k, 3, SamplingParams())
+    ref = make_draft(
+        plan, head, target, 3, k, cfg=draft_config(plan.algorithm, num_steps=k)
+    )  # eager, its own cache and buffers
+    draft, sampled_runner = gs.draft, gs.get("draft_prefill_sampled")
+    assert (sampled_runner is not None) == draft.draws_at_prefill
+    greedy, temp = SamplingParams(), SamplingParams(temperature=0.8, top_p=0.9)
+    for prompts, rows, params, replayed in [
+        ([[5, 7, 11, 13, 17, 19, 23, 29]], slice(2, 3) if staging else None, greedy, True),  # the bucket's width
+        ([[3, 1, 4, 1, 5]], slice(1, 2) if staging else None, temp, True),
+        ([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]], None, greedy, not staging),  # 2 rows: no staging bucket
+        ([[2, 7, 1, 8, 2]], slice(1, 2), greedy, bool(staging)),  # not rows 0..b-1 of the draft's own cache
+        ([list(range(1, 20))], slice(0, 1), greedy, False),  # longer than every bucket
+    ]:
+        n, sl = len(prompts), rows or slice(0, len(prompts))
+        for c in (draft.cache, ref.cache):
+            for kv in c.caches if hasattr(c, "caches") else [c]:
+                kv.k.fill_(0.5)
+        before = [t.clone() for _, t in _draft_kv(draft)]
+        runner = gs.get("draft_prefill_sampled" if params.temperature and draft.draws_at_prefill else "draft_prefill")
+        replays = runner.stats.replays
+        state = SpecState([list(p) for p in prompts], [len(p) for p in prompts], [True] * n, list(range(n)), "cpu")
+        pre = dec.prefill(prompts, None, rows)
+        settings = RowSettings.uniform(params, [3 + i for i in range(n)])
+        first = dec.start(state, pre, settings, rows)
+        assert (runner.stats.replays == replays + 1) == replayed
+        draws = (
+            None if not params.temperature else Draws(*(dec.buffers[x][sl] for x in ("temperature", "top_p", "seed")))
+        )
+        ref.begin(None, _features(pre.out, draft.features), pre.tokens, pre.valid, None, first, rows, draws)
+        exact = pre.tokens.shape[1] in (8, 16) and policy == "debug"  # no padded column: the same maths
+        for name in draft.buf:
+            if name == "d_q" and not (params.temperature and draft.draws_at_prefill):
+                continue
+            got, want = draft.buf[name][sl], ref.buf[name][sl]
+            got, want = (got[:, :1], want[:, :1]) if name == "d_q" else (got, want)
+            assert (
+                torch.equal(got, want) if exact or not got.is_floating_point() else torch.allclose(got, want, atol=1e-3)
+            ), name
+        for (module, got), (_, want), old in zip(_draft_kv(draft), _draft_kv(ref), before):
+            for i, p in enumerate(prompts):  # multi-layer module i prefills positions 0..L-1-i
+                row, n_kv = sl.start + i, len(p) - module
+                assert torch.allclose(got[:, row, :, :n_kv], want[:, row, :, :n_kv], atol=1e-3)
+            others = [r for r in range(3) if not sl.start <= r < sl.stop]
+            assert torch.equal(got[:, others, :, :-1], old[:, others, :, :-1])
+
+
+def _draft_kv(draft) -> list[tuple[int, torch.Tensor]]:
+    """(module, tensor) for every key and value tensor of a draft's cache (a module each: multi-layer)."""
+    caches = draft.cache.caches if hasattr(draft.cache, "caches") else [draft.cache]
+    return [(i, t) for i, c in enumerate(caches) for t in (c.k, c.v)]

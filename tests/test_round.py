@@ -386,7 +386,7 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
     for index in range(2):
         target, plan, head, gs, k = setup("eagle3", sizes=(2,), batch=2)
         gen = spec_generator(target, plan, head, gs, k, 2, params)
-        begin, round_ = gen.draft.begin, gen.round
+        begin, round_ = gen._draft_begin, gen.round
         inside = [False]
 
         def counted(*a, i=index, begin=begin, inside=inside, **kw):
@@ -402,7 +402,7 @@ def test_a_join_under_k_0_puts_the_draft_prefill_off_to_the_next_drafting_round(
             finally:
                 inside[0] = False
 
-        gen.draft.begin, gen.round = counted, in_round
+        gen._draft_begin, gen.round = counted, in_round
         gens.append(gen)
     late, eager = gens
     late.adaptive = Scripted([0] * 20)

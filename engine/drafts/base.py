@@ -152,6 +152,7 @@ class DeviceDraft(Draft):
     """
 
     on_device = True
+    draws_at_prefill = True  # a sampled prefill draws d_1 (its q: d_q's first column)
     head: torch.nn.Module
     batch_size: int
 
@@ -194,6 +195,55 @@ class DeviceDraft(Draft):
     def extend(self, s: RoundState, cache, v: Verified, kv_len, sampled: bool = False) -> None:
         """The round's draft extend (phase extend): catch up on the verified positions L..L+a."""
         raise NotImplementedError
+
+    # -- the prefill: eagerly into the rows (`begin`), or as a program a graph runner replays ----------
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+        """`begin`'s work over `cache` (the n rows' view) -> the rows of its own state buffers (name ->
+        [n, ...]); with draws, d_1's q goes into q [n, 1, Vd]. Arguments as in `begin`."""
+        raise NotImplementedError
+
+    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None, draws=None) -> None:
+        n = first.shape[0]
+        sl = rows if rows is not None else slice(0, n)
+        q = self.buf["d_q"][sl, :1] if draws is not None else None
+        out = self.prefill(self.cache.rows(sl), feats, prompt_tokens, valid, input_embeds, first, draws, q)
+        self.settle(out, rows)
+
+    def settle(self, out: dict[str, Tensor], rows: Optional[slice]) -> None:
+        """A prefill's state rows into the buffers' `rows` (d_q: d_1's, its first column)."""
+        for name, x in out.items():
+            write_rows(self.buf[name][:, :1] if name == "d_q" else self.buf[name], x, rows)
+
+    def prefill_specs(self) -> dict[str, InputSpec]:
+        """The prefill program's inputs besides the token inputs (tokens, positions, valid)."""
+        return {
+            "feats": InputSpec((self.head.feature_width,), next(self.head.parameters()).dtype, 0),
+            "first": InputSpec((), torch.long, 0, per_row=True),
+            "temperature": InputSpec((), torch.float32, 0.0, per_row=True),  # 0: a padding row draws greedily
+            "top_p": InputSpec((), torch.float32, 1.0, per_row=True),
+            "seed": InputSpec((), torch.long, 0, per_row=True),
+        }
+
+    def prefill_program(self, cache, sampled: bool) -> list:
+        """The prefill as one step over an env (engine/graphs/program.py) into `cache`'s first rows.
+
+        env in:  tokens, positions, valid [b, t], feats [b, t, F], first [b]; sampled: temperature, top_p,
+                 seed [b]
+        env out: the state rows `prefill` returns ([b, ...]); sampled: d_q [b, 1, Vd]."""
+        from engine.graphs.program import Step
+
+        vocab = self.head.lm_head.weight.shape[0]
+
+        def run(env: dict) -> None:
+            b = env["first"].shape[0]
+            draws = q = None
+            if sampled:
+                draws = Draws(env["temperature"], env["top_p"], env["seed"])
+                q = torch.empty(b, 1, vocab, dtype=torch.float32, device=env["first"].device)
+            out = self.prefill(cache.rows(b), env["feats"], env["tokens"], env["valid"], None, env["first"], draws, q)
+            env.update(out, **({"d_q": q} if sampled else {}))
+
+        return [Step("draft_prefill", run, meta=self.graph_meta())]
 
     # -- alone, eagerly (tests, tools): the round's work over a state built from the host's -----------
     def _state(self, state: SpecState, k: int) -> RoundState:

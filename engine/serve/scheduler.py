@@ -5,8 +5,9 @@
     join     the target prefills the prompt into its slot row (`SpecDecoder.prefill(rows=slice(i, i + 1))`:
              through the prefill graphs over the graph set's staging row, its KV then copied into the
              slot), then `SpecDecoder.start` writes the request's sampling into the slot's state buffers,
-             draws the first token and runs `draft.begin(..., rows=slice(i, i + 1))`, which leaves every
-             other row's draft state. Requests waiting together join together: one right-padded eager
+             draws the first token and runs the draft's prefill (its prefill graphs over a staging row,
+             the KV then copied into the slot; else `draft.begin(..., rows=slice(i, i + 1))`), which
+             leaves every other row's draft state. Requests waiting together join together: one right-padded eager
              prefill over a run of contiguous free slots (`rows=slice(i, i + m)`, up to
              `max_prefill_tokens` padded tokens)
     step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
@@ -258,7 +259,7 @@ class Scheduler:
                         self._step()
         self.stats = ServeStats(accepted_at=[0] * self.k, drafted_at=[0] * self.k)
         self.dec.clock.reset()  # the phases' stream time, too
-        for runner in [*self.dec.runners.values(), self.dec.prefill_runner]:
+        for runner in [*self.dec.runners.values(), self.dec.prefill_runner, *self.dec.draft_prefills.values()]:
             if runner is not None:  # the graphs' replay counters start with the first client too
                 runner.stats.replays = runner.stats.fallbacks = 0
         self.dec.adaptive = policy

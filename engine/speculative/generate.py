@@ -26,12 +26,12 @@ from torch import Tensor
 from engine.drafts.base import Draft, FeatureKind, RoundState, SpecState
 from engine.errors import ConfigError
 from engine.graphs.breakable import phases
-from engine.graphs.runner import CaptureHiddenMode
+from engine.graphs.runner import CaptureHiddenMode, GraphRunner
 from engine.model import ForwardOutput, LlamaModel, StaticKVCache
 from engine.ops import Live
 from engine.sampling import BONUS, Draws, RowSettings, SamplingParams, draw, seeds_from
 from engine.speculative.adaptive_k import AdaptiveK, Mix, measure_round_costs
-from engine.speculative.graph_set import GraphSet, round_name
+from engine.speculative.graph_set import GraphSet, draft_prefill_name, round_name
 from engine.speculative.phase_clock import PhaseClock
 from engine.speculative.round import Round, round_buffers
 
@@ -175,6 +175,8 @@ class SpecDecoder:
         self.rounds, self.clock = 0, PhaseClock(self.device)
         self.runners: dict[tuple[int, bool], object] = {}  # (k, sampled) -> round runner
         self.prefill_runner, self.prefill_cache = None, None
+        self.draft_prefills: dict[bool, Optional[GraphRunner]] = {}  # sampled -> the draft's prefill runner
+        self.draft_prefill_cache = None
         self.adaptive: Optional[AdaptiveK] = (
             None  # set: each round's k from the load (engine/speculative/adaptive_k.py)
         )
@@ -197,6 +199,8 @@ class SpecDecoder:
                 if graphs.get(round_name(k, s)) is not None
             }
             self.prefill_runner, self.prefill_cache = graphs.get("prefill"), graphs.prefill_cache
+            self.draft_prefills = {s: graphs.get(draft_prefill_name(s)) for s in (False, True)}
+            self.draft_prefill_cache = graphs.draft_prefill_cache
             self.policies = (graphs.target_policy, graphs.draft_policy)
         else:
             self.cache = cache if cache is not None else model.new_cache(batch_size)
@@ -287,9 +291,8 @@ class SpecDecoder:
         else:
             got, _ = runner(live, width, self.mode)
             out = ForwardOutput(got["logits"], got.get("hidden"), got.get("aux"), got.get("embeds"))
-            if staged:  # [layers, b, kv_heads, width, head_dim] of KV into the request's rows
-                cache.k[:, :, :, :width].copy_(self.prefill_cache.k[:, :b, :, :width])
-                cache.v[:, :, :, :width].copy_(self.prefill_cache.v[:, :b, :, :width])
+            if staged:  # the staged KV into the request's rows
+                cache.take(self.prefill_cache, width)
         return Prefill(out, tokens, valid, embeds if given else None)
 
     def start(self, state: SpecState, pre: Prefill, settings: RowSettings, rows: Optional[slice] = None) -> Tensor:
@@ -340,7 +343,32 @@ class SpecDecoder:
             if self.adaptive is not None and self.device_draft is not None and self._last_k == 0:
                 self._put_off.append((mine, sl, args))  # k = 0 rounds read no draft: prefill at the next k > 0
             else:
-                self.draft.begin(*args[:6], rows=rows, draws=draws)
+                self._draft_begin(*args[:6], rows, draws)
+
+    def _draft_begin(self, state, feats, tokens, valid, embeds, first, rows: Optional[slice], draws) -> None:
+        """The draft's prefill: through its prefill graphs where a bucket holds the prompts (over the
+        draft's cache rows 0..n-1, or its staging rows, whose KV then goes into `rows`), else eagerly."""
+        n, width = tokens.shape
+        sl = rows if rows is not None else slice(0, n)
+        d = self.device_draft
+        sampled = draws is not None and d is not None and d.draws_at_prefill
+        runner = self.draft_prefills.get(sampled)
+        staged = self.draft_prefill_cache is not (d.cache if d is not None else None)
+        if runner is None or embeds is not None or runner.bucket_for(n, width) is None or not staged and sl.start:
+            self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
+            return
+        live = {
+            "tokens": tokens,
+            "positions": torch.arange(width, device=self.device).expand(n, width),
+            "valid": valid,
+            "feats": feats,
+            "first": first,
+            **({"temperature": draws.temperature, "top_p": draws.top_p, "seed": draws.seed} if sampled else {}),
+        }
+        out, _ = runner(live, width, clone=False)  # views of its static outputs, written into the rows at once
+        if staged:
+            d.cache.rows(sl).take(self.draft_prefill_cache, width)
+        d.settle(out, rows)
 
     def _begin_put_off(self, state: SpecState) -> None:
         """The draft prefills put off while rounds ran k = 0, for the rows still live that they still own,
@@ -351,7 +379,7 @@ class SpecDecoder:
                 j = slice(i - sl.start, i - sl.start + n)
                 part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
                 row_embeds = embeds[j] if embeds is not None else None
-                self.draft.begin(st, feats[j], tokens[j], valid[j], row_embeds, first[j], slice(i, i + n), part)
+                self._draft_begin(st, feats[j], tokens[j], valid[j], row_embeds, first[j], slice(i, i + n), part)
         self._put_off = []
 
     def push_live(self, state: SpecState) -> None:

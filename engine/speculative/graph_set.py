@@ -14,6 +14,9 @@ Phases (bucket = (rows, tokens per row)):
                         read features. R = max_batch over the round cache (a batch prefills rows
                         0..b-1), or `prefill_rows` over a staging cache of its own (a server: a
                         request joins at any slot; its KV is copied there)
+    draft_prefill       a device draft's prefill (`DeviceDraft.prefill_program`) over the same buckets
+                        and rows, into its cache or a staging one, under the draft's policy; its state
+                        rows come out for the caller to write; `_sampled` draws d_1 (sampled runs)
 
 Policies are per side: the target's steps follow `target_policy`, a device draft's `draft_policy`
 (engine/speculative/round.py: which steps are breaks). Graphs are captured largest bucket first, all phases sharing
@@ -41,6 +44,10 @@ ROUND_OUT = {m: ("out",) for m in M}
 
 def round_name(k: int, sampled: bool = False) -> str:
     return f"round_k{k}" + ("_sampled" if sampled else "")
+
+
+def draft_prefill_name(sampled: bool = False) -> str:
+    return "draft_prefill" + ("_sampled" if sampled else "")
 
 
 def round_policy(target_policy: str, draft_policy: Optional[str]) -> Optional[str]:
@@ -148,6 +155,26 @@ class GraphSet:
                 lambda: {"aux_layer_ids": t.aux_layer_ids},
                 self.pool,
             )
+        self.draft_prefill_cache = None  # the draft cache its prefill graphs write (the draft's, or a staging one)
+        if draft_policy not in (None, "none") and self.prefill_buckets:
+            d, rows = device_draft, self.prefill_rows or self.batch_size
+            self.draft_prefill_cache = d.cache if self.prefill_rows is None else d.head.new_cache(rows)
+            backend = ("full" if d.attention_kernel else "piecewise") if draft_policy in NEEDS_CUDA else draft_policy
+            for sampled in (False, True)[: 1 + (self.sampled and d.draws_at_prefill)]:
+                outs = (*d.own_specs(k), *(("d_q",) if sampled else ()))
+                self.runners[draft_prefill_name(sampled)] = GraphRunner(
+                    draft_prefill_name(sampled),
+                    backend,
+                    lambda b, sampled=sampled: d.prefill_program(self.draft_prefill_cache.rows(b), sampled),
+                    {**token_inputs(), **d.prefill_specs()},
+                    {m: outs for m in M},
+                    M.NULL,
+                    [(rows, n) for n in self.prefill_buckets],
+                    device,
+                    t.max_seq_len,
+                    d.graph_meta,
+                    self.pool,
+                )
 
     def capture(self) -> "GraphSet":
         """Largest buckets first within each runner."""

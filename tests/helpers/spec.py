@@ -113,13 +113,14 @@ def setup(
     prefill=(16, 64),
     target_policy=None,
     prefill_rows=None,
+    sampled=False,
 ):
     _, target = pair()
     target = target.to(device)
     target.init_buffers(torch.device(device))
     plan = head = draft = None
     if algorithm != "none":
-        cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3",)))
+        cfg = draft_config(algorithm, num_steps=k, **weights(algorithm, ("eagle3", "dflash")))
         plan = plan_draft(cfg, target.args)
         target.set_aux_layers(plan.aux.input_of if plan.aux else ())
         head = load_head(plan, target, 0, torch.device(device), torch.float32)
@@ -139,6 +140,7 @@ def setup(
         features=plan is not None and plan.features.value != "none",
         round_ks=sorted({0, k}),
         prefill_rows=prefill_rows,
+        sampled=sampled,
     ).capture()
     return target, plan, head, gs, k
 

@@ -24,7 +24,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
+from engine.drafts.base import DeviceDraft, FeatureKind
 from engine.graphs.runner import InputSpec
 from engine.ops import Live
 from engine.sampling import DRAFT, Draws, draw
@@ -42,27 +42,22 @@ class FeatureDraft(DeviceDraft):
             "d_next": InputSpec((), torch.long, None, per_row=True, state=True),
         }
 
-    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None, draws=None) -> None:
-        b, t = prompt_tokens.shape
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+        b, t = tokens.shape
         last = valid.sum(1) - 1  # [b] index of each prompt's last token
         r = torch.arange(b, device=first.device)
-        shifted = torch.cat([prompt_tokens[:, 1:], prompt_tokens[:, :1]], 1)  # x_{j+1}; last column is filler
+        shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)  # x_{j+1}; last column is filler
         shifted[r, last] = first
-        embeds = None
-        if input_embeds is not None:  # the multimodal path: reuse the target's embeddings
-            embeds = torch.cat([input_embeds[:, 1:], input_embeds[:, :1]], 1).clone()
+        if embeds is not None:  # the multimodal path: reuse the target's embeddings
+            embeds = torch.cat([embeds[:, 1:], embeds[:, :1]], 1).clone()
             embeds[r, last] = self.head.embed_tokens(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        cache = self.cache.rows(rows if rows is not None else b)
         a = self.head.attn_inputs(positions, valid, t)
-        out = self.head(feats, cache, a, tokens=shifted, embeds=embeds)
-        h, nxt = out.hidden[r, last], out.ids[r, last]  # [b, hidden], [b]
-        if draws is not None:  # sampled rows draw d_1 (at position L + 1) from the head's q
-            q = self.buf["d_q"][rows if rows is not None else slice(0, b), :1]
-            drawn = self._draw(self.head.logits(h[:, None]), draws, last, 2, q)[:, 0]
-            nxt = torch.where(draws.temperature > 0, drawn, nxt)
-        write_rows(self.buf["d_hidden"], h, rows)
-        write_rows(self.buf["d_next"], nxt, rows)
+        sampled = draws is not None  # sampled rows draw d_1 (at position L + 1) from the head's q
+        pick = lambda x: x[r, last][:, None]  # noqa: E731  the output head reads the last position alone
+        out = self.head(feats, cache, a, tokens=shifted, embeds=embeds, sampled=sampled, pick=pick)
+        nxt = self._draw(out.logits, draws, last, 2, q)[:, 0] if sampled else out.ids[:, 0]
+        return {"d_hidden": out.hidden[:, 0], "d_next": nxt}  # [b, hidden], [b]
 
     def _draw(self, logits: Tensor, draws: Draws, pos0: Tensor, offset: int, q: Tensor, index=None) -> Tensor:
         """Target ids [b, 1 or t] drawn from the head's logits [b, t, Vd] at pos0 + offset (+ index), their q

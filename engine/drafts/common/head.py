@@ -18,7 +18,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from safetensors.torch import save_file
@@ -160,11 +160,15 @@ class HeadBase(nn.Module):
         tokens: Optional[Tensor] = None,
         embeds: Optional[Tensor] = None,
         sampled: bool = False,
+        pick: Optional[Callable[[Tensor], Tensor]] = None,
     ) -> "DraftOut":
         """One step of a one-layer EAGLE-family head: hidden [b, t, F or H], tokens [b, t] (or their
-        embeds [b, t, H]) -> out_hidden [b, t, H], logits and / or ids (see DraftOut)."""
+        embeds [b, t, H]) -> out_hidden [b, t, H], logits and / or ids (see DraftOut). pick: [b, t, H] ->
+        [b, t', H], the positions the output head reads (a prefill's last: every position writes KV)."""
         g, q = self.qkv_in(tokens, embeds, hidden, cache, a)  # g [b, t, H]: the layer's residual; q: RoPE'd
         h, delta = self.mlp_out(g, self.attention(q, cache, a), a)  # attention: eager under a breakable graph
+        if pick is not None:
+            h, delta = pick(h), (None if delta is None else pick(delta))
         return self.out(h, delta, sampled)
 
     def to_target(self, draft_ids: Tensor) -> Tensor:

@@ -23,6 +23,7 @@ class DFlashDraft(DeviceDraft):
     """
 
     features = FeatureKind.aux
+    draws_at_prefill = False  # the round draws the whole block
 
     def __init__(self, head: DFlashHead, batch_size: int, k: int):
         if not 1 <= k < head.block_size:
@@ -35,12 +36,12 @@ class DFlashDraft(DeviceDraft):
         self.is_bonus = self.offsets == 0  # [B] the block's first slot holds the bonus token, the rest masks
 
     # -- the Draft interface ------------------------------------------------------------------------
-    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None, draws=None) -> None:
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
         """Context k/v of the prompt positions 0..T-1 (the draft reads no prompt token: only features)."""
-        b, t = prompt_tokens.shape
+        b, t = tokens.shape
         positions = torch.arange(t, device=first.device).expand(b, t)
-        cache = self.cache.rows(rows if rows is not None else b)
         self.head.write_context(feats.to(self.head.fc.weight.dtype), cache, self._context_inputs(positions, valid))
+        return {}
 
     def _context_inputs(self, positions, valid) -> AttnInputs:
         h = self.head

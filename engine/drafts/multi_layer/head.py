@@ -68,6 +68,10 @@ class StepCaches:
     def rows(self, n: int | slice) -> "StepCaches":
         return StepCaches([c.rows(n) for c in self.caches])
 
+    def take(self, src: "StepCaches", width: int) -> None:
+        for c, s in zip(self.caches, src.caches):
+            c.take(s, width)
+
 
 class MTPIn(Op):
     """The module's input fusion: (tokens [b, t], hidden [b, t, H], positions [b, t]) ->

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from engine.drafts.base import DeviceDraft, FeatureKind, write_rows
+from engine.drafts.base import DeviceDraft, FeatureKind
 from engine.drafts.multi_layer.head import MultiLayerEagleHead, StepCaches
 from engine.graphs.runner import InputSpec
 from engine.ops import Live
@@ -59,16 +59,15 @@ class MultiLayerDraft(DeviceDraft):
         return draw(logits, draws, pos, DRAFT, kernels=self.head.fused, offset=offset, q_out=q)[:, 0]
 
     # -- the Draft interface ------------------------------------------------------------------------
-    def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None, draws=None) -> None:
-        n, t = prompt_tokens.shape
-        dev = prompt_tokens.device
+    def prefill(self, caches, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+        n, t = tokens.shape
+        dev = tokens.device
         lens = valid.sum(1)  # [n] L
         r = torch.arange(n, device=dev)
-        seq = torch.cat([prompt_tokens, prompt_tokens.new_zeros(n, self.k)], 1)  # [n, t + k]: x_0..x_L, filler
+        seq = torch.cat([tokens, tokens.new_zeros(n, self.k)], 1)  # [n, t + k]: x_0..x_L, filler
         seq[r, lens] = first
         positions = torch.arange(t, device=dev).expand(n, t)
-        caches = self.cache.rows(rows if rows is not None else n)
-        hidden, pool = feats, []
+        hidden, pool, nxt = feats, [], None
         for i in range(self.k):
             last = (lens - 1 - i).clamp(min=0)
             a = self.head.attn_inputs(positions, positions <= (lens - 1 - i)[:, None], t)
@@ -78,10 +77,8 @@ class MultiLayerDraft(DeviceDraft):
             hidden = out.hidden  # [n, t, H]
             pool.append(hidden[r, last])
             if i == 0:
-                q = self.buf["d_q"][rows if rows is not None else slice(0, n), :1]
                 nxt = self._draw(out.logits, draws, lens, 1, q) if sampled else out.ids[:, 0]
-                write_rows(self.buf["d_next"], nxt, rows)
-        write_rows(self.buf["d_pool"], torch.stack(pool, 1), rows)
+        return {"d_pool": torch.stack(pool, 1), "d_next": nxt}  # [n, k, H], [n]
 
     def propose_into(self, s, caches: StepCaches, k: int, kv_len: Live, sampled: bool = False) -> Optional[Tensor]:
         """Module i = 1..k-1 over the window L-i..L-1 on d_1..d_i -> d_{i+1} at its last position."""
