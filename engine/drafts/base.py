@@ -197,9 +197,10 @@ class DeviceDraft(Draft):
         raise NotImplementedError
 
     # -- the prefill: eagerly into the rows (`begin`), or as a program a graph runner replays ----------
-    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None, kv_len=None) -> dict[str, Tensor]:
         """`begin`'s work over `cache` (the n rows' view) -> the rows of its own state buffers (name ->
-        [n, ...]); with draws, d_1's q goes into q [n, 1, Vd]. Arguments as in `begin`."""
+        [n, ...]); with draws, d_1's q goes into q [n, 1, Vd]. kv_len: the attention's (an int or a
+        graph's `Live`, whose replays rebuild the mask; None: the prompts' width). Else as in `begin`."""
         raise NotImplementedError
 
     def begin(self, state, feats, prompt_tokens, valid, input_embeds, first, rows=None, draws=None) -> None:
@@ -240,7 +241,8 @@ class DeviceDraft(Draft):
             if sampled:
                 draws = Draws(env["temperature"], env["top_p"], env["seed"])
                 q = torch.empty(b, 1, vocab, dtype=torch.float32, device=env["first"].device)
-            out = self.prefill(cache.rows(b), env["feats"], env["tokens"], env["valid"], None, env["first"], draws, q)
+            feats, tokens, valid, first = env["feats"], env["tokens"], env["valid"], env["first"]
+            out = self.prefill(cache.rows(b), feats, tokens, valid, None, first, draws, q, env["kv_len"])
             env.update(out, **({"d_q": q} if sampled else {}))
 
         return [Step("draft_prefill", run, meta=self.graph_meta())]

@@ -347,13 +347,22 @@ class SpecDecoder:
 
     def _draft_begin(self, state, feats, tokens, valid, embeds, first, rows: Optional[slice], draws) -> None:
         """The draft's prefill: through its prefill graphs where a bucket holds the prompts (over the
-        draft's cache rows 0..n-1, or its staging rows, whose KV then goes into `rows`), else eagerly."""
+        draft's cache rows 0..n-1, or its staging rows, whose KV then goes into `rows`; a group the
+        staging rows do not hold goes through them one prompt at a time), else eagerly."""
         n, width = tokens.shape
         sl = rows if rows is not None else slice(0, n)
         d = self.device_draft
         sampled = draws is not None and d is not None and d.draws_at_prefill
         runner = self.draft_prefills.get(sampled)
-        staged = self.draft_prefill_cache is not (d.cache if d is not None else None)
+        staged = runner is not None and self.draft_prefill_cache is not d.cache
+        one_by_one = staged and n > 1 and runner.bucket_for(n, width) is None and runner.bucket_for(1, width)
+        if one_by_one and embeds is None:
+            for i in range(n):  # each prompt alone through the staging row
+                j = slice(i, i + 1)
+                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
+                row = slice(sl.start + i, sl.start + i + 1)
+                self._draft_begin(state, feats[j], tokens[j], valid[j], None, first[j], row, part)
+            return
         if runner is None or embeds is not None or runner.bucket_for(n, width) is None or not staged and sl.start:
             self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
             return

@@ -42,7 +42,7 @@ class FeatureDraft(DeviceDraft):
             "d_next": InputSpec((), torch.long, None, per_row=True, state=True),
         }
 
-    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None, kv_len=None) -> dict[str, Tensor]:
         b, t = tokens.shape
         last = valid.sum(1) - 1  # [b] index of each prompt's last token
         r = torch.arange(b, device=first.device)
@@ -52,7 +52,7 @@ class FeatureDraft(DeviceDraft):
             embeds = torch.cat([embeds[:, 1:], embeds[:, :1]], 1).clone()
             embeds[r, last] = self.head.embed_tokens(first)
         positions = torch.arange(t, device=first.device).expand(b, t)
-        a = self.head.attn_inputs(positions, valid, t)
+        a = self.head.attn_inputs(positions, valid, t if kv_len is None else kv_len)
         sampled = draws is not None  # sampled rows draw d_1 (at position L + 1) from the head's q
         pick = lambda x: x[r, last][:, None]  # noqa: E731  the output head reads the last position alone
         out = self.head(feats, cache, a, tokens=shifted, embeds=embeds, sampled=sampled, pick=pick)

@@ -36,7 +36,7 @@ class DFlashDraft(DeviceDraft):
         self.is_bonus = self.offsets == 0  # [B] the block's first slot holds the bonus token, the rest masks
 
     # -- the Draft interface ------------------------------------------------------------------------
-    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+    def prefill(self, cache, feats, tokens, valid, embeds, first, draws=None, q=None, kv_len=None) -> dict[str, Tensor]:
         """Context k/v of the prompt positions 0..T-1 (the draft reads no prompt token: only features)."""
         b, t = tokens.shape
         positions = torch.arange(t, device=first.device).expand(b, t)

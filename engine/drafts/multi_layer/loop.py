@@ -59,7 +59,9 @@ class MultiLayerDraft(DeviceDraft):
         return draw(logits, draws, pos, DRAFT, kernels=self.head.fused, offset=offset, q_out=q)[:, 0]
 
     # -- the Draft interface ------------------------------------------------------------------------
-    def prefill(self, caches, feats, tokens, valid, embeds, first, draws=None, q=None) -> dict[str, Tensor]:
+    def prefill(
+        self, caches, feats, tokens, valid, embeds, first, draws=None, q=None, kv_len=None
+    ) -> dict[str, Tensor]:
         n, t = tokens.shape
         dev = tokens.device
         lens = valid.sum(1)  # [n] L
@@ -70,7 +72,7 @@ class MultiLayerDraft(DeviceDraft):
         hidden, pool, nxt = feats, [], None
         for i in range(self.k):
             last = (lens - 1 - i).clamp(min=0)
-            a = self.head.attn_inputs(positions, positions <= (lens - 1 - i)[:, None], t)
+            a = self.head.attn_inputs(positions, positions <= (lens - 1 - i)[:, None], t if kv_len is None else kv_len)
             sampled = draws is not None and i == 0  # sampled rows draw d_1 (at position L + 1)
             pick = (lambda x, last=last: x[r, last][:, None]) if i == 0 else None
             out = self.head.module_forward(i, seq[:, i + 1 : i + 1 + t], hidden, caches[i], a, pick, sampled)
