@@ -97,9 +97,12 @@ STREAM_PHASES = {
 }
 
 
-def serve_metrics(stats: ServeStats, graphs, phases: Optional[dict[str, float]] = None) -> dict[str, float]:
+def serve_metrics(
+    stats: ServeStats, graphs, phases: Optional[dict[str, float]] = None, http_cpu_s: Optional[float] = None
+) -> dict[str, float]:
     """The served run's summary. phases: the decoder's clock totals (seconds of stream time by phase):
-    where the joins' and rounds' host wall time (prefill_s, round_s, emit_s) went on the device."""
+    where the joins' and rounds' host wall time (prefill_s, round_s, emit_s) went on the device.
+    http_cpu_s: the event loop thread's CPU time, beside the engine thread's (they share the GIL)."""
     out = {
         "requests": sum(stats.finished.values()),
         "prompt_tokens": stats.prompt_tokens,
@@ -109,6 +112,8 @@ def serve_metrics(stats: ServeStats, graphs, phases: Optional[dict[str, float]] 
         "prefill_s": stats.prefill_s,
         "round_s": stats.round_s,
         "emit_s": stats.emit_s,
+        "engine_cpu_s": stats.engine_cpu_s,
+        **({"http_cpu_s": http_cpu_s} if http_cpu_s is not None else {}),
     }
     out.update({name: phases[key] for key, name in STREAM_PHASES.items() if key in (phases or {})})
     out.update({f"requests_{reason}": n for reason, n in stats.finished.items()})
@@ -262,7 +267,8 @@ class ServeStage(Stage):
             server.run()
         finally:
             self.server = None
-        metrics = serve_metrics(server.scheduler.stats, inputs.get("graphs"), server.scheduler.dec.clock.totals())
+        sched = server.scheduler
+        metrics = serve_metrics(sched.stats, inputs.get("graphs"), sched.dec.clock.totals(), server.http_cpu_s)
         policy = server.scheduler.dec.adaptive
         if policy is not None:  # what the served rounds taught it
             print(f"[serve] adaptive k at the end, {policy.describe(cfg.serve.max_batch_size)}", flush=True)

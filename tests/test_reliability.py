@@ -208,6 +208,9 @@ def test_tokens_per_s_counts_busy_time_not_idle_time(outputs):
     assert m["prefill_target_s"] + m["prefill_draft_s"] <= m["prefill_s"]
     assert 0 < m["verify_s"] and 0 < m["draft_s"] and m["draft_s"] + m["extend_s"] + m["verify_s"] <= m["round_s"]
     assert 0 < m["emit_s"] < m["busy_s"] - m["round_s"] - m["prefill_s"] + m["emit_s"]
+    # each thread's CPU time: the engine's covers its rounds' host work and not the 5 idle seconds
+    assert 0.25 * (m["round_s"] + m["prefill_s"]) < m["engine_cpu_s"] < wall - 4.5
+    assert 0 < m["http_cpu_s"] < wall - 4.5
 
 
 def test_requests_generated_from_the_openapi_schema_get_no_server_error(outputs):

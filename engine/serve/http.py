@@ -87,6 +87,7 @@ class OpenAIServer:
         self.server.tick = self._tick
         self.interrupted = False  # stopped by Ctrl-C
         self.aborted = 0  # requests aborted by a stop-now (a second Ctrl-C, or the drain timeout)
+        self.http_cpu_s = 0.0  # CPU time of the thread that ran the event loop, set when run() returns
         self._drain_deadline: Optional[float] = None
         self._abort_at: Optional[float] = None
         self._left: Optional[int] = None
@@ -120,7 +121,7 @@ class OpenAIServer:
         return self._abort_at is not None and now - self._abort_at >= ABORT_GRACE_S
 
     def run(self) -> None:
-        switch = sys.getswitchinterval()
+        switch, cpu0 = sys.getswitchinterval(), time.thread_time()
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self.scheduler.start()
         try:
@@ -139,6 +140,7 @@ class OpenAIServer:
         finally:
             self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
             sys.setswitchinterval(switch)
+            self.http_cpu_s = time.thread_time() - cpu0  # the event loop's thread: HTTP, tokens to text, SSE
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
         t0 = time.monotonic()

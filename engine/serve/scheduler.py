@@ -6,10 +6,9 @@
              through the prefill graphs over the graph set's staging row, its KV then copied into the
              slot), then `SpecDecoder.start` writes the request's sampling into the slot's state buffers,
              draws the first token and runs the draft's prefill (its prefill graphs over a staging row,
-             the KV then copied into the slot; else `draft.begin(..., rows=slice(i, i + 1))`), which
-             leaves every other row's draft state. Requests waiting together join together: one right-padded eager
-             prefill over a run of contiguous free slots (`rows=slice(i, i + m)`, up to
-             `max_prefill_tokens` padded tokens)
+             the KV then copied into the slot), which leaves every other row's draft state. Requests
+             waiting together join together over a run of contiguous free slots (`rows=slice(i, i + m)`,
+             up to `max_prefill_tokens` padded tokens), each prompt through the staging row in turn
     step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
              commit, the same code eval runs; free slots among them ride along as invalid rows (they write
              to the cache's dummy slot and are never read); then finished and cancelled requests leave and
@@ -115,6 +114,7 @@ class ServeStats:
     prefill_s: float = 0.0  # host wall time of the joins (target prefill, first draw, draft prefill, also put off)
     round_s: float = 0.0  # host wall time of the rounds, to their one sync
     emit_s: float = 0.0  # host time handing the rounds' tokens to their requests
+    engine_cpu_s: float = 0.0  # CPU time of the engine thread (its loop, from `start` to its end)
     first_submit: Optional[float] = None
     last_finish: Optional[float] = None
     busy_s: float = 0.0  # time with at least one request submitted and not finished, closed intervals
@@ -296,6 +296,13 @@ class Scheduler:
 
     # -- the engine thread --------------------------------------------------------------------------
     def run(self) -> None:
+        cpu0 = time.thread_time()
+        try:
+            self._loop()
+        finally:
+            self.stats.engine_cpu_s += time.thread_time() - cpu0
+
+    def _loop(self) -> None:
         with torch.inference_mode():
             while True:
                 with self._cv:

@@ -355,16 +355,17 @@ class SpecDecoder:
         sampled = draws is not None and d is not None and d.draws_at_prefill
         runner = self.draft_prefills.get(sampled)
         staged = runner is not None and self.draft_prefill_cache is not d.cache
-        one_by_one = staged and n > 1 and runner.bucket_for(n, width) is None and runner.bucket_for(1, width)
-        if one_by_one and embeds is None:
-            for i in range(n):  # each prompt alone through the staging row
-                j = slice(i, i + 1)
-                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
-                row = slice(sl.start + i, sl.start + i + 1)
-                self._draft_begin(state, feats[j], tokens[j], valid[j], None, first[j], row, part)
-            return
-        if runner is None or embeds is not None or runner.bucket_for(n, width) is None or not staged and sl.start:
+        if runner is None or embeds is not None or not staged and sl.start:  # the graphs write rows 0..b-1
             self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
+            return
+        if runner.bucket_for(n, width) is None:
+            if not (staged and n > 1 and runner.bucket_for(1, width)):
+                self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
+                return
+            for i in range(n):  # each prompt alone through the staging row
+                j, row = slice(i, i + 1), slice(sl.start + i, sl.start + i + 1)
+                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
+                self._draft_begin(state, feats[j], tokens[j], valid[j], None, first[j], row, part)
             return
         live = {
             "tokens": tokens,
