@@ -155,6 +155,7 @@ class ServeStage(Stage):
                 ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
                 ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
                 ("serve.max_prefill_tokens", s.max_prefill_tokens, s.max_prefill_tokens >= 1, ">= 1"),
+                ("serve.stream_interval", s.stream_interval, s.stream_interval >= 1, ">= 1 (tokens a chunk)"),
                 ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
                 (
                     "serve.default_max_tokens",
@@ -227,7 +228,7 @@ class ServeStage(Stage):
             if env.tracker is not None:
                 env.tracker.log_metrics({f"adaptive_k.b{size}": float(kk) for size, kk in table.items()})
                 env.tracker.log_metrics({f"adaptive_k_sampled.b{size}": float(kk) for size, kk in sampled.items()})
-        scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens)
+        scheduler = Scheduler(decoder, s.max_batch_size, s.max_queue, rng, s.max_prefill_tokens, s.stream_interval)
         # the eager paths' kernels compile here, not under the first clients' requests
         print(f"[serve] warmed up in {scheduler.warm_up():.1f}s", flush=True)
         limits = ApiLimits(

@@ -204,6 +204,8 @@ def test_a_port_in_use_or_a_host_to_listen_on_is_named_at_plan_time(outputs):
     assert "serve.host='no-such-host.invalid': does not resolve" in text, text
     text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.model_name=")
     assert "serve.model_name='': empty (valid: a name, or null (model.name))" in text, text
+    text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.port=0", "serve.stream_interval=0")
+    assert "serve.stream_interval=0" in text and ">= 1 (tokens a chunk)" in text, text
 
 
 def test_the_memory_plan_refuses_what_the_host_cannot_hold(outputs):

@@ -37,7 +37,7 @@ from pipeline.plan import PlanError, build_plan
 BASE = ("model=tiny", "device=cpu", "tracking=off", "serve.port=0", "model.random.init_std=0.15")
 EAGLE3 = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]", "draft.num_steps=3")
 CONFIGS = {
-    "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3"),
+    "plain": ("+experiment=serve", *BASE, "model.max_seq_len=256", "serve.max_batch_size=3", "serve.stream_interval=3"),
     "eagle3_debug": (
         "+experiment=serve_eagle3_bcg",
         *BASE,
@@ -652,6 +652,30 @@ def test_max_queue_counts_requests_beyond_the_free_slots():
     with pytest.raises(QueueFull, match="serve.max_queue=0"):
         sched.submit(GenerationRequest([1, 2, 3], 4, lambda ev: None))
     sched.close(drain=False)
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_a_stream_gets_the_first_token_at_once_then_every_stream_interval_tokens(interval):
+    """serve.stream_interval: the engine hands a request its first token at once, then gathers its
+    tokens until `interval` are pending (a round without a draft emits one), and the last ones go with
+    the finish; the tokens are the same whatever the interval."""
+    from helpers.models import pair
+
+    from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
+
+    sched = Scheduler(SpecDecoder(pair()[1], 2), 2, 8, stream_interval=interval)
+    events, done = [], threading.Event()
+    req = GenerationRequest([1, 2, 3], 11, lambda ev: (events.append(ev), ev.finish_reason and done.set()))
+    sched.submit(req)
+    sched.start()
+    assert done.wait(30)
+    sched.close()
+    sizes = [len(ev.tokens) for ev in events]
+    assert [t for ev in events for t in ev.tokens] == req.output and len(req.output) == 11
+    assert events[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in events[:-1])
+    # tokens 2..10 go in chunks of `interval`; the 11th ends the request and takes what is pending
+    assert sizes == [1] + [interval] * (9 // interval) + [10 - interval * (9 // interval)]
 
 
 def test_accept_rates_count_only_the_rounds_that_drafted_the_position():

@@ -83,6 +83,7 @@ class GenerationRequest:
     id: int = field(default_factory=lambda: next(_ids))
     # -- the engine's bookkeeping ------------------------------------------------------------------
     output: list[int] = field(default_factory=list)
+    unsent: list[int] = field(default_factory=list)  # output not yet handed to the sink (stream_interval)
     accepts: list[int] = field(default_factory=list)  # per round: draft tokens accepted
     draft_tokens: int = 0  # draft tokens proposed to it, summed over its rounds (0 when not speculative)
     finish_reason: Optional[str] = None
@@ -146,11 +147,13 @@ class Scheduler:
         max_queue: int,
         generator: Optional[torch.Generator] = None,
         max_prefill_tokens: int = 8192,
+        stream_interval: int = 1,
     ):
         if num_slots > decoder.batch_size:
             raise ValueError(f"{num_slots} slots, but the decoder's cache holds {decoder.batch_size} rows")
         self.dec, self.n, self.max_queue = decoder, num_slots, max_queue
         self.max_prefill_tokens = max_prefill_tokens  # padded tokens of one joint prefill (one request: any)
+        self.stream_interval = stream_interval  # tokens a request gathers before its sink gets them
         self.device, self.k = decoder.device, decoder.k
         self.generator = generator  # draws the seeds of requests without one
         self.cache = decoder.cache.rows(num_slots)
@@ -443,7 +446,8 @@ class Scheduler:
         stats.emit_s += time.perf_counter() - t1
 
     def _emit(self, i: int, req: GenerationRequest, tokens: list[int], now: float) -> None:
-        """Hand a slot's new tokens to its request, cut at a stop token or max_tokens."""
+        """Hand a slot's new tokens to its request, cut at a stop token or max_tokens: the first at once,
+        then every `stream_interval` tokens, the rest with the finish."""
         out, finish = [], None
         for tok in tokens:
             out.append(tok)
@@ -453,13 +457,16 @@ class Scheduler:
             if len(req.output) + len(out) >= req.max_tokens:
                 finish = "length"
                 break
+        first = not req.output
         req.output += out
+        req.unsent += out
         req.t_first = req.t_first or now
         self.stats.generated_tokens += len(out)
-        if finish is None:
-            req.sink(TokenEvent(out))
-        else:
-            self._release(i, req, finish, tokens=out)
+        if finish is not None:
+            self._release(i, req, finish)
+        elif first or len(req.unsent) >= self.stream_interval:
+            req.sink(TokenEvent(req.unsent))
+            req.unsent = []
 
     def _release(
         self,
@@ -467,13 +474,13 @@ class Scheduler:
         req: GenerationRequest,
         reason: str,
         error: Optional[str] = None,
-        tokens: Optional[list[int]] = None,
     ) -> None:
         st = self.state
         self.slots[i] = None
         st.history[i], st.lengths[i], st.live[i] = [0], 0, False
         self._live_changed = True
-        self._finish(req, reason, error, tokens or [])
+        tokens, req.unsent = req.unsent, []
+        self._finish(req, reason, error, tokens)
 
     def _finish(
         self, req: GenerationRequest, reason: str, error: Optional[str] = None, tokens: Optional[list[int]] = None
