@@ -157,8 +157,8 @@ class ServeConfig:
     max_queue: int = 64  # requests waiting for a slot (beyond the free ones); one more answers 429
     max_prefill_tokens: int = 8192  # requests joining together prefill as one batch of up to this many padded tokens
     # Tokens a request's stream gathers before the engine hands them over (sglang's --stream-interval):
-    # fewer, larger chunks take less of the event loop's time (it shares the GIL with the engine); the
-    # first token and the last go at once.
+    # fewer, larger chunks cost the event loop and the engine's hand-over less; the first token and the
+    # last go at once.
     stream_interval: int = 1
     default_max_tokens: int = 256  # a request without max_tokens (cut to what the context leaves)
     max_tokens_limit: int = 4096  # a request asking for more answers 400
