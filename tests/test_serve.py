@@ -8,6 +8,7 @@ eval stage on the same prompts, with and without a draft, sequential and concurr
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
@@ -676,6 +677,35 @@ def test_a_stream_gets_the_first_token_at_once_then_every_stream_interval_tokens
     assert events[-1].finish_reason == "length" and all(ev.finish_reason is None for ev in events[:-1])
     # tokens 2..10 go in chunks of `interval`; the 11th ends the request and takes what is pending
     assert sizes == [1] + [interval] * (9 // interval) + [10 - interval * (9 // interval)]
+
+
+def test_a_rounds_token_events_wake_the_event_loop_once():
+    """`Handoff`: the events put while a flush is pending ride along with it (one wake-up of the loop for
+    a round's events, not one per request); from another thread every queue still gets all of its events,
+    in order."""
+    from engine.serve.openai_server import Handoff
+    from engine.serve.scheduler import TokenEvent
+
+    def rounds(h, queues, start, n):  # rounds start..start+n-1, each an event for every request
+        for r in range(start, start + n):
+            for i, q in enumerate(queues):
+                h.put(q, TokenEvent([r * len(queues) + i]))
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        h, queues = Handoff(loop), [asyncio.Queue() for _ in range(8)]
+        rounds(h, queues, 0, 3)  # the loop is busy here: no flush runs until it awaits
+        await asyncio.sleep(0)
+        first = h.wakeups, [q.qsize() for q in queues]
+        await loop.run_in_executor(None, rounds, h, queues, 3, 50)  # an engine thread
+        await asyncio.sleep(0.05)
+        got = [[(await q.get()).tokens[0] for _ in range(53)] for q in queues]
+        return first, got, h.wakeups
+
+    (wakeups, sizes), got, total = asyncio.run(main())
+    assert wakeups == 1 and sizes == [3] * 8  # 24 events, one wake-up
+    assert got == [[r * 8 + i for r in range(53)] for i in range(8)]
+    assert 1 < total <= 1 + 400
 
 
 def test_accept_rates_count_only_the_rounds_that_drafted_the_position():

@@ -10,7 +10,8 @@
 
 Threads: the ASGI app runs on uvicorn's event loop; all torch work runs on the scheduler's engine
 thread. A request is one `_Flight`: it submits a `GenerationRequest` whose sink hands `TokenEvent`s
-back to an asyncio queue (`loop.call_soon_threadsafe`), and the handler turns them into text deltas
+back to an asyncio queue (through `Handoff`: one wake-up of the loop for a round's events, not one
+per request), and the handler turns them into text deltas
 with `TextStream` (incremental detokenization, stop strings). A handler that ends early (the client
 disconnected mid-stream: Starlette cancels the response; a stop string matched) cancels its request,
 which frees the slot before the next round; a non-streaming handler polls for its client (there is no
@@ -24,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -127,11 +129,39 @@ class _Params:
     speculative: bool
 
 
+class Handoff:
+    """Token events from the engine thread into the event loop's queues. Each `call_soon_threadsafe`
+    writes the loop's self-pipe: the first event of a batch schedules one flush, and the events put
+    before it runs (the rest of the round's requests) ride along."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock = loop, threading.Lock()
+        self.pending: list[tuple[asyncio.Queue, TokenEvent]] = []
+        self.wakeups = 0  # flushes scheduled
+
+    def put(self, queue: asyncio.Queue, ev: TokenEvent) -> None:  # engine thread
+        with self.lock:
+            first = not self.pending
+            self.pending.append((queue, ev))
+        if first:
+            self.wakeups += 1
+            try:
+                self.loop.call_soon_threadsafe(self._flush)
+            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+                pass
+
+    def _flush(self) -> None:  # event loop
+        with self.lock:
+            batch, self.pending = self.pending, []
+        for queue, ev in batch:
+            queue.put_nowait(ev)
+
+
 class _Flight:
     """One request between the event loop and the engine thread."""
 
-    def __init__(self, scheduler: Scheduler, tokenizer: Tokenizer, prompt: list[int], p: _Params):
-        self.scheduler, self.loop = scheduler, asyncio.get_running_loop()
+    def __init__(self, scheduler: Scheduler, handoff: Handoff, tokenizer: Tokenizer, prompt: list[int], p: _Params):
+        self.scheduler, self.handoff = scheduler, handoff
         self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
         self.text = TextStream(tokenizer, p.stop)
         self.req = GenerationRequest(
@@ -148,10 +178,7 @@ class _Flight:
         self.t_first: Optional[float] = None
 
     def _sink(self, ev: TokenEvent) -> None:  # engine thread
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, ev)
-        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-            pass
+        self.handoff.put(self.events, ev)
 
     def submit(self) -> "_Flight":
         try:
@@ -247,6 +274,7 @@ class OpenAIApp:
         self.metrics = ServeMetrics(scheduler, graphs)
         self.created = int(time.time())
         self.draining = False  # set by OpenAIServer on the first Ctrl-C: new requests get 503
+        self.handoff: Optional[Handoff] = None  # the event loop's, made by its first request
         self.app = self._build()
 
     # -- validation -------------------------------------------------------------------------------
@@ -332,7 +360,10 @@ class OpenAIApp:
 
     # -- responses --------------------------------------------------------------------------------
     async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: SamplingRequest):
-        flight = _Flight(self.scheduler, self.tokenizer, prompt, p).submit()
+        loop = asyncio.get_running_loop()
+        if self.handoff is None or self.handoff.loop is not loop:
+            self.handoff = Handoff(loop)
+        flight = _Flight(self.scheduler, self.handoff, self.tokenizer, prompt, p).submit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {
             "id": rid,
