@@ -103,6 +103,9 @@ class Draws:
     top_p: Tensor  # fp32
     seed: Tensor  # int64
 
+    def rows(self, sl: slice) -> "Draws":
+        return Draws(self.temperature[sl], self.top_p[sl], self.seed[sl])
+
 
 def draw(
     logits: Tensor,

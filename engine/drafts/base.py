@@ -226,7 +226,7 @@ class DeviceDraft(Draft):
         }
 
     def prefill_program(self, cache, sampled: bool) -> list:
-        """The prefill as one step over an env (engine/graphs/program.py) into `cache`'s first rows.
+        """The prefill as one step over an env (engine/graphs/program.py) into `cache` (the program's rows).
 
         env in:  tokens, positions, valid [b, t], feats [b, t, F], first [b]; sampled: temperature, top_p,
                  seed [b]
@@ -242,7 +242,7 @@ class DeviceDraft(Draft):
                 draws = Draws(env["temperature"], env["top_p"], env["seed"])
                 q = torch.empty(b, 1, vocab, dtype=torch.float32, device=env["first"].device)
             feats, tokens, valid, first = env["feats"], env["tokens"], env["valid"], env["first"]
-            out = self.prefill(cache.rows(b), feats, tokens, valid, None, first, draws, q, env["kv_len"])
+            out = self.prefill(cache, feats, tokens, valid, None, first, draws, q, env["kv_len"])
             env.update(out, **({"d_q": q} if sampled else {}))
 
         return [Step("draft_prefill", run, meta=self.graph_meta())]

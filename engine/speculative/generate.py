@@ -364,7 +364,7 @@ class SpecDecoder:
                 return
             for i in range(n):  # each prompt alone through the staging row
                 j, row = slice(i, i + 1), slice(sl.start + i, sl.start + i + 1)
-                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
+                part = None if draws is None else draws.rows(j)
                 self._draft_begin(state, feats[j], tokens[j], valid[j], None, first[j], row, part)
             return
         live = {
@@ -387,7 +387,7 @@ class SpecDecoder:
             rows = [r for r in range(sl.start, sl.stop) if r in owned and state.live[r]]
             for i, n in _runs(rows):  # each run of contiguous rows in one prefill: [i, i + n)
                 j = slice(i - sl.start, i - sl.start + n)
-                part = None if draws is None else Draws(draws.temperature[j], draws.top_p[j], draws.seed[j])
+                part = None if draws is None else draws.rows(j)
                 row_embeds = embeds[j] if embeds is not None else None
                 self._draft_begin(st, feats[j], tokens[j], valid[j], row_embeds, first[j], slice(i, i + n), part)
         self._put_off = []
