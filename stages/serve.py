@@ -4,7 +4,8 @@
 
 The stage builds the draft for `serve.max_batch_size` slots (over the graphs' caches when there are
 graphs), the continuous-batching scheduler (engine/serve/scheduler.py: the same draft-and-verify round as
-eval) and the HTTP app (engine/serve/openai_server.py, under uvicorn: engine/serve/http.py), and serves
+eval) in this process and the HTTP app (engine/serve/openai_server.py, under uvicorn) in a child process
+(engine/serve/http.py; the two joined by engine/serve/link.py: they share no GIL), and serves
 on `serve.host:serve.port` (checked free at plan time; `serve.api_key` or $SPECPIPE_API_KEY: Bearer
 authentication; a loud warning when a non-loopback host has no key) until Ctrl-C, which drains (new
 requests get 503 with Retry-After, in-flight ones finish; a second Ctrl-C aborts them) before the stage
@@ -102,7 +103,7 @@ def serve_metrics(
 ) -> dict[str, float]:
     """The served run's summary. phases: the decoder's clock totals (seconds of stream time by phase):
     where the joins' and rounds' host wall time (prefill_s, round_s, emit_s) went on the device.
-    http_cpu_s: the event loop thread's CPU time, beside the engine thread's (they share the GIL)."""
+    http_cpu_s: the HTTP front process's CPU time, beside the engine thread's."""
     out = {
         "requests": sum(stats.finished.values()),
         "prompt_tokens": stats.prompt_tokens,
@@ -208,8 +209,7 @@ class ServeStage(Stage):
 
     def build(self, cfg, inputs, env: StageEnv) -> OpenAIServer:
         from engine.serve.guard import is_loopback
-        from engine.serve.http import OpenAIServer
-        from engine.serve.openai_server import OpenAIApp
+        from engine.serve.http import FrontSpec, OpenAIServer
         from engine.serve.protocol import ApiLimits
 
         target: LoadedModel = inputs["target"]
@@ -248,8 +248,10 @@ class ServeStage(Stage):
                 file=sys.stderr,
                 flush=True,
             )
-        app = OpenAIApp(scheduler, target.tokenizer, limits, graphs, api_key=key, loopback=is_loopback(s.host))
-        return OpenAIServer(app, s.host, s.port, s.drain_timeout_s, s.log_level)
+        front = FrontSpec(
+            target.tokenizer, limits, key, is_loopback(s.host), s.host, s.port, s.drain_timeout_s, s.log_level
+        )
+        return OpenAIServer(front, scheduler, graphs)
 
     @staticmethod
     def _announce(server: OpenAIServer, host: str) -> None:

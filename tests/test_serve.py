@@ -679,33 +679,88 @@ def test_a_stream_gets_the_first_token_at_once_then_every_stream_interval_tokens
     assert sizes == [1] + [interval] * (9 // interval) + [10 - interval * (9 // interval)]
 
 
-def test_a_rounds_token_events_wake_the_event_loop_once():
-    """`Handoff`: the events put while a flush is pending ride along with it (one wake-up of the loop for
-    a round's events, not one per request); from another thread every queue still gets all of its events,
-    in order."""
-    from engine.serve.openai_server import Handoff
+def test_a_passs_token_events_cross_the_pipe_in_one_message():
+    """engine/serve/link.py over a real pipe and a real scheduler: three requests submitted through the
+    front's end are answered once each, and their events come one message per engine pass (the first
+    pass joins all three and runs a round), each with the request's counts so far."""
+    import multiprocessing
+
+    from helpers.models import pair
+
+    from engine.serve.link import EngineLink, Submission
+    from engine.serve.scheduler import Scheduler
+    from engine.speculative.generate import SpecDecoder
+
+    sched = Scheduler(SpecDecoder(pair()[1], 3), 3, 8)
+    front, here = multiprocessing.Pipe()
+    link = EngineLink(here, sched)
+    pump = threading.Thread(target=link.pump, daemon=True)
+    pump.start()
+    for rid in range(3):
+        front.send(("submit", rid, Submission([1, 2, 3 + rid], 6, 0.0, 1.0, None, frozenset(), True)))
+    answers = [front.recv() for _ in range(3)]
+    assert sorted(answers) == [("submitted", rid, None) for rid in range(3)]
+    sched.start()
+    messages, tokens, finished = [], {rid: [] for rid in range(3)}, set()
+    while len(finished) < 3:
+        kind, batch = front.recv()
+        assert kind == "events"
+        messages.append(batch)
+        for rid, ev, counts in batch:
+            tokens[rid] += ev.tokens
+            assert counts == (len(tokens[rid]) - 1, 0, 0)  # a round after the first token, no draft
+            if ev.finish_reason is not None:
+                finished.add(rid)
+    assert [len(batch) for batch in messages] == [6, 3, 3, 3, 3]  # a pass: the join's + a round's, then rounds
+    assert all(len(t) == 6 for t in tokens.values())
+    front.send(("done", None))
+    pump.join(10)
+    sched.close()
+
+
+def test_a_request_whose_events_overtake_its_answer_still_gets_them_all():
+    """Under load the engine thread may run a request to its end before the link's thread answers its
+    submit: the front keeps those events (the last one too) for the request it is about to start."""
+    import multiprocessing
+
+    from engine.serve.link import RemoteEngine, Submission
     from engine.serve.scheduler import TokenEvent
 
-    def rounds(h, queues, start, n):  # rounds start..start+n-1, each an event for every request
-        for r in range(start, start + n):
-            for i, q in enumerate(queues):
-                h.put(q, TokenEvent([r * len(queues) + i]))
-
     async def main():
-        loop = asyncio.get_running_loop()
-        h, queues = Handoff(loop), [asyncio.Queue() for _ in range(8)]
-        rounds(h, queues, 0, 3)  # the loop is busy here: no flush runs until it awaits
-        await asyncio.sleep(0)
-        first = h.wakeups, [q.qsize() for q in queues]
-        await loop.run_in_executor(None, rounds, h, queues, 3, 50)  # an engine thread
-        await asyncio.sleep(0.05)
-        got = [[(await q.get()).tokens[0] for _ in range(53)] for q in queues]
-        return first, got, h.wakeups
+        front, engine = multiprocessing.Pipe()
+        remote = RemoteEngine(front)
+        remote.attach(asyncio.get_running_loop())
+        task = asyncio.ensure_future(remote.submit(Submission([1, 2], 3, 0.0, 1.0, None, frozenset(), True)))
+        kind, rid, _ = await asyncio.get_running_loop().run_in_executor(None, engine.recv)
+        assert kind == "submit"
+        engine.send(("events", [(rid, TokenEvent([5]), (0, 0, 0)), (rid, TokenEvent([6, 7], "length"), (1, 2, 1))]))
+        await asyncio.sleep(0.05)  # the events arrive first
+        engine.send(("submitted", rid, None))
+        got_rid, queue = await task
+        items = [queue.get_nowait() for _ in range(queue.qsize())]
+        return got_rid == rid, [(ev.tokens, ev.finish_reason, n) for ev, n in items], remote.in_flight
 
-    (wakeups, sizes), got, total = asyncio.run(main())
-    assert wakeups == 1 and sizes == [3] * 8  # 24 events, one wake-up
-    assert got == [[r * 8 + i for r in range(53)] for i in range(8)]
-    assert 1 < total <= 1 + 400
+    same, items, in_flight = asyncio.run(main())
+    assert same and items == [([5], None, (0, 0, 0)), ([6, 7], "length", (1, 2, 1))] and in_flight == 0
+
+
+def test_the_http_front_is_a_process_of_its_own_and_its_death_stops_the_engine(tmp_path):
+    """The front runs in a child process that never loads torch, in its own process group (a terminal's
+    Ctrl-C reaches the engine, which forwards it); killed, it takes nothing down with it: the stage
+    returns."""
+    import os
+    from pathlib import Path
+
+    s = Served(CONFIGS["tight"], tmp_path)
+    front = s.server.front
+    assert front.pid != os.getpid() and front.is_alive()
+    assert os.getpgid(front.pid) == front.pid != os.getpgid(0)
+    assert "libtorch" not in Path(f"/proc/{front.pid}/maps").read_text()
+    assert complete(s, PROMPTS[0], max_tokens=4).usage.completion_tokens == 4
+    os.kill(front.pid, signal.SIGKILL)
+    s.thread.join(30)
+    assert not s.thread.is_alive() and s.error is None
+    assert s.result is not None
 
 
 def test_accept_rates_count_only_the_rounds_that_drafted_the_position():
@@ -724,9 +779,10 @@ def test_accept_rates_count_only_the_rounds_that_drafted_the_position():
     assert st.accept_rates() == [1.0, 1.0, 0.0]  # over all row rounds: [1.0, 0.5, 0.0]
 
 
-def test_the_gil_switches_every_tenth_of_a_millisecond_while_serving_and_as_before_after(tmp_path):
-    """The engine thread waits on the event loop's GIL for at most the switch interval after each graph
-    replay and sync: the server shortens it while it runs and puts Python's back when it stops."""
+def test_the_engine_process_switches_the_gil_every_tenth_of_a_millisecond_while_serving(tmp_path):
+    """The link's thread answers the front's submits in the engine process: the server shortens the
+    switch interval while it runs (a submit waits at most that for the engine thread's GIL) and puts
+    Python's back when it stops."""
     from engine.serve.http import SWITCH_INTERVAL_S
 
     before = sys.getswitchinterval()

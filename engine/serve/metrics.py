@@ -1,8 +1,8 @@
 """Prometheus metrics of a server, in its own registry (never the process-global one).
 
-Counters and gauges are read at scrape time from the scheduler's `ServeStats` and the graph
-runners' `PhaseStats` (one source of truth, no double bookkeeping); latencies are histograms the
-HTTP layer observes per request.
+Counters and gauges are read at scrape time from a snapshot of the engine (engine/serve/link.py: the
+scheduler's `ServeStats` and the graph runners' counts; one source of truth, no double bookkeeping);
+latencies are histograms the front observes per request.
 
     specpipe_requests_total{finish_reason}           finished requests: stop | length | abort | error
     specpipe_requests_rejected_total{status}         answered 4xx/5xx before reaching the engine
@@ -28,8 +28,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from engine.serve.scheduler import Scheduler
-from engine.speculative.graph_set import GraphSet
+from engine.serve.link import EngineSnapshot
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, float("inf"))
 ACCEPT_BUCKETS = (1, 1.25, 1.5, 1.75, 2, 2.5, 3, 3.5, 4, 5, 6, 8, float("inf"))  # tokens per round
@@ -37,11 +36,13 @@ K_BUCKETS = (0, 0.5, 1, 1.5, 2, 3, 4, 5, 6, 8, float("inf"))  # draft tokens per
 
 
 class _EngineCollector(Collector):
-    def __init__(self, scheduler: Scheduler, graphs: Optional[GraphSet]):
-        self.scheduler, self.graphs = scheduler, graphs
+    def __init__(self):
+        self.snap: Optional[EngineSnapshot] = None  # the engine's counters of this scrape (None: it is gone)
 
     def collect(self):
-        s, st = self.scheduler, self.scheduler.stats
+        if self.snap is None:
+            return
+        s, st = self.snap, self.snap.stats
         done = CounterMetricFamily("specpipe_requests", "Finished requests", labels=["finish_reason"])
         for reason, n in list(st.finished.items()):
             done.add_metric([reason], n)
@@ -91,20 +92,21 @@ class _EngineCollector(Collector):
             "Calls that ran eagerly (no graph for the batch, or a hidden-state mode not captured)",
             labels=["phase"],
         )
-        for phase, ps in (self.graphs.stats() if self.graphs is not None else {}).items():
-            replays.add_metric([phase], ps.replays)
-            fallbacks.add_metric([phase], ps.fallbacks)
+        for phase, (n_replays, n_fallbacks) in s.graphs.items():
+            replays.add_metric([phase], n_replays)
+            fallbacks.add_metric([phase], n_fallbacks)
         yield replays
         yield fallbacks
         yield GaugeMetricFamily("specpipe_queue_depth", "Requests waiting for a slot", value=s.queue_depth)
         yield GaugeMetricFamily("specpipe_running_requests", "Requests holding a slot", value=s.running)
-        yield GaugeMetricFamily("specpipe_slots", "Slots (serve.max_batch_size)", value=s.n)
+        yield GaugeMetricFamily("specpipe_slots", "Slots (serve.max_batch_size)", value=s.slots)
 
 
 class ServeMetrics:
-    def __init__(self, scheduler: Scheduler, graphs: Optional[GraphSet]):
+    def __init__(self):
         self.registry = CollectorRegistry(auto_describe=True)
-        self.registry.register(_EngineCollector(scheduler, graphs))
+        self.engine = _EngineCollector()
+        self.registry.register(self.engine)
         self.rejected = Counter(
             "specpipe_requests_rejected",
             "Requests answered with an error status before reaching the engine",
@@ -136,5 +138,6 @@ class ServeMetrics:
             registry=self.registry,
         )
 
-    def render(self) -> bytes:
+    def render(self, snap: Optional[EngineSnapshot]) -> bytes:
+        self.engine.snap = snap
         return generate_latest(self.registry)

@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP front of the scheduler: FastAPI on uvicorn, one process, one engine thread.
+"""The OpenAI-compatible HTTP front of the engine: FastAPI on uvicorn, in the front process.
 
     POST /v1/completions         prompt: a string (or one-element list, or token ids)
     POST /v1/chat/completions    messages through the tokenizer's chat template
@@ -8,14 +8,14 @@
         draft tokens proposed and accepted, accept length and mean k (sglang's meta_info spec_*)
     GET  /v1/models, /health, /metrics (Prometheus text)
 
-Threads: the ASGI app runs on uvicorn's event loop; all torch work runs on the scheduler's engine
-thread. A request is one `_Flight`: it submits a `GenerationRequest` whose sink hands `TokenEvent`s
-back to an asyncio queue (through `Handoff`: one wake-up of the loop for a round's events, not one
-per request), and the handler turns them into text deltas
-with `TextStream` (incremental detokenization, stop strings). A handler that ends early (the client
-disconnected mid-stream: Starlette cancels the response; a stop string matched) cancels its request,
-which frees the slot before the next round; a non-streaming handler polls for its client (there is no
-write to fail on) and does the same.
+Processes: the ASGI app runs on uvicorn's event loop in the front process; all torch work runs on the
+engine process's scheduler thread, across the pipe of engine/serve/link.py. A request is one `_Flight`:
+it submits a `Submission` and reads its `TokenEvent`s from an asyncio queue (the engine's events come
+one message per engine pass), and the handler turns them into text deltas with `TextStream`
+(incremental detokenization, stop strings). A handler that ends early (the client disconnected
+mid-stream: Starlette cancels the response; a stop string matched) cancels its request, which frees
+the slot before the next round; a non-streaming handler polls for its client (there is no write to
+fail on) and does the same.
 
 The request schema and the error shape: engine/serve/protocol.py; uvicorn and stopping: engine/serve/http.py.
 """
@@ -25,7 +25,6 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -40,6 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.serve.detokenize import TextStream
 from engine.serve.guard import Guard, GuardLimits, body_limit
+from engine.serve.link import RemoteEngine, Submission, speculation
 from engine.serve.metrics import ServeMetrics
 from engine.serve.protocol import (
     ApiError,
@@ -50,8 +50,7 @@ from engine.serve.protocol import (
     extra_field_error,
     shutting_down_error,
 )
-from engine.serve.scheduler import GenerationRequest, QueueFull, Scheduler, ShuttingDown, TokenEvent
-from engine.speculative.graph_set import GraphSet
+from engine.serve.requests import QueueFull, ShuttingDown
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -129,70 +128,49 @@ class _Params:
     speculative: bool
 
 
-class Handoff:
-    """Token events from the engine thread into the event loop's queues. Each `call_soon_threadsafe`
-    writes the loop's self-pipe: the first event of a batch schedules one flush, and the events put
-    before it runs (the rest of the round's requests) ride along."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop):
-        self.loop, self.lock = loop, threading.Lock()
-        self.pending: list[tuple[asyncio.Queue, TokenEvent]] = []
-        self.wakeups = 0  # flushes scheduled
-
-    def put(self, queue: asyncio.Queue, ev: TokenEvent) -> None:  # engine thread
-        with self.lock:
-            first = not self.pending
-            self.pending.append((queue, ev))
-        if first:
-            self.wakeups += 1
-            try:
-                self.loop.call_soon_threadsafe(self._flush)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
-
-    def _flush(self) -> None:  # event loop
-        with self.lock:
-            batch, self.pending = self.pending, []
-        for queue, ev in batch:
-            queue.put_nowait(ev)
-
-
 class _Flight:
-    """One request between the event loop and the engine thread."""
+    """One request between the event loop and the engine (engine/serve/link.py)."""
 
-    def __init__(self, scheduler: Scheduler, handoff: Handoff, tokenizer: Tokenizer, prompt: list[int], p: _Params):
-        self.scheduler, self.handoff = scheduler, handoff
-        self.events: asyncio.Queue[TokenEvent] = asyncio.Queue()
+    def __init__(self, engine: RemoteEngine, tokenizer: Tokenizer, prompt: list[int], p: _Params):
+        self.engine, self.prompt = engine, prompt
         self.text = TextStream(tokenizer, p.stop)
-        self.req = GenerationRequest(
+        self.submission = Submission(
             prompt,
             p.max_tokens,
-            self._sink,
             p.temperature,
             p.top_p,
             p.seed,
             frozenset() if p.ignore_eos else tokenizer.eos_token_ids,
             p.speculative,
         )
+        self.rid: Optional[int] = None
+        self.events: Optional[asyncio.Queue] = None  # (TokenEvent, counts), from the engine
+        self.completion_tokens = 0
+        self.counts = (0, 0, 0)  # verify rounds, draft tokens proposed and accepted (engine/serve/link.py)
+        self.finished = False
         self.t0 = time.perf_counter()
         self.t_first: Optional[float] = None
 
-    def _sink(self, ev: TokenEvent) -> None:  # engine thread
-        self.handoff.put(self.events, ev)
-
-    def submit(self) -> "_Flight":
+    async def submit(self) -> "_Flight":
         try:
-            self.scheduler.submit(self.req)
+            self.rid, self.events = await self.engine.submit(self.submission)
         except QueueFull as e:
             raise ApiError(429, f"server busy: {e}; retry later", code="queue_full", type_="rate_limit_error") from None
         except ShuttingDown:
             raise shutting_down_error() from None
+        except ValueError as e:
+            raise ApiError(400, str(e), "prompt", "context_length_exceeded") from None
         return self
 
     @property
     def usage(self) -> dict:
-        n, m = len(self.req.prompt), len(self.req.output)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m, "speculation": speculation(self.req)}
+        n, m = len(self.prompt), self.completion_tokens
+        return {
+            "prompt_tokens": n,
+            "completion_tokens": m,
+            "total_tokens": n + m,
+            "speculation": speculation(*self.counts),
+        }
 
     async def deltas(
         self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
@@ -205,18 +183,20 @@ class _Flight:
         try:
             while True:
                 if disconnected is None:
-                    ev = await self.events.get()
+                    item = await self.events.get()
                 else:
                     try:
-                        ev = await asyncio.wait_for(self.events.get(), max(0.0, next_poll - time.monotonic()))
+                        item = await asyncio.wait_for(self.events.get(), max(0.0, next_poll - time.monotonic()))
                     except asyncio.TimeoutError:
-                        ev = None
+                        item = None
                     if time.monotonic() >= next_poll:
                         next_poll = time.monotonic() + DISCONNECT_POLL_S
                         if await disconnected():
                             return
-                    if ev is None:
+                    if item is None:
                         continue
+                ev, self.counts = item
+                self.finished = ev.finish_reason is not None
                 if ev.finish_reason in ("error", "abort"):
                     raise ApiError(
                         500 if ev.finish_reason == "error" else 503,
@@ -224,10 +204,12 @@ class _Flight:
                         type_="server_error",
                         code=ev.finish_reason,
                     )
+                self.completion_tokens += len(ev.tokens)
                 self.t_first = self.t_first or time.perf_counter()
                 delta = self.text.push(ev.tokens)
                 if self.text.stopped:  # a stop string: the engine may stop now
-                    self.scheduler.cancel(self.req, "stop")
+                    self.engine.cancel(self.rid, "stop")
+                    self.finished = True
                     yield delta, "stop"
                     return
                 if ev.finish_reason is not None:
@@ -236,22 +218,8 @@ class _Flight:
                 if delta:
                     yield delta, None
         finally:  # finished, or the client is gone (the response task was cancelled)
-            if self.req.finish_reason is None:
-                self.scheduler.cancel(self.req)
-
-
-def speculation(req: GenerationRequest) -> dict:
-    """A request's speculation figures: verify rounds (after the prefill's first token), draft tokens
-    proposed to it and accepted, tokens per round (bonus included) and draft tokens per round; the last
-    two null before any round."""
-    rounds, accepted = len(req.accepts), sum(req.accepts)
-    return {
-        "verify_rounds": rounds,
-        "draft_tokens": req.draft_tokens,
-        "accepted_tokens": accepted,
-        "accept_length": (accepted + rounds) / rounds if rounds else None,
-        "mean_k": req.draft_tokens / rounds if rounds else None,
-    }
+            if not self.finished:
+                self.engine.cancel(self.rid)
 
 
 # ------------------------------------------------------------------------------------------ the app
@@ -262,19 +230,17 @@ def _sse(obj: Any) -> str:
 class OpenAIApp:
     def __init__(
         self,
-        scheduler: Scheduler,
+        engine: RemoteEngine,
         tokenizer: Tokenizer,
         limits: ApiLimits,
-        graphs: Optional[GraphSet] = None,
         api_key: Optional[str] = None,
         loopback: bool = True,
     ):
-        self.scheduler, self.tokenizer, self.limits = scheduler, tokenizer, limits
+        self.engine, self.tokenizer, self.limits = engine, tokenizer, limits
         self.guard = GuardLimits(api_key, loopback, body_limit(limits.max_seq_len))
-        self.metrics = ServeMetrics(scheduler, graphs)
+        self.metrics = ServeMetrics()
         self.created = int(time.time())
-        self.draining = False  # set by OpenAIServer on the first Ctrl-C: new requests get 503
-        self.handoff: Optional[Handoff] = None  # the event loop's, made by its first request
+        self.draining = False  # set on the first Ctrl-C (engine/serve/http.py): new requests get 503
         self.app = self._build()
 
     # -- validation -------------------------------------------------------------------------------
@@ -360,10 +326,7 @@ class OpenAIApp:
 
     # -- responses --------------------------------------------------------------------------------
     async def _run(self, request: Request, kind: str, prompt: list[int], p: _Params, body: SamplingRequest):
-        loop = asyncio.get_running_loop()
-        if self.handoff is None or self.handoff.loop is not loop:
-            self.handoff = Handoff(loop)
-        flight = _Flight(self.scheduler, self.handoff, self.tokenizer, prompt, p).submit()
+        flight = await _Flight(self.engine, self.tokenizer, prompt, p).submit()
         rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         head = {
             "id": rid,
@@ -428,7 +391,7 @@ class OpenAIApp:
         self.metrics.latency.observe(now - flight.t0)
         if flight.t_first is not None:
             self.metrics.ttft.observe(flight.t_first - flight.t0)
-        spec = speculation(flight.req)
+        spec = speculation(*flight.counts)
         if spec["verify_rounds"]:
             self.metrics.accept_length.observe(spec["accept_length"])
             self.metrics.mean_k.observe(spec["mean_k"])
@@ -514,20 +477,22 @@ class OpenAIApp:
 
         @app.get("/health")
         async def health():
-            ok = self.scheduler.alive and not self.draining
+            snap = await self.engine.snapshot() if self.engine.alive else None
+            ok = snap is not None and snap.alive and not self.draining
             status = "ok" if ok else ("draining" if self.draining else "unavailable")
             return JSONResponse(
                 {
                     "status": status,
-                    "running": self.scheduler.running,
-                    "waiting": self.scheduler.queue_depth,
+                    "running": snap.running if snap else 0,
+                    "waiting": snap.queue_depth if snap else 0,
                 },
                 status_code=200 if ok else 503,
             )
 
         @app.get("/metrics")
         async def prometheus():
-            return Response(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+            snap = await self.engine.snapshot() if self.engine.alive else None
+            return Response(metrics.render(snap), media_type="text/plain; version=0.0.4; charset=utf-8")
 
         app.openapi = lambda: self._openapi(app)
         return app
