@@ -515,6 +515,46 @@ def test_ctrl_c_drains_in_flight_requests_and_closes_the_run(outputs):
     assert run_.data.metrics["requests_length"] == 1 and run_.data.metrics["generated_tokens"] == 300
 
 
+def test_a_killed_engine_takes_its_http_front_with_it(outputs):
+    """The front sits in its own process group, so a SIGKILL to the engine does not reach it: it sees
+    the pipe close, fails its in-flight request and exits, and the port is free again."""
+    from pathlib import Path
+
+    server = ServerProcess(outputs, "tracking=off")
+    try:
+        kids = [int(st.parent.name) for st in Path("/proc").glob("[0-9]*/stat") if _parent(st) == server.p.pid]
+        assert kids, "no child process"
+        body = {"model": "tiny-random", "prompt": "Hello", "max_tokens": 300, "temperature": 0, "stream": True}
+        with httpx.stream("POST", server.root + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(line for line in lines if line.startswith("data: {"))
+            server.p.kill()
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest[-1] == "data: [DONE]" and '"code":"error"' in rest[-2], rest[-3:]
+        t0 = time.monotonic()
+        while any(Path(f"/proc/{k}").exists() and _state(k) != "Z" for k in kids) and time.monotonic() - t0 < 15:
+            time.sleep(0.1)
+        assert not any(Path(f"/proc/{k}").exists() and _state(k) != "Z" for k in kids)
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(server.root + "/health", timeout=5)
+    finally:
+        server.kill()
+
+
+def _parent(stat) -> int:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return -1
+
+
+def _state(pid: int) -> str:
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
 # ------------------------------------------------------------------------------------------ units
 def test_text_stream_holds_partial_characters_and_stop_strings():
     tok = ByteTokenizer()
