@@ -541,6 +541,28 @@ def test_a_killed_engine_takes_its_http_front_with_it(outputs):
         server.kill()
 
 
+def test_a_port_taken_after_the_plan_fails_the_serve_stage_with_the_address(tmp_path):
+    """The plan checks the port; if another program takes it before the front binds, the stage fails
+    with the address and the way out, and the engine's thread and the front are stopped."""
+    import socket
+
+    from pipeline.execute import execute
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    plan = build_plan(to_run_config(compose_cfg(*CONFIGS["tight"], f"serve.port={port}")), tmp_path)
+    before = threading.active_count()
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port))
+        taken.listen()
+        t0 = time.monotonic()
+        with pytest.raises(RuntimeError, match=f"could not start on 127.0.0.1:{port}.*serve.port=0"):
+            execute(plan)
+    assert time.monotonic() - t0 < 60 and threading.active_count() == before
+    assert plan.stages[-1].server is None
+
+
 def _parent(stat) -> int:
     try:
         return int(stat.read_text().rsplit(")", 1)[1].split()[1])

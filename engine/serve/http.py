@@ -201,7 +201,7 @@ class OpenAIServer:
         self.http_cpu_s = 0.0  # CPU time of the front process, set when run() returns
         self.link: Optional[EngineLink] = None
         self.front: Optional[multiprocessing.process.BaseProcess] = None
-        self._ready = threading.Event()
+        self._settled = threading.Event()  # the front listens, or it will not (failed, stopped)
 
     @property
     def port(self) -> int:
@@ -230,8 +230,9 @@ class OpenAIServer:
         try:
             self.front.start()
             there.close()
-            self.link.pump(on_ready=lambda port: self._ready.set())
+            self.link.pump(on_ready=lambda port: self._settled.set())
         finally:
+            self._settled.set()
             undo()
             sys.setswitchinterval(switch)
             self.scheduler.close(drain=True, timeout=self.drain_timeout_s)
@@ -245,7 +246,8 @@ class OpenAIServer:
         self.interrupted, self.aborted, self.http_cpu_s = result.interrupted, result.aborted, result.cpu_s
 
     def wait_ready(self, timeout: float = 60.0) -> bool:
-        return self._ready.wait(timeout)
+        """True once the front listens (`port`); False after `timeout`, or at once if it never will."""
+        return self._settled.wait(timeout) and self.link.port is not None
 
     def shutdown(self, now: bool = False) -> None:
         """From any thread: what Ctrl-C does (now=True: what a second one does)."""
