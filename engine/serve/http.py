@@ -23,6 +23,7 @@ hard limit), each request head within a deadline; the event loop's errors are lo
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import os
 import signal
@@ -181,6 +182,7 @@ class _Front:
 def front_main(conn: Connection, spec: FrontSpec) -> None:
     """The front process's entry point (spawned)."""
     os.setpgrp()  # a terminal's Ctrl-C reaches the engine only, which forwards it once
+    logging.basicConfig(format="[%(asctime)s][%(name)s][%(levelname)s] - %(message)s")  # as Hydra's, to stderr
     _Front(conn, spec).run()
     conn.close()
 
