@@ -131,7 +131,8 @@ class Plan:
     def memory_estimate(self) -> dict[str, float]:
         """MB of what the run certainly allocates: the target's weights, its KV cache (every row at
         model.max_seq_len), the largest step's activations (a verify of rows x (k + 1) tokens, or the largest
-        prefill bucket: MLP intermediate and logits) and, with graphs, that verify's buffers kept in the pool."""
+        prefill bucket: MLP intermediate and logits), with graphs that verify's buffers kept in the pool,
+        and the prefill graphs' static inputs."""
         a, dtype = self.env.target_args, self.env.dtype
         elem, rows = torch.empty((), dtype=dtype).element_size(), memory_rows(self.cfg)[1]
 
@@ -145,7 +146,27 @@ class Plan:
             "kv_cache_mb": a.kv_bytes_per_token(dtype) * (self.cfg.model.max_seq_len + 1) * rows / 2**20,
             "activations_mb": max(verify, prefill) / 2**20,
             "graph_pool_mb": (verify if cuda_policies(self.cfg) else 0) / 2**20,
+            "prefill_buffers_mb": self.prefill_buffer_bytes(elem) / 2**20,
         }
+
+    def prefill_buffer_bytes(self, elem: int) -> int:
+        """Bytes of the prefill graphs' static inputs (stage capture_graphs), over the prefill rows (a
+        server's staging row, else the batch) x the largest bucket: the target's tokens, positions, valid,
+        input embeddings [rows, T, hidden] and logits index; a device draft's tokens, positions, valid,
+        features [rows, T, F] (F: n_aux x hidden, or hidden), first token and sampling."""
+        cfg, a, d = self.cfg, self.env.target_args, self.env.draft_plan
+        buckets = [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]
+        if "capture_graphs" not in self.names or not buckets:
+            return 0
+        from stages.capture_graphs import max_batch
+
+        rows, t = 1 if cfg.task == "serve" else max_batch(cfg), max(buckets)
+        tokens = rows * t * (8 + 8 + 1)  # tokens, positions (int64), valid (bool)
+        total = tokens + rows * t * a.hidden_size * elem + rows * 8 if cfg.graph.target != "none" else 0
+        if d is not None and d.spec.head is not None and cfg.draft.k > 0 and cfg.graph.draft != "none":
+            width = {"aux": len(d.aux.input_of) * a.hidden_size if d.aux else 0, "final": a.hidden_size}
+            total += tokens + rows * t * width.get(d.features.value, 0) * elem + rows * (8 + 4 + 4 + 8)
+        return total
 
     def describe(self) -> str:
         env = self.env
@@ -238,6 +259,7 @@ def memory_sum(plan: "Plan") -> str:
         (f"KV cache ({rows} x {plan.cfg.model.max_seq_len + 1} slots)", mem["kv_cache_mb"]),
         ("activations", mem["activations_mb"]),
         ("graph pool", mem["graph_pool_mb"]),
+        ("prefill graphs' inputs", mem["prefill_buffers_mb"]),
     ]
     shown = " + ".join(f"{name} {mb / 1024:.2f} GiB" for name, mb in parts if mb)
     return f"{shown} = {sum(mb for _, mb in parts) / 1024:.2f} GiB"

@@ -40,6 +40,36 @@ def test_valid_plan_and_its_description(outputs):
     assert mem["kv_cache_mb"] == pytest.approx(4 * 2 * 16 * 2 * 4 * 2049 * 2 / 2**20)
 
 
+EAGLE3 = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]")
+
+
+@pytest.mark.parametrize(
+    "overrides, runners",
+    [
+        (("+experiment=eagle3_bcg", "eval.batch_size=3", "eval.temperature=0.7", *EAGLE3), 3),  # greedy, sampled
+        (("+experiment=serve_eagle3_bcg", "serve.max_batch_size=3", *EAGLE3), 3),  # a server: one staging row
+        (("+experiment=eagle3_bcg", "eval.batch_size=2", "draft=none"), 1),  # the target's alone
+    ],
+)
+def test_the_memory_estimate_counts_the_prefill_graphs_inputs_as_capture_allocates_them(outputs, overrides, runners):
+    """The plan's `prefill_buffers_mb` is the bytes of the static inputs that capture_graphs' prefill
+    runners allocate (the debug policy allocates them on a CPU as a GPU policy does); a draft's greedy and
+    sampled prefill runners share theirs."""
+    plan = plan_of(
+        *overrides,
+        "model=tiny",
+        "device=cpu",
+        "graph=debug",
+        "graph.prefill_buckets=[16,64]",
+        outputs=outputs,
+    )
+    graphs = plan.set_up("load", "configure_aux_capture", "capture_graphs")["graphs"]
+    prefill = [r for name, r in graphs.runners.items() if "prefill" in name]
+    buffers = {b.data_ptr(): b.numel() * b.element_size() for r in prefill for b in r.buffers.values()}
+    assert len(prefill) == runners
+    assert plan.memory_estimate()["prefill_buffers_mb"] * 2**20 == pytest.approx(sum(buffers.values()))
+
+
 def test_set_up_runs_only_the_stages_named(outputs):
     """A script's way to the loaded target and head (benchmarks/): those stages' outputs, no eval."""
     plan = plan_of(

@@ -174,6 +174,7 @@ class GraphSet:
                     t.max_seq_len,
                     d.graph_meta,
                     self.pool,
+                    buffers=self.runners[draft_prefill_name(False)].buffers if sampled else None,  # one feats
                 )
 
     def capture(self) -> "GraphSet":
