@@ -66,7 +66,7 @@ class FrontResult:
 
 def counts(req: GenerationRequest) -> tuple[int, int, int]:
     """(verify rounds, draft tokens proposed, draft tokens accepted) of a request so far."""
-    return len(req.accepts), req.draft_tokens, sum(req.accepts)
+    return len(req.accepts), req.draft_tokens, req.accepted_tokens
 
 
 def speculation(rounds: int, draft_tokens: int, accepted: int) -> dict:

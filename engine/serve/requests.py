@@ -42,6 +42,7 @@ class GenerationRequest:
     output: list[int] = field(default_factory=list)
     unsent: list[int] = field(default_factory=list)  # output not yet handed to the sink (stream_interval)
     accepts: list[int] = field(default_factory=list)  # per round: draft tokens accepted
+    accepted_tokens: int = 0  # sum(accepts), kept as rounds come (its usage goes out with every event)
     draft_tokens: int = 0  # draft tokens proposed to it, summed over its rounds (0 when not speculative)
     finish_reason: Optional[str] = None
     cancelled: Optional[str] = None  # the finish reason of a cancel: "abort" (client gone), "stop" (a stop string)

@@ -354,6 +354,7 @@ class Scheduler:
                 continue
             a, k = r.accepted[i], r.k if req.speculative else 0
             req.accepts.append(a)
+            req.accepted_tokens += a
             req.draft_tokens += k
             stats.row_rounds += 1
             stats.draft_tokens += k
