@@ -130,9 +130,9 @@ class Plan:
 
     def memory_estimate(self) -> dict[str, float]:
         """MB of what the run certainly allocates: the target's weights, its KV cache (every row at
-        model.max_seq_len), the largest step's activations (a verify of rows x (k + 1) tokens, or the largest
-        prefill bucket: MLP intermediate and logits), with graphs that verify's buffers kept in the pool,
-        and the prefill graphs' static inputs."""
+        model.max_seq_len, a server's staging row too) and the draft head's, the largest step's
+        activations (a verify of rows x (k + 1) tokens, or the largest prefill bucket: MLP intermediate
+        and logits), with graphs that verify's buffers kept in the pool, and the prefill graphs' inputs."""
         a, dtype = self.env.target_args, self.env.dtype
         elem, rows = torch.empty((), dtype=dtype).element_size(), memory_rows(self.cfg)[1]
 
@@ -141,13 +141,39 @@ class Plan:
 
         verify = step_bytes(rows * (self.cfg.draft.k + 1), rows * (self.cfg.draft.k + 1))
         prefill = step_bytes(max(self.cfg.graph.prefill_buckets, default=1), rows)
+        staging, slots = self.staging_rows(), self.cfg.model.max_seq_len + 1  # a server's prefill: one row more
         return {
             "weights_mb": a.num_params() * elem / 2**20,
-            "kv_cache_mb": a.kv_bytes_per_token(dtype) * (self.cfg.model.max_seq_len + 1) * rows / 2**20,
+            "kv_cache_mb": a.kv_bytes_per_token(dtype) * slots * (rows + staging[0]) / 2**20,
+            "draft_kv_cache_mb": self.draft_cache_bytes(rows + staging[1]) / 2**20,
             "activations_mb": max(verify, prefill) / 2**20,
             "graph_pool_mb": (verify if cuda_policies(self.cfg) else 0) / 2**20,
             "prefill_buffers_mb": self.prefill_buffer_bytes(elem) / 2**20,
         }
+
+    def staging_rows(self) -> tuple[int, int]:
+        """(target, draft) rows of the staging caches a server's prefill graphs write (stage capture_graphs)."""
+        cfg = self.cfg
+        if cfg.task != "serve" or "capture_graphs" not in self.names:
+            return 0, 0
+        if not [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]:
+            return 0, 0
+        return int(cfg.graph.target != "none"), int(self._device_draft() and cfg.graph.draft != "none")
+
+    def _device_draft(self) -> bool:
+        """A draft with a head of its own that drafts on the device (its own KV cache and prefill)."""
+        d = self.env.draft_plan
+        return d is not None and d.spec.head is not None and d.head_config is not None and self.cfg.draft.k > 0
+
+    def draft_cache_bytes(self, rows: int) -> int:
+        """Bytes of the draft head's KV cache over `rows` rows: the head built on the meta device (shapes,
+        no memory) and asked for its cache."""
+        if not self._device_draft():
+            return 0
+        d = self.env.draft_plan
+        with torch.device("meta"):
+            head = d.spec.head(d.head_config, self.cfg.model.max_seq_len).to(self.env.dtype)
+            return head.new_cache(rows).nbytes()
 
     def prefill_buffer_bytes(self, elem: int) -> int:
         """Bytes of the prefill graphs' static inputs (stage capture_graphs), over the prefill rows (a
@@ -163,7 +189,7 @@ class Plan:
         rows, t = 1 if cfg.task == "serve" else max_batch(cfg), max(buckets)
         tokens = rows * t * (8 + 8 + 1)  # tokens, positions (int64), valid (bool)
         total = tokens + rows * t * a.hidden_size * elem + rows * 8 if cfg.graph.target != "none" else 0
-        if d is not None and d.spec.head is not None and cfg.draft.k > 0 and cfg.graph.draft != "none":
+        if self._device_draft() and cfg.graph.draft != "none":
             width = {"aux": len(d.aux.input_of) * a.hidden_size if d.aux else 0, "final": a.hidden_size}
             total += tokens + rows * t * width.get(d.features.value, 0) * elem + rows * (8 + 4 + 4 + 8)
         return total
@@ -257,6 +283,7 @@ def memory_sum(plan: "Plan") -> str:
     parts = [
         ("weights", mem["weights_mb"]),
         (f"KV cache ({rows} x {plan.cfg.model.max_seq_len + 1} slots)", mem["kv_cache_mb"]),
+        ("draft KV cache", mem["draft_kv_cache_mb"]),
         ("activations", mem["activations_mb"]),
         ("graph pool", mem["graph_pool_mb"]),
         ("prefill graphs' inputs", mem["prefill_buffers_mb"]),

@@ -49,12 +49,25 @@ EAGLE3 = ("draft.init=random", "draft.aux_layer_ids=[1,2,3]")
         (("+experiment=eagle3_bcg", "eval.batch_size=3", "eval.temperature=0.7", *EAGLE3), 3),  # greedy, sampled
         (("+experiment=serve_eagle3_bcg", "serve.max_batch_size=3", *EAGLE3), 3),  # a server: one staging row
         (("+experiment=eagle3_bcg", "eval.batch_size=2", "draft=none"), 1),  # the target's alone
+        (
+            (
+                "+experiment=serve_eagle3_bcg",
+                "serve.max_batch_size=2",
+                "draft=dflash",
+                *EAGLE3,
+                "draft.block_size=4",
+                "draft.num_steps=3",
+            ),
+            2,
+        ),
     ],
 )
-def test_the_memory_estimate_counts_the_prefill_graphs_inputs_as_capture_allocates_them(outputs, overrides, runners):
-    """The plan's `prefill_buffers_mb` is the bytes of the static inputs that capture_graphs' prefill
-    runners allocate (the debug policy allocates them on a CPU as a GPU policy does); a draft's greedy and
-    sampled prefill runners share theirs."""
+def test_the_memory_estimate_counts_the_caches_and_prefill_inputs_as_capture_allocates_them(
+    outputs, overrides, runners
+):
+    """The plan's KV caches (the target's and the draft head's, with a server's staging rows) and
+    `prefill_buffers_mb` are the bytes that capture_graphs allocates (the debug policy allocates them on
+    a CPU as a GPU policy does); a draft's greedy and sampled prefill runners share their inputs."""
     plan = plan_of(
         *overrides,
         "model=tiny",
@@ -67,7 +80,13 @@ def test_the_memory_estimate_counts_the_prefill_graphs_inputs_as_capture_allocat
     prefill = [r for name, r in graphs.runners.items() if "prefill" in name]
     buffers = {b.data_ptr(): b.numel() * b.element_size() for r in prefill for b in r.buffers.values()}
     assert len(prefill) == runners
-    assert plan.memory_estimate()["prefill_buffers_mb"] * 2**20 == pytest.approx(sum(buffers.values()))
+    mem = plan.memory_estimate()
+    assert mem["prefill_buffers_mb"] * 2**20 == pytest.approx(sum(buffers.values()))
+    target = [graphs.cache] + ([graphs.prefill_cache] if graphs.prefill_cache is not graphs.cache else [])
+    assert mem["kv_cache_mb"] * 2**20 == pytest.approx(sum(c.nbytes() for c in target))
+    draft = [] if graphs.draft is None else [graphs.draft.cache]
+    draft += [graphs.draft_prefill_cache] if draft and graphs.draft_prefill_cache is not draft[0] else []
+    assert mem["draft_kv_cache_mb"] * 2**20 == pytest.approx(sum(c.nbytes() for c in draft))
 
 
 def test_set_up_runs_only_the_stages_named(outputs):

@@ -72,6 +72,9 @@ class StepCaches:
         for c, s in zip(self.caches, src.caches):
             c.take(s, width)
 
+    def nbytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches)
+
 
 class MTPIn(Op):
     """The module's input fusion: (tokens [b, t], hidden [b, t, H], positions [b, t]) ->
