@@ -31,6 +31,7 @@ from pipeline.paths import outputs_dir, outputs_error
 from pipeline.tracking import tracking_errors
 from schema import Device, DType, RunConfig
 from stages.base import STAGES, Stage, StageEnv, final_stages
+from stages.capture_graphs import max_batch, prefill_buckets, prefill_rows
 
 GPU_ONLY = "that CUDA is there, the memory plan, graph capture and its memory, the Triton kernels' compilation"
 
@@ -151,14 +152,17 @@ class Plan:
             "prefill_buffers_mb": self.prefill_buffer_bytes(elem) / 2**20,
         }
 
-    def staging_rows(self) -> tuple[int, int]:
-        """(target, draft) rows of the staging caches a server's prefill graphs write (stage capture_graphs)."""
+    def prefill_sides(self) -> tuple[bool, bool]:
+        """(target, draft): whether stage capture_graphs builds that side's prefill graphs."""
         cfg = self.cfg
-        if cfg.task != "serve" or "capture_graphs" not in self.names:
-            return 0, 0
-        if not [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]:
-            return 0, 0
-        return int(cfg.graph.target != "none"), int(self._device_draft() and cfg.graph.draft != "none")
+        if "capture_graphs" not in self.names or not prefill_buckets(cfg):
+            return False, False
+        return cfg.graph.target != "none", self._device_draft() and cfg.graph.draft != "none"
+
+    def staging_rows(self) -> tuple[int, int]:
+        """(target, draft) rows of the staging caches the prefill graphs write (a server's; else none)."""
+        rows = prefill_rows(self.cfg) or 0
+        return tuple(rows * side for side in self.prefill_sides())
 
     def _device_draft(self) -> bool:
         """A draft with a head of its own that drafts on the device (its own KV cache and prefill)."""
@@ -181,15 +185,13 @@ class Plan:
         input embeddings [rows, T, hidden] and logits index; a device draft's tokens, positions, valid,
         features [rows, T, F] (F: n_aux x hidden, or hidden), first token and sampling."""
         cfg, a, d = self.cfg, self.env.target_args, self.env.draft_plan
-        buckets = [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]
-        if "capture_graphs" not in self.names or not buckets:
+        target, draft = self.prefill_sides()
+        if not (target or draft):
             return 0
-        from stages.capture_graphs import max_batch
-
-        rows, t = 1 if cfg.task == "serve" else max_batch(cfg), max(buckets)
+        rows, t = prefill_rows(cfg) or max_batch(cfg), max(prefill_buckets(cfg))
         tokens = rows * t * (8 + 8 + 1)  # tokens, positions (int64), valid (bool)
-        total = tokens + rows * t * a.hidden_size * elem + rows * 8 if cfg.graph.target != "none" else 0
-        if self._device_draft() and cfg.graph.draft != "none":
+        total = tokens + rows * t * a.hidden_size * elem + rows * 8 if target else 0
+        if draft:
             width = {"aux": len(d.aux.input_of) * a.hidden_size if d.aux else 0, "final": a.hidden_size}
             total += tokens + rows * t * width.get(d.features.value, 0) * elem + rows * (8 + 4 + 4 + 8)
         return total

@@ -39,6 +39,17 @@ def max_batch(cfg) -> int:
     return cfg.graph.max_batch_size or run_batch(cfg)[1]
 
 
+def prefill_buckets(cfg) -> list[int]:
+    """The prefill graphs' buckets: those of graph.prefill_buckets that fit model.max_seq_len."""
+    return [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]
+
+
+def prefill_rows(cfg) -> int | None:
+    """Rows of the staging caches the prefill graphs write: a server's joins go through one; None: the
+    graphs write the batch's own cache."""
+    return 1 if cfg.task == "serve" else None
+
+
 def samples(cfg) -> bool:
     """The run draws tokens (rounds with rejection sampling are captured too): a server, or an eval
     with temperature > 0."""
@@ -138,11 +149,11 @@ class CaptureGraphsStage(Stage):
             cfg.graph.target,
             cfg.graph.draft if plan is not None else "none",
             capture_sizes(cfg),
-            [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len],
+            prefill_buckets(cfg),
             features=plan is not None and plan.features.value != "none",
             sampled=samples(cfg),
             round_ks=round_ks(cfg, k),
-            prefill_rows=1 if cfg.task == "serve" else None,
+            prefill_rows=prefill_rows(cfg),
         ).capture()
         m = graphs.metrics()
         if env.tracker is not None:

@@ -100,10 +100,13 @@ class EngineLink:
 
     def send(self, msg: tuple) -> None:
         with self.lock:
-            try:
-                self.conn.send(msg)
-            except (BrokenPipeError, ConnectionResetError, OSError):  # the front is gone: pump() sees EOF
-                pass
+            self._write(msg)
+
+    def _write(self, msg: tuple) -> None:  # under self.lock
+        try:
+            self.conn.send(msg)
+        except (BrokenPipeError, ConnectionResetError, OSError):  # the front is gone: pump() sees EOF
+            pass
 
     def put(self, rid: int, ev: TokenEvent) -> None:
         req = self.requests.pop(rid) if ev.finish_reason is not None else self.requests[rid]
@@ -115,10 +118,7 @@ class EngineLink:
             if not self.events:
                 return
             batch, self.events = self.events, []
-            try:
-                self.conn.send(("events", batch))
-            except (BrokenPipeError, ConnectionResetError, OSError):
-                pass
+            self._write(("events", batch))
 
     def snapshot(self) -> EngineSnapshot:
         s = self.scheduler

@@ -355,13 +355,14 @@ class SpecDecoder:
         sampled = draws is not None and d is not None and d.draws_at_prefill
         runner = self.draft_prefills.get(sampled)
         staged = runner is not None and self.draft_prefill_cache is not d.cache
-        if runner is None or embeds is not None or not staged and sl.start:  # the graphs write rows 0..b-1
+        fits = runner is not None and runner.bucket_for(n, width) is not None
+        one_by_one = not fits and staged and n > 1 and runner.bucket_for(1, width) is not None
+        # eager: no graph, prompts as embeddings, rows past 0 without a staging row (the graphs write
+        # rows 0..b-1), or no bucket that holds the prompts even one at a time
+        if embeds is not None or not staged and sl.start or not (fits or one_by_one):
             self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
             return
-        if runner.bucket_for(n, width) is None:
-            if not (staged and n > 1 and runner.bucket_for(1, width)):
-                self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
-                return
+        if one_by_one:
             for i in range(n):  # each prompt alone through the staging row
                 j, row = slice(i, i + 1), slice(sl.start + i, sl.start + i + 1)
                 part = None if draws is None else draws.rows(j)
