@@ -498,7 +498,7 @@ def test_label_temperature_trains_on_sharpened_labels_and_evaluates_on_the_targe
     same seeded head on the same samples, the held-out loss before training is the same at T = 0.25 as
     at T = 1 (the target's own distribution), and the trained heads differ."""
     common = [*TRAIN, "train.steps=20", "train.loop_eval_prompts=0"]
-    soft = run(compose_cfg(*common, "train.name=soft", "train.label_temperature=1"))  # the recipe's is 0.5
+    soft = run(compose_cfg(*common, "train.name=soft", "train.label_temperature=1"))  # the recipe's: the target's own
     sharp = run(compose_cfg(*common, "train.name=sharp", "train.label_temperature=0.25"))
     client = MlflowClient(default_tracking_uri(outputs))
     runs = client.search_runs(
