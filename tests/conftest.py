@@ -24,17 +24,18 @@ from pipeline.paths import REPO
 
 
 def _interpreted_dot_rounds_once() -> None:
-    """Under the Triton interpreter, tl.dot sums its products in fp64 and rounds once to the accumulator's
-    dtype. The interpreter's own dot is numpy's fp32 matmul, which OpenBLAS rounds row by row according to
-    where a row sits in the matrix under some of its kernels (OPENBLAS_CORETYPE=Haswell): the kernels'
-    batch-invariance tests would read that host effect as theirs. On the GPU the dot is the kernel's own."""
+    """Under the Triton interpreter, an fp32 tl.dot sums its products in fp64, rounds the sum to fp32 once,
+    then adds the accumulator. The interpreter's own dot is numpy's fp32 matmul, which OpenBLAS rounds row
+    by row according to where a row sits in the matrix under some of its kernels (OPENBLAS_CORETYPE=Haswell):
+    the kernels' batch-invariance tests would read that host effect as theirs. On the GPU the dot is the
+    kernel's own."""
     import numpy as np
     from triton.runtime.interpreter import InterpreterBuilder, TensorHandle
 
     plain = InterpreterBuilder.create_dot
 
     def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
-        if not (a.dtype.is_floating() and a.dtype.primitive_bitwidth >= 16 and d.data.dtype == np.float32):
+        if not (a.data.dtype == b.data.dtype == d.data.dtype == np.float32):  # the kernels' dots: fp32 here
             return plain(self, a, b, d, input_precision, max_num_imprecise_acc)
         ab = np.matmul(a.data.astype(np.float64), b.data.astype(np.float64))
         return TensorHandle(ab.astype(np.float32) + d.data, d.dtype.scalar)
