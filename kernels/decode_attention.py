@@ -11,7 +11,7 @@
 
 Flash-decoding: two kernels, split-KV then combine.
 
-1. `_split_kernel`, grid (batch, kv_heads * row_blocks, num_splits). The query rows that read a kv
+1. `_split_kernel`, grid (batch, kv_heads * row_blocks, programs). The query rows that read a kv
    head, GROUP = heads / kv_heads query heads x t tokens, are tiled in blocks of ROWS: 16 (tl.dot's
    minimum) for t <= SMALL_T (decode, verify, draft steps), MAX_ROWS = 64 for longer t (prefill); t is
    a runtime argument, so prompt lengths do not recompile. A program walks the cache in blocks of
@@ -28,6 +28,13 @@ Flash-decoding: two kernels, split-KV then combine.
    lse_max), in q's dtype. Splits with lse = -inf weigh 0; split 0 always sees slot 0.
 With a single split (a cache of one block, or num_splits=1) the split kernel writes the final output
 itself (DIRECT): one launch, no workspace, no combine.
+
+Program p computes splits p, p + programs, ... in turn: a split each up to batch 8 or so, fewer programs
+than splits past `TARGET_PROGRAMS` in the grid (`programs_for`), where a program apiece for 32 mostly idle
+splits costs more than the splits' work. Such a grid is bound by its traffic, so it runs LAZY: a program
+past its tile's live prefix loads no q, an idle split writes lse alone, and the combine reads o only where
+lse is finite. A small grid is bound by latency: there every split writes its o and the combine loads o
+beside lse. A split's partial, and so the output, is the same bits whichever program computes it.
 
 num_splits comes from the cache size alone (`num_splits_for`: one per block of the cache, at most
 MAX_SPLITS), never from the live length, the batch, or whether a CUDA graph is being captured; the loop
@@ -71,6 +78,7 @@ if triton is not None:
     import triton.language as tl
 
 MAX_SPLITS = 32
+TARGET_PROGRAMS = 2048  # split programs in all above which a program computes several splits (programs_for)
 SMALL_T = 16  # t up to this (decode, verify, draft steps) takes row tiles of 16, longer t (prefill) of MAX_ROWS
 MAX_ROWS = 64  # query rows per split program for long t; longer t is tiled over programs
 _LOG2E = 1.4426950408889634
@@ -98,7 +106,7 @@ def decode_attention_reference(
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
-    @triton.jit(do_not_specialize=["T", "ROW_BLOCKS"])  # decode (t = 1) runs the same binary as a verify
+    @triton.jit(do_not_specialize=["T", "ROW_BLOCKS", "PROGRAMS"])  # decode (t = 1): the same binary as a verify
     def _split_kernel(
         Q,
         K,
@@ -130,17 +138,19 @@ if triton is not None:
         s_ot,  # OUT's strides (DIRECT: one split writes the final output, no combine)
         T,
         ROW_BLOCKS,
+        PROGRAMS,  # programs a tile: program p computes splits p, p + PROGRAMS, ... (PROGRAMS <= NUM_SPLITS)
         GROUP: tl.constexpr,
         ROWS: tl.constexpr,
         NUM_SPLITS: tl.constexpr,
         DIRECT: tl.constexpr,
         WINDOWED: tl.constexpr,
+        LAZY: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         BLOCK_N: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
     ):
-        b, pid, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, pid, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kvh, rb = pid // ROW_BLOCKS, pid % ROW_BLOCKS
         r = rb * ROWS + tl.arange(0, ROWS)  # row r of this kv head: query head kvh * GROUP + r // T, token r % T
         valid = r < GROUP * T
@@ -149,50 +159,60 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         n = tl.load(QPOS + b * s_pb + i * s_pt, mask=valid, other=-1) + 1  # [ROWS] live slots, 0 for padding
         n_max = tl.max(n, 0)
-        first = split * BLOCK_N  # this split's first block: split, split + NUM_SPLITS, ...
         if WINDOWED:  # [ROWS] first live slot of each row (its sliding window's start)
             lo = tl.load(QLO + b * s_lb + i * s_lt, mask=valid, other=0)
             lo_min = tl.min(tl.where(valid, lo, n_max), 0)  # below it no row of the tile reads a slot
-            below = tl.maximum(lo_min // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
-            first = (split + below * NUM_SPLITS) * BLOCK_N  # this split's first block that reaches lo_min
 
         q_ptr = Q + b * s_qb + h[:, None] * s_qh + i[:, None] * s_qt + d[None, :]
-        q = tl.load(q_ptr, mask=valid[:, None], other=0.0).to(K.dtype.element_ty).to(DOT_DTYPE)  # [ROWS, D]
+        busy = valid
+        if LAZY:  # [ROWS] rows with a live slot in this program's splits: an idle program loads no q
+            busy = valid & (n > program * BLOCK_N)
+        q = tl.load(q_ptr, mask=busy[:, None], other=0.0).to(K.dtype.element_ty).to(DOT_DTYPE)  # [ROWS, D]
         k_base = K + b * s_kb + kvh * s_kh
         v_base = V + b * s_vb + kvh * s_vh
 
-        m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 domain)
-        l_i = tl.zeros([ROWS], tl.float32)  # running sum of 2^(s - m_i)
-        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-        for start in range(first, n_max, NUM_SPLITS * BLOCK_N):
-            offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-            in_prefix = offs < n_max  # slots below n_max hold written K / V (finite)
-            kt = tl.load(k_base + offs[None, :] * s_ks + d[:, None], mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]
-            s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
-            live = offs[None, :] < n[:, None]  # [ROWS, BLOCK_N]
+        for split in range(program, NUM_SPLITS, PROGRAMS):  # each split's partial is the same whatever PROGRAMS is
+            first = split * BLOCK_N  # this split's first block: split, split + NUM_SPLITS, ...
             if WINDOWED:
-                live = live & (offs[None, :] >= lo[:, None])
-            s = tl.where(live, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))  # [ROWS]
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing live yet: no NaN
-            p = tl.exp2(s - m_use[:, None])  # [ROWS, BLOCK_N]
-            alpha = tl.exp2(m_i - m_use)  # [ROWS]
-            v = tl.load(v_base + offs[:, None] * s_vs + d[None, :], mask=in_prefix[:, None], other=0.0)  # [BLOCK_N, D]
-            pv = tl.dot(p.to(V.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-            acc = acc * alpha[:, None] + pv  # [ROWS, D]
-            l_i = l_i * alpha + tl.sum(p, 1)
-            m_i = m_new
+                below = tl.maximum(lo_min // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+                first = (split + below * NUM_SPLITS) * BLOCK_N  # this split's first block that reaches lo_min
+            m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 domain)
+            l_i = tl.zeros([ROWS], tl.float32)  # running sum of 2^(s - m_i)
+            acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+            for start in range(first, n_max, NUM_SPLITS * BLOCK_N):
+                offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+                in_prefix = offs < n_max  # slots below n_max hold written K / V (finite)
+                k_ptr = k_base + offs[None, :] * s_ks + d[:, None]
+                kt = tl.load(k_ptr, mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]
+                s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+                live = offs[None, :] < n[:, None]  # [ROWS, BLOCK_N]
+                if WINDOWED:
+                    live = live & (offs[None, :] >= lo[:, None])
+                s = tl.where(live, s, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))  # [ROWS]
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing live yet: no NaN
+                p = tl.exp2(s - m_use[:, None])  # [ROWS, BLOCK_N]
+                alpha = tl.exp2(m_i - m_use)  # [ROWS]
+                v_ptr = v_base + offs[:, None] * s_vs + d[None, :]
+                v = tl.load(v_ptr, mask=in_prefix[:, None], other=0.0)  # [BLOCK_N, D]
+                pv = tl.dot(p.to(V.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+                acc = acc * alpha[:, None] + pv  # [ROWS, D]
+                l_i = l_i * alpha + tl.sum(p, 1)
+                m_i = m_new
 
-        seen = l_i > 0.0
-        o = acc / tl.where(seen, l_i, 1.0)[:, None]  # [ROWS, D]
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [ROWS]
-        if DIRECT:  # the only split: its normalised output is the answer
-            out_ptr = OUT + b * s_ob + h[:, None] * s_oh + i[:, None] * s_ot + d[None, :]
-            tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=valid[:, None])
-        else:
-            part = b * s_wb + h * s_wh + i * s_wt + split  # [ROWS] index of (b, h, i, split) in lse_part
-            tl.store(LSE_PART + part, lse, mask=valid)
-            tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], o, mask=valid[:, None])
+            seen = l_i > 0.0
+            o = acc / tl.where(seen, l_i, 1.0)[:, None]  # [ROWS, D]
+            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [ROWS]
+            if DIRECT:  # the only split: its normalised output is the answer
+                out_ptr = OUT + b * s_ob + h[:, None] * s_oh + i[:, None] * s_ot + d[None, :]
+                tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=valid[:, None])
+            else:
+                part = b * s_wb + h * s_wh + i * s_wt + split  # [ROWS] index of (b, h, i, split) in lse_part
+                tl.store(LSE_PART + part, lse, mask=valid)
+                o_mask = valid[:, None]
+                if LAZY:  # an idle split's o: never read by the combine
+                    o_mask = (valid & seen)[:, None]
+                tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
 
     @triton.jit
     def _combine_kernel(
@@ -208,6 +228,7 @@ if triton is not None:
         NUM_SPLITS: tl.constexpr,
         SPLITS_P2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
+        LAZY: tl.constexpr,
     ):
         b, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         sp = tl.arange(0, SPLITS_P2)
@@ -218,7 +239,10 @@ if triton is not None:
         lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
         wt = tl.exp2(lse - lse_max)  # [SPLITS_P2], 0 for empty splits
         o_ptr = O_PART + part[:, None] * HEAD_DIM + d[None, :]
-        o = tl.load(o_ptr, mask=sp[:, None] < NUM_SPLITS, other=0.0)  # [SPLITS_P2, D]
+        if LAZY:  # a large grid: read only the o that was written (the load waits on lse)
+            o = tl.load(o_ptr, mask=(lse > float("-inf"))[:, None], other=0.0)  # [SPLITS_P2, D]
+        else:  # a small one: every split wrote its o (zeros where idle), loaded beside lse
+            o = tl.load(o_ptr, mask=sp[:, None] < NUM_SPLITS, other=0.0)  # [SPLITS_P2, D]
         out = tl.sum(o * wt[:, None], 0) / tl.maximum(tl.sum(wt, 0), 1e-30)  # [D]
         tl.store(OUT + b * s_ob + h * s_oh + i * s_ot + d, out.to(OUT.dtype.element_ty))
 
@@ -230,6 +254,14 @@ def num_splits_for(slots: int, block_n: int) -> int:
     return max(1, min(MAX_SPLITS, triton.cdiv(slots, block_n)))
 
 
+def programs_for(tiles: int, num_splits: int) -> int:
+    """Split programs a (batch row, kv head, row block) tile: every split its own program while the grid
+    is small (batch 1-8: a short prefix's few live blocks spread over the SMs); past TARGET_PROGRAMS in
+    all, fewer, each computing several splits in turn (at batch 64 most of 32 splits find no live
+    block, and a program apiece costs more than their work). The splits and their partials stay the same."""
+    return max(1, min(num_splits, triton.cdiv(TARGET_PROGRAMS, tiles)))
+
+
 def decode_attention(
     q: Tensor,
     k: Tensor,
@@ -239,9 +271,11 @@ def decode_attention(
     num_splits: int | None = None,
     qlo: Tensor | None = None,
     scale: float | None = None,
+    programs: int | None = None,
 ) -> Tensor:
     """Split-KV Triton kernels (see module docstring); the reference where triton is missing.
-    `num_splits` overrides the rule in `num_splits_for` (tests, benchmarks); `qlo`: each query's first slot;
+    `num_splits` / `programs` override the rules in `num_splits_for` / `programs_for` (tests, benchmarks);
+    `qlo`: each query's first slot;
     `scale`: the scores' factor (None: head_dim ** -0.5; Gemma: query_pre_attn_scalar ** -0.5)."""
     if triton is None:
         return decode_attention_reference(q, k, v, qpos, qlo, scale)
@@ -268,7 +302,10 @@ def decode_attention(
     # both contiguous: o_part's element (b, h, i, s, :) sits at lse_part's index * d
     s_w = lse_part.stride()[:3] if not direct else (0, 0, 0)
     lo = qpos if qlo is None else qlo  # a placeholder without a window: WINDOWED=False never reads it
-    _split_kernel[(b, kv_heads * row_blocks, num_splits)](
+    if programs is None:
+        programs = programs_for(b * kv_heads * row_blocks, num_splits)
+    lazy = programs < num_splits  # a grid this large is bound by its traffic, not its latency
+    _split_kernel[(b, kv_heads * row_blocks, programs)](
         q,
         k,
         v,
@@ -296,11 +333,13 @@ def decode_attention(
         out.stride(2),
         t,
         row_blocks,
+        programs,
         GROUP=group,
         ROWS=rows,
         NUM_SPLITS=num_splits,
         DIRECT=direct,
         WINDOWED=qlo is not None,
+        LAZY=lazy,
         HEAD_DIM=d,
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,
@@ -319,6 +358,7 @@ def decode_attention(
             NUM_SPLITS=num_splits,
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM=d,
+            LAZY=lazy,
             num_warps=1,
         )
     return out

@@ -126,6 +126,63 @@ def test_decode_attention_long_t_is_tiled_over_row_blocks(device):
         assert (got - ref).abs().max() < 2e-5, t
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("programs", [None, 3])
+def test_idle_splits_on_a_large_grid_leave_the_workspace_unwritten(device, programs, monkeypatch):
+    """With the workspaces poisoned with NaN before the call, short rows in a cache of 8 splits (most of
+    them idle, one row's queries live in different splits) match the reference either way. On a small
+    grid (a program a split) an idle split writes o = 0; on a large one (LAZY: fewer programs than splits)
+    it writes its lse (-inf) alone and the combine reads o only where lse is finite."""
+    g = torch.Generator().manual_seed(5)
+    b, heads, kv_heads, t, d, slots = 2, 4, 2, 3, 16, 256
+    q = torch.randn(b, heads, t, d, generator=g).to(device)
+    k = torch.randn(b, kv_heads, slots, d, generator=g).to(device)
+    v = torch.randn(b, kv_heads, slots, d, generator=g).to(device)
+    qpos = (torch.tensor([5, 30])[:, None] + torch.arange(t)[None]).to(device)  # row 1: slots 30..32 span 2 blocks
+    workspaces, empty = [], torch.empty
+
+    def poisoned(*shape, **kw):  # the kernels' fp32 workspaces start as NaN
+        x = empty(*shape, **kw)
+        if x.dtype == torch.float32 and x.dim() >= 4:
+            workspaces.append(x.fill_(float("nan")))
+        return x
+
+    monkeypatch.setattr(torch, "empty", poisoned)
+    got = da.decode_attention(q, k, v, qpos, block_n=32, programs=programs)
+    monkeypatch.undo()
+    o_part, lse_part = workspaces  # [b, heads, t, 8, d], [b, heads, t, 8]
+    assert torch.allclose(got, da.decode_attention_reference(q, k, v, qpos), atol=2e-5, rtol=1e-4)
+    assert torch.isneginf(lse_part[..., 2:]).all()
+    assert torch.isfinite(o_part[1, :, 2, 1]).all()  # slot 32 alone
+    if programs is None:
+        assert (o_part[..., 2:, :] == 0).all() and (o_part[1, :, 0, 1] == 0).all()
+    else:
+        assert torch.isnan(o_part[..., 2:, :]).all() and torch.isnan(o_part[1, :, 0, 1]).all()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("windowed", [False, True])
+def test_fewer_programs_than_splits_give_the_same_bits(device, windowed):
+    """A program computing several splits in turn writes each split's partial as its own program would:
+    the output is bitwise the same for 1, 3 and 8 programs a tile over 8 splits (rows of different
+    lengths, a verify's queries, with and without a sliding window), and the rule keeps a program a
+    split up to TARGET_PROGRAMS."""
+    g = torch.Generator().manual_seed(6)
+    b, heads, kv_heads, t, d, slots = 3, 6, 2, 6, 16, 256
+    q = torch.randn(b, heads, t, d, generator=g).to(device)
+    k = torch.randn(b, kv_heads, slots, d, generator=g).to(device)
+    v = torch.randn(b, kv_heads, slots, d, generator=g).to(device)
+    qpos = (torch.tensor([3, 90, 240])[:, None] + torch.arange(t)[None]).to(device)
+    qlo = (qpos - 70).clamp(min=0) if windowed else None
+    one_each = da.decode_attention(q, k, v, qpos, block_n=32, qlo=qlo, programs=8)
+    assert torch.allclose(one_each, da.decode_attention_reference(q, k, v, qpos, qlo), atol=2e-5, rtol=1e-4)
+    for programs in (1, 3):
+        assert torch.equal(da.decode_attention(q, k, v, qpos, block_n=32, qlo=qlo, programs=programs), one_each)
+    assert da.programs_for(3 * 2 * 2, 8) == 8  # batch 3: a program a split
+    assert da.programs_for(64 * 3 * 2, 32) == -(-da.TARGET_PROGRAMS // 384) < 32  # batch 64 of SmolLM2, t = 6
+    assert da.programs_for(10**6, 32) == 1
+
+
 def test_decode_attention_num_splits_from_cache_size_only():
     """The grid depends on the cache size only (a captured graph replays it as sequences grow, and a
     row's split, hence its bits, is the same in any batch, eager or captured): one split per block of
