@@ -40,8 +40,9 @@ num_splits comes from the cache size alone (`num_splits_for`: one per block of t
 MAX_SPLITS), never from the live length, the batch, or whether a CUDA graph is being captured; the loop
 bounds are read on the device from qpos. So the grid is fixed for a given cache, and a CUDA graph
 captured once stays valid as sequences grow; the work still follows the live length (splits past it
-only write their empty partials). Interleaving the blocks over splits, rather than giving each split
-a contiguous chunk of the cache, keeps the splits busy when the live prefix is short.
+write only their empty partials, or on a LAZY grid their lse). Interleaving the blocks over splits,
+rather than giving each split a contiguous chunk of the cache, keeps the splits busy when the live
+prefix is short.
 
 Batch invariance: a (batch row, head, query) output is bitwise the same whether the query is a decode
 (t = 1), one of a verify's k + 1 tokens, or beside other batch rows, eager or captured. Batch rows are
