@@ -107,6 +107,64 @@ def decode_attention_reference(
 if triton is not None:
     _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
+    @triton.jit
+    def _one_split(
+        q, n, n_max, lo, lo_min, valid, h, i, d, b, k_base, v_base, s_ks, s_vs, qk_scale,
+        O_PART, LSE_PART, OUT, s_wb, s_wh, s_wt, s_ob, s_oh, s_ot,
+        split,
+        ROWS: tl.constexpr,
+        NUM_SPLITS: tl.constexpr,
+        DIRECT: tl.constexpr,
+        WINDOWED: tl.constexpr,
+        LAZY: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        DOT_DTYPE: tl.constexpr,
+        DOT_PRECISION: tl.constexpr,
+    ):  # fmt: skip
+        """One split's partial over its blocks split, split + NUM_SPLITS, ...: o and lse (or OUT if DIRECT)."""
+        first = split * BLOCK_N  # this split's first block: split, split + NUM_SPLITS, ...
+        if WINDOWED:
+            below = tl.maximum(lo_min // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
+            first = (split + below * NUM_SPLITS) * BLOCK_N  # this split's first block that reaches lo_min
+        m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 domain)
+        l_i = tl.zeros([ROWS], tl.float32)  # running sum of 2^(s - m_i)
+        acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
+        for start in range(first, n_max, NUM_SPLITS * BLOCK_N):
+            offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+            in_prefix = offs < n_max  # slots below n_max hold written K / V (finite)
+            k_ptr = k_base + offs[None, :] * s_ks + d[:, None]
+            kt = tl.load(k_ptr, mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]
+            s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
+            live = offs[None, :] < n[:, None]  # [ROWS, BLOCK_N]
+            if WINDOWED:
+                live = live & (offs[None, :] >= lo[:, None])
+            s = tl.where(live, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))  # [ROWS]
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing live yet: no NaN
+            p = tl.exp2(s - m_use[:, None])  # [ROWS, BLOCK_N]
+            alpha = tl.exp2(m_i - m_use)  # [ROWS]
+            v_ptr = v_base + offs[:, None] * s_vs + d[None, :]
+            v = tl.load(v_ptr, mask=in_prefix[:, None], other=0.0)  # [BLOCK_N, D]
+            pv = tl.dot(p.to(v_base.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
+            acc = acc * alpha[:, None] + pv  # [ROWS, D]
+            l_i = l_i * alpha + tl.sum(p, 1)
+            m_i = m_new
+
+        seen = l_i > 0.0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]  # [ROWS, D]
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [ROWS]
+        if DIRECT:  # the only split: its normalised output is the answer
+            out_ptr = OUT + b * s_ob + h[:, None] * s_oh + i[:, None] * s_ot + d[None, :]
+            tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=valid[:, None])
+        else:
+            part = b * s_wb + h * s_wh + i * s_wt + split  # [ROWS] index of (b, h, i, split) in lse_part
+            tl.store(LSE_PART + part, lse, mask=valid)
+            o_mask = valid[:, None]
+            if LAZY:  # an idle split's o: never read by the combine
+                o_mask = (valid & seen)[:, None]
+            tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+
     @triton.jit(do_not_specialize=["T", "ROW_BLOCKS", "PROGRAMS"])  # decode (t = 1): the same binary as a verify
     def _split_kernel(
         Q,
@@ -160,6 +218,7 @@ if triton is not None:
         d = tl.arange(0, HEAD_DIM)
         n = tl.load(QPOS + b * s_pb + i * s_pt, mask=valid, other=-1) + 1  # [ROWS] live slots, 0 for padding
         n_max = tl.max(n, 0)
+        lo, lo_min = n, 0  # no window: unread
         if WINDOWED:  # [ROWS] first live slot of each row (its sliding window's start)
             lo = tl.load(QLO + b * s_lb + i * s_lt, mask=valid, other=0)
             lo_min = tl.min(tl.where(valid, lo, n_max), 0)  # below it no row of the tile reads a slot
@@ -172,48 +231,19 @@ if triton is not None:
         k_base = K + b * s_kb + kvh * s_kh
         v_base = V + b * s_vb + kvh * s_vh
 
-        for split in range(program, NUM_SPLITS, PROGRAMS):  # each split's partial is the same whatever PROGRAMS is
-            first = split * BLOCK_N  # this split's first block: split, split + NUM_SPLITS, ...
-            if WINDOWED:
-                below = tl.maximum(lo_min // BLOCK_N - split + NUM_SPLITS - 1, 0) // NUM_SPLITS
-                first = (split + below * NUM_SPLITS) * BLOCK_N  # this split's first block that reaches lo_min
-            m_i = tl.full([ROWS], float("-inf"), tl.float32)  # running max (log2 domain)
-            l_i = tl.zeros([ROWS], tl.float32)  # running sum of 2^(s - m_i)
-            acc = tl.zeros([ROWS, HEAD_DIM], tl.float32)
-            for start in range(first, n_max, NUM_SPLITS * BLOCK_N):
-                offs = start + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-                in_prefix = offs < n_max  # slots below n_max hold written K / V (finite)
-                k_ptr = k_base + offs[None, :] * s_ks + d[:, None]
-                kt = tl.load(k_ptr, mask=in_prefix[None, :], other=0.0)  # [D, BLOCK_N]
-                s = tl.dot(q, kt.to(DOT_DTYPE), input_precision=DOT_PRECISION) * qk_scale  # [ROWS, BLOCK_N]
-                live = offs[None, :] < n[:, None]  # [ROWS, BLOCK_N]
-                if WINDOWED:
-                    live = live & (offs[None, :] >= lo[:, None])
-                s = tl.where(live, s, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))  # [ROWS]
-                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing live yet: no NaN
-                p = tl.exp2(s - m_use[:, None])  # [ROWS, BLOCK_N]
-                alpha = tl.exp2(m_i - m_use)  # [ROWS]
-                v_ptr = v_base + offs[:, None] * s_vs + d[None, :]
-                v = tl.load(v_ptr, mask=in_prefix[:, None], other=0.0)  # [BLOCK_N, D]
-                pv = tl.dot(p.to(V.dtype.element_ty).to(DOT_DTYPE), v.to(DOT_DTYPE), input_precision=DOT_PRECISION)
-                acc = acc * alpha[:, None] + pv  # [ROWS, D]
-                l_i = l_i * alpha + tl.sum(p, 1)
-                m_i = m_new
-
-            seen = l_i > 0.0
-            o = acc / tl.where(seen, l_i, 1.0)[:, None]  # [ROWS, D]
-            lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))  # [ROWS]
-            if DIRECT:  # the only split: its normalised output is the answer
-                out_ptr = OUT + b * s_ob + h[:, None] * s_oh + i[:, None] * s_ot + d[None, :]
-                tl.store(out_ptr, o.to(OUT.dtype.element_ty), mask=valid[:, None])
-            else:
-                part = b * s_wb + h * s_wh + i * s_wt + split  # [ROWS] index of (b, h, i, split) in lse_part
-                tl.store(LSE_PART + part, lse, mask=valid)
-                o_mask = valid[:, None]
-                if LAZY:  # an idle split's o: never read by the combine
-                    o_mask = (valid & seen)[:, None]
-                tl.store(O_PART + part[:, None] * HEAD_DIM + d[None, :], o, mask=o_mask)
+        if LAZY:  # each split's partial is the same whichever program computes it
+            for split in range(program, NUM_SPLITS, PROGRAMS):
+                _one_split(
+                    q, n, n_max, lo, lo_min, valid, h, i, d, b, k_base, v_base, s_ks, s_vs, qk_scale,
+                    O_PART, LSE_PART, OUT, s_wb, s_wh, s_wt, s_ob, s_oh, s_ot, split,
+                    ROWS, NUM_SPLITS, DIRECT, WINDOWED, LAZY, HEAD_DIM, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+                )  # fmt: skip
+        else:  # a split a program: no loop around it
+            _one_split(
+                q, n, n_max, lo, lo_min, valid, h, i, d, b, k_base, v_base, s_ks, s_vs, qk_scale,
+                O_PART, LSE_PART, OUT, s_wb, s_wh, s_wt, s_ob, s_oh, s_ot, program,
+                ROWS, NUM_SPLITS, DIRECT, WINDOWED, LAZY, HEAD_DIM, BLOCK_N, DOT_DTYPE, DOT_PRECISION,
+            )  # fmt: skip
 
     @triton.jit
     def _combine_kernel(
