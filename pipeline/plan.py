@@ -141,7 +141,7 @@ class Plan:
             return tokens * 2 * a.intermediate_size * elem + logits * a.vocab_size * 4
 
         verify = step_bytes(rows * (self.cfg.draft.k + 1), rows * (self.cfg.draft.k + 1))
-        prefill = step_bytes(max(self.cfg.graph.prefill_buckets, default=1), rows)
+        prefill = step_bytes(max(prefill_buckets(self.cfg), default=1), rows)  # the buckets that fit max_seq_len
         staging, slots = self.staging_rows(), self.cfg.model.max_seq_len + 1  # a server's prefill: one row more
         return {
             "weights_mb": a.num_params() * elem / 2**20,

@@ -89,6 +89,16 @@ def test_the_memory_estimate_counts_the_caches_and_prefill_inputs_as_capture_all
     assert mem["draft_kv_cache_mb"] * 2**20 == pytest.approx(sum(c.nbytes() for c in draft))
 
 
+def test_the_memory_estimate_skips_prefill_buckets_past_max_seq_len(outputs):
+    """A bucket longer than model.max_seq_len is never captured, so it adds no activations: the estimate
+    with buckets [16, 64, 4096] at 400 slots is that of [16, 64], and below that of 4096 slots."""
+    common = ("model=tiny", "device=cpu", "graph=debug", "eval=quick", "eval.batch_size=2", "eval.max_new_tokens=32")
+    mem = lambda *o: plan_of(*common, *o, outputs=outputs).memory_estimate()["activations_mb"]  # noqa: E731
+    fits = mem("model.max_seq_len=400", "graph.prefill_buckets=[16,64]")
+    assert mem("model.max_seq_len=400", "graph.prefill_buckets=[16,64,4096]") == fits
+    assert mem("model.max_seq_len=4096", "graph.prefill_buckets=[16,64,4096]") > fits
+
+
 def test_set_up_runs_only_the_stages_named(outputs):
     """A script's way to the loaded target and head (benchmarks/): those stages' outputs, no eval."""
     plan = plan_of(
