@@ -225,6 +225,14 @@ def test_stop_strings_and_seeds(servers):
     while counts()["stop"] < before["stop"] + 2 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert counts() == {"stop": before["stop"] + 2, "abort": before["abort"]}  # counted as the client was told
+    # A stop string that only the last token completes: the engine ended the request at max_tokens first.
+    last = next(full[-n:] for n in range(1, len(full)) if full.index(full[-n:]) == len(full) - n)
+    cut = complete(s, PROMPTS[1], max_tokens=24, stop=[last]).choices[0]
+    assert cut.text == full[: -len(last)] and cut.finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while counts()["stop"] < before["stop"] + 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert counts() == {"stop": before["stop"] + 3, "abort": before["abort"]}
 
     # A seeded sampled request gives the same output alone and among other sampled requests.
     alone = complete(s, PROMPTS[2], temperature=0.9, seed=7, max_tokens=16).choices[0].text

@@ -5,6 +5,7 @@ child (uvicorn, the OpenAI app, tokenizing and detokenizing: engine/serve/http.p
 so the front's HTTP work never holds up a round's launches. Messages are tuples:
 
     front -> engine   ("submit", rid, Submission)   ("cancel", rid, reason)   ("abort",)   ("snapshot", ask)
+                      ("recount", reason, "stop")   a stop string in a request the engine ended as reason
     engine -> front   ("submitted", rid, None | (refusal, message))   ("snapshot", ask, EngineSnapshot)
                       ("events", [(rid, TokenEvent, counts), ...])   one message per engine pass
                       ("stop", now)   what Ctrl-C does (now: a second one)
@@ -157,6 +158,8 @@ class EngineLink:
                 self._submit(msg[1], msg[2])
             elif kind == "cancel" and (req := self.requests.get(msg[1])) is not None:
                 self.scheduler.cancel(req, msg[2])
+            elif kind == "recount":
+                self.scheduler.recount(msg[1], msg[2])
             elif kind == "abort":
                 self.scheduler.abort()
             elif kind == "snapshot":
@@ -184,6 +187,7 @@ class RemoteEngine:
         self.conn = conn
         self.queues: dict[int, asyncio.Queue] = {}  # rid -> the request's events
         self.waiting: dict[int, asyncio.Future] = {}  # asks and submits not answered yet
+        self.stopping: set[int] = set()  # cancelled for a stop string, their last event not here yet
         self.alive = True  # the engine is there
         self.on_stop: Callable[[bool], None] = lambda now: None
         self._ids = 0
@@ -224,6 +228,16 @@ class RemoteEngine:
         if rid in self.queues:
             self.send(("cancel", rid, reason))
 
+    def stop(self, rid: int, ended: Optional[str]) -> None:
+        """A stop string ended request rid, and its client is told "stop": cancel it as such. Where the
+        engine ended it as "length" first (`ended`, its last event's reason, or its cancel crossing
+        that event), it is counted again as "stop"."""
+        if rid in self.queues:
+            self.stopping.add(rid)
+            self.send(("cancel", rid, "stop"))
+        elif ended == "length":
+            self.send(("recount", ended, "stop"))
+
     def abort(self) -> None:
         self.send(("abort",))
 
@@ -251,6 +265,9 @@ class RemoteEngine:
                     q.put_nowait((ev, n))
                     if ev.finish_reason is not None:
                         del self.queues[rid]
+                        if rid in self.stopping:
+                            self.stopping.discard(rid)
+                            self.stop(rid, ev.finish_reason)
         elif kind in ("submitted", "snapshot"):
             if (fut := self.waiting.pop(msg[1], None)) is not None and not fut.done():
                 fut.set_result(msg[2])
@@ -271,4 +288,5 @@ class RemoteEngine:
         for q in self.queues.values():
             q.put_nowait((TokenEvent([], "error", "the engine stopped"), (0, 0, 0)))
         self.queues.clear()
+        self.stopping.clear()
         self.on_stop(True)

@@ -207,13 +207,18 @@ class _Flight:
                 self.completion_tokens += len(ev.tokens)
                 self.t_first = self.t_first or time.perf_counter()
                 delta = self.text.push(ev.tokens)
-                if self.text.stopped:  # a stop string: the engine may stop now
-                    self.engine.cancel(self.rid, "stop")
+                if ev.finish_reason is not None and not self.text.stopped:
+                    delta += self.text.finish()  # the held-back tail: a stop string may end in it
+                if self.text.stopped:  # a stop string: the engine may stop now, or may have ended it already
+                    ended = ev.finish_reason
+                    while ended is None and self.rid not in self.engine.queues:  # its last event is queued
+                        ended = self.events.get_nowait()[0].finish_reason
+                    self.engine.stop(self.rid, ended)
                     self.finished = True
                     yield delta, "stop"
                     return
                 if ev.finish_reason is not None:
-                    yield delta + self.text.finish(), ev.finish_reason
+                    yield delta, ev.finish_reason
                     return
                 if delta:
                     yield delta, None

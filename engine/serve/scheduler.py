@@ -152,6 +152,13 @@ class Scheduler:
                 return
             self._finish(req, reason)  # the lock is reentrant
 
+    def recount(self, reason: str, as_reason: str) -> None:
+        """Count a finished request as `as_reason`, not `reason`: the front found a stop string in the
+        tokens of a request the engine had ended ("length"), and told its client "stop"."""
+        with self._cv:
+            self.stats.finished[reason] -= 1
+            self.stats.finished[as_reason] += 1
+
     def warm_up(self) -> float:
         """Serve a few throwaway requests on the caller's thread before `start`, so the kernels that
         only the eager paths launch (a join's prefill, the draft's begin, the first draw, greedy and
