@@ -265,6 +265,12 @@ def _check_values(cfg: RunConfig) -> None:
                 all(b >= 1 for b in cfg.graph.prefill_buckets),
                 "prompt lengths >= 1 ([] for none)",
             ),
+            (
+                "graph.max_batch_size",
+                cfg.graph.max_batch_size,
+                cfg.graph.max_batch_size is None or cfg.graph.max_batch_size >= 1,
+                ">= 1, or null for the run's batch",
+            ),
         ]
     )
 

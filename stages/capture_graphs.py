@@ -97,6 +97,8 @@ class CaptureGraphsStage(Stage):
                 raise ConfigError(key, policy, "unknown graph policy", POLICIES)
         sizes = capture_sizes(cfg)
         if min(sizes) < 1:
+            if g.capture_sizes is None:  # sizes from the run's batch: its own stage names that key
+                return
             raise ConfigError("graph.capture_sizes", list(g.capture_sizes), "batch sizes must be >= 1", ">= 1")
         key, batch = run_batch(cfg)
         if max(sizes) > max_batch(cfg):

@@ -56,6 +56,14 @@ def test_a_device_error_does_not_hide_the_stage_errors(outputs):
     assert "device='cuda'" in text and "eval.batch_size=0" in text and "eval.temperature=inf" in text, text
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])  # cuda: planned on this host as on a GPU's
+def test_a_bad_batch_under_graphs_is_named_by_its_own_key(outputs, device):
+    text = plan_errors(outputs, "model=tiny", f"device={device}", "graph=full", "eval.batch_size=0")
+    assert "eval.batch_size=0" in text and "capture_sizes" not in text, text
+    text = plan_errors(outputs, "model=tiny", f"device={device}", "graph=full", "graph.max_batch_size=0")
+    assert "graph.max_batch_size=0: out of range (valid: >= 1, or null for the run's batch)" in text, text
+
+
 def test_a_training_recipe_names_its_bad_draft_value_and_every_bad_train_value(outputs):
     text = plan_errors(
         outputs,
