@@ -418,6 +418,14 @@ def _describe_random(cfg, weights_dir: Path) -> ModelArgs:
             f"{r.hidden_size}/{r.num_attention_heads}/{r.num_key_value_heads}",
             "hidden_size must divide by heads and heads by kv heads",
         )
+    head_dim = r.hidden_size // r.num_attention_heads if r.head_dim is None else r.head_dim
+    if head_dim < 2 or head_dim % 2:
+        raise ConfigError(
+            "model.random.head_dim",
+            r.head_dim,
+            f"heads of {head_dim} dims: RoPE rotates pairs",
+            "an even number >= 2, or null (hidden_size / num_attention_heads, if even)",
+        )
     if r.lm_head_std is not None and r.tie_word_embeddings:
         raise ConfigError(
             "model.random.lm_head_std",

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -43,6 +44,34 @@ def train_dir(cfg, env: StageEnv) -> Path:
     return env.outputs_dir / "train" / (cfg.train.name or cfg.experiment_name)
 
 
+def export_path(export_dir: str) -> Path:
+    return Path(export_dir) if Path(export_dir).is_absolute() else REPO / export_dir
+
+
+def place_problems(cfg, env: StageEnv) -> list[ConfigError]:
+    """The run's folder is a plain name under <outputs>/train; train.export_dir, which the export
+    replaces, is new, empty or an exported head's, and neither holds the repository nor the outputs."""
+    errors, name = [], cfg.train.name or cfg.experiment_name
+    key = "train.name" if cfg.train.name else "experiment_name"
+    if name in (".", "..") or "/" in name or "\\" in name:
+        errors.append(ConfigError(key, name, "names the run's folder under <outputs>/train", "a name without / or .."))
+    if not cfg.train.export_dir:
+        return errors
+    dest = export_path(cfg.train.export_dir).resolve()
+    kept = [p for p in (REPO, env.outputs_dir.resolve()) if p == dest or dest in p.parents]
+    problem = None
+    if kept:
+        problem = f"replacing it would delete {kept[0]}"
+    elif dest.exists() and not (dest.is_dir() and (not any(dest.iterdir()) or (dest / "config.json").is_file())):
+        problem = "not a draft head: it would be replaced"
+    elif not os.access(parent := next(p for p in (dest, *dest.parents) if p.exists()), os.W_OK):
+        problem = f"{parent} is not writable"
+    if problem:
+        valid = "a new or empty folder, or an exported head's (config.json) to replace"
+        errors.append(ConfigError("train.export_dir", cfg.train.export_dir, problem, valid))
+    return errors
+
+
 @register_stage
 class TrainDraftStage(Stage):
     name = "train_draft"
@@ -65,6 +94,7 @@ class TrainDraftStage(Stage):
             errors += raised(spec.check, cfg, env.draft_plan)
         flex = spec is not None and spec.flex
         errors += train_problems(cfg.train, d.algorithm, flex, env.device, cfg.model.max_seq_len)
+        errors += place_problems(cfg, env)
         dv, eos = getattr(d, "draft_vocab_size", None), env.target_args.eos_token_ids
         if getattr(d, "init", None) == "random" and dv is not None and dv < len(eos) + 1:
             errors.append(
@@ -126,10 +156,13 @@ class TrainDraftStage(Stage):
             figures = {k: v for k, v in metrics.items() if not k.startswith(("val_", "heldout_", "last_"))}
             figures.update({k[5:]: v for k, v in metrics.items() if k.startswith("last_")})
             self._export(last, out / "head_last", cfg, figures, data, env, spec, ema=False)
-        if t.export_dir:
-            dest = Path(t.export_dir) if Path(t.export_dir).is_absolute() else REPO / t.export_dir
+        if t.export_dir:  # copied beside it, then swapped in: never a half-copied head
+            dest = export_path(t.export_dir)
+            staged = dest.with_name(f".{dest.name}.{os.getpid()}")
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copytree(export, staged, dirs_exist_ok=True)
             shutil.rmtree(dest, ignore_errors=True)
-            shutil.copytree(export, dest)
+            staged.rename(dest)
         if env.tracker is not None:
             for f in sorted(export.iterdir()):
                 env.tracker.client.log_artifact(env.tracker.run_id, str(f), "draft_head")

@@ -77,11 +77,43 @@ def test_a_training_recipe_names_its_bad_draft_value_and_every_bad_train_value(o
         "train.kernels=fused",
         "train.max_time_s=-1",  # trained one step and exported a head before
         "train.max_tokens=16",  # under the recipe's max_len: batches of one sequence, silently
+        "train.weight_decay=-1",
+        "train.loss_decay=-0.5",  # alternating signs over the steps, silently
+        "train.loop_eval_tokens=0",
     )
-    for key in ("draft.num_steps=0", "train.steps=0", "train.lr=-1.0", "train.ema_decay=1.0", "train.kernels='fused'"):
+    for key in (
+        "draft.num_steps=0",
+        "train.steps=0",
+        "train.lr=-1.0",
+        "train.ema_decay=1.0",
+        "train.kernels='fused'",
+        "train.weight_decay=-1.0",
+        "train.loss_decay=-0.5",
+        "train.loop_eval_tokens=0",
+    ):
         assert key in text, text
     assert "train.max_time_s=-1.0: out of range (valid: > 0 seconds and finite, or null" in text, text
     assert "train.max_tokens=16: a batch of fewer padded tokens than one sequence of train.max_len=" in text, text
+
+
+def test_a_run_folder_or_export_folder_a_user_got_wrong_is_named_before_training(outputs, tmp_path):
+    from schema import REPO
+
+    recipe = ("+experiment=train_eagle3_smollm2", *TINY)
+    text = plan_errors(outputs, *recipe, "train.name=../../x", "train.heldout=nan", "train.lr=inf")
+    assert "train.name='../../x': names the run's folder under <outputs>/train" in text, text
+    assert "train.heldout=nan" in text and "train.lr=inf" in text, text
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "mine.txt").write_text("keep me")
+    for where, problem in (
+        (".", f"replacing it would delete {REPO}"),
+        (str(outputs.parent), f"replacing it would delete {outputs.resolve()}"),
+        (str(folder), "not a draft head: it would be replaced"),
+    ):
+        text = plan_errors(outputs, *recipe, f"train.export_dir={where}")
+        assert f"train.export_dir='{where}': {problem}" in text, text
+    assert (folder / "mine.txt").read_text() == "keep me"
 
 
 # ------------------------------------------------------------------------------------------ prompt files
@@ -167,6 +199,9 @@ def test_model_values_and_files_a_user_got_wrong(outputs, tmp_path):
 
     text = plan_errors(outputs, *TINY, "model.random.num_key_value_heads=0", "model.random.hidden_size=0")
     assert "model.random.num_key_value_heads=0" in text and "model.random.hidden_size=0" in text, text
+    for head_dim, dims in (("0", 0), ("7", 7), ("null model.random.hidden_size=12", 3)):
+        text = plan_errors(outputs, *TINY, *f"model.random.head_dim={head_dim}".split())
+        assert f"heads of {dims} dims: RoPE rotates pairs" in text, text
     cut = tmp_path / "cut.gguf"
     with open(packaged_smollm2_gguf(), "rb") as f:
         cut.write_bytes(f.read(1 << 16))  # a download cut short: the magic, then nothing whole

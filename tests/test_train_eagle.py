@@ -52,9 +52,16 @@ TRAIN = [*tiny_train("train_eagle_smollm2"), "train.ema_decay=0"]
 
 
 def test_train_draft_stage_trains_an_eagle_head_that_beats_a_random_one(outputs, tmp_path):
-    ctx = run(compose_cfg(*TRAIN))
+    shipped = tmp_path / "exports" / "shipped"  # an earlier head there is replaced whole
+    shipped.mkdir(parents=True)
+    (shipped / "config.json").write_text("{}")
+    (shipped / "stale.bin").write_bytes(b"0")
+    ctx = run(compose_cfg(*TRAIN, f"train.export_dir={shipped}"))
     head_dir = outputs / "train" / "train_eagle_smollm2" / "head"
     assert ctx["draft_checkpoint"] == str(head_dir)
+    assert sorted(p.name for p in shipped.iterdir()) == sorted(p.name for p in head_dir.iterdir())
+    assert (shipped / "model.safetensors").read_bytes() == (head_dir / "model.safetensors").read_bytes()
+    assert [p.name for p in shipped.parent.iterdir()] == ["shipped"]  # nothing staged left beside it
     assert json.loads((head_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLMEagle"]
     assert "eagle" in (head_dir / "README.md").read_text()
     common = [

@@ -37,6 +37,9 @@ def train_problems(
     """`flex`: the draft `algorithm` has a FlexAttention training forward."""
     rows = [_at_least(f"train.{k}", getattr(t, k)) for k in POSITIVE] + [
         _at_least("train.warmup_steps", t.warmup_steps, 0),
+        _at_least("train.loop_eval_prompts", t.loop_eval_prompts, 0),
+        _at_least("train.loop_eval_tokens", t.loop_eval_tokens),
+        _at_least("train.data.min_prompt_chars", t.data.min_prompt_chars, 0),
         *(_at_least(f"train.data.{k}", getattr(t.data, k)) for k in POSITIVE_DATA),
     ]
     errors = raised(check_values, rows)
@@ -45,7 +48,7 @@ def train_problems(
     errors += _range(
         "train.data.num_samples",
         n,
-        n >= 2 and round(n * t.heldout) < n,
+        n >= 2 and not (0.0 < t.heldout < 1.0 and round(n * t.heldout) >= n),
         f"too few to hold out {t.heldout:.0%} (at least one) and train on the rest",
         ">= 2, or a smaller train.heldout",
     )
@@ -96,7 +99,21 @@ def train_problems(
         "where the cosine schedule ends, as a share of lr",
         "0 <= min_lr_ratio <= 1",
     )
-    errors += _range("train.lr", t.lr, t.lr > 0, "must be positive", "> 0")
+    errors += _range("train.lr", t.lr, 0 < t.lr < math.inf, "must be positive", "> 0 and finite")
+    errors += _range(
+        "train.weight_decay",
+        t.weight_decay,
+        0.0 <= t.weight_decay < math.inf,
+        "AdamW's decay of the matrices",
+        ">= 0 and finite (0: off)",
+    )
+    errors += _range(
+        "train.loss_decay",
+        t.loss_decay,
+        0.0 < t.loss_decay < math.inf,
+        "step s of the loss weighs loss_decay ** s",
+        "> 0 and finite (1: every step alike)",
+    )
     errors += _range(
         "train.max_time_s",
         t.max_time_s,

@@ -69,4 +69,4 @@ class TrainConfig:
     loop_eval_tokens: int = 256
     max_time_s: Optional[float] = None  # stop (evaluate, save) after this much training time
     resume: bool = True  # continue from <train dir>/checkpoint when it exists
-    export_dir: Optional[str] = None  # also copy the exported head (bfloat16) here (relative: to the repo)
+    export_dir: Optional[str] = None  # also copy the head here, replacing one there (relative: to the repo)
