@@ -245,6 +245,28 @@ def test_stop_strings_and_seeds(servers):
 
 
 # ------------------------------------------------------------------------------------------ errors
+def test_stop_strings_racing_max_tokens_are_counted_as_the_clients_were_told(servers):
+    """Stop strings ending within the first characters, max_tokens 2..6, 8 clients at once: the front's stop
+    and the engine's length cross each other, and /metrics counts each request as its client was told."""
+    s = servers("plain")
+    fulls = {p: complete(s, p, max_tokens=6).choices[0].text for p in PROMPTS}
+    reasons = ("stop", "length", "abort", "error")
+    counts = lambda: {r: s.metrics().get(f"specpipe_requests_total{{finish_reason={r}}}", 0) for r in reasons}  # noqa: E731
+
+    def one(i: int) -> str:
+        p = PROMPTS[i % len(PROMPTS)]
+        n = 1 + i % 5
+        return complete(s, p, max_tokens=2 + i % 5, stop=[fulls[p][max(0, n - 2) : n]]).choices[0].finish_reason
+
+    before = counts()
+    with ThreadPoolExecutor(8) as pool:
+        told = list(pool.map(one, range(120)))
+    deadline = time.monotonic() + 10  # a recount crosses the pipe after the answer
+    while counts()["stop"] < before["stop"] + told.count("stop") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert {r: counts()[r] - before[r] for r in reasons} == {r: told.count(r) for r in reasons}
+
+
 def test_bad_inputs_get_their_status(servers):
     s = servers("plain")
     url = s.root + "/v1/completions"
