@@ -58,7 +58,7 @@ def place_problems(cfg, env: StageEnv) -> list[ConfigError]:
     if not cfg.train.export_dir:
         return errors
     dest = export_path(cfg.train.export_dir).resolve()
-    kept = [p for p in (REPO, env.outputs_dir.resolve()) if p == dest or dest in p.parents]
+    kept = [p for p in (REPO.resolve(), env.outputs_dir.resolve()) if p == dest or dest in p.parents]
     problem = None
     if kept:
         problem = f"replacing it would delete {kept[0]}"

@@ -107,7 +107,7 @@ def test_a_run_folder_or_export_folder_a_user_got_wrong_is_named_before_training
     folder.mkdir()
     (folder / "mine.txt").write_text("keep me")
     for where, problem in (
-        (".", f"replacing it would delete {REPO}"),
+        (".", f"replacing it would delete {REPO.resolve()}"),
         (str(outputs.parent), f"replacing it would delete {outputs.resolve()}"),
         (str(folder), "not a draft head: it would be replaced"),
     ):
