@@ -298,6 +298,12 @@ def test_bad_inputs_get_their_status(servers):
     assert post({**ok, "n": 3})[0] == 400
     code, err = post({**ok, "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert code == 400 and err["param"] == "tools" and err["code"] == "unsupported_parameter"
+    code, err = post({**ok, "stop": [f"s{i}" for i in range(1000)]})
+    assert code == 400 and err["param"] == "stop" and "1000 strings" in err["message"] and len(err["message"]) < 80
+    code, err = post({**ok, "stop": ["a", ""]})
+    assert code == 400 and err["param"] == "stop" and "empty" in err["message"]
+    code, err = post({**ok, "stream_options": {"include_usage": True}})  # as OpenAI: only with stream=true
+    assert code == 400 and err["param"] == "stream_options"
     code, err = post({**ok, "max_tokenz": 4})  # a typo is not silently ignored
     assert code == 400 and err["param"] == "max_tokenz" and err["code"] == "unknown_parameter"
     assert complete(s, "hi", max_tokens=2, user="u1", frequency_penalty=0).choices  # fields that change nothing

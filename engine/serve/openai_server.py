@@ -290,8 +290,12 @@ class OpenAIApp:
                 "context_length_exceeded",
             )
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
-        if len(stop) > 4 or any(not s for s in stop):
-            raise ApiError(400, f"stop={body.stop!r}: up to 4 non-empty strings", "stop")
+        if len(stop) > 4:
+            raise ApiError(400, f"stop: {len(stop)} strings (valid: up to 4 non-empty strings)", "stop")
+        if any(not s for s in stop):
+            raise ApiError(400, f"stop={body.stop!r}: an empty string (valid: up to 4 non-empty strings)", "stop")
+        if body.stream_options is not None and not body.stream:
+            raise ApiError(400, "stream_options: only allowed with stream=true", "stream_options")
         temperature = body.temperature if body.temperature is not None else lim.default_temperature
         return _Params(
             max_tokens,

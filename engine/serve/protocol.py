@@ -4,7 +4,8 @@ the limits a request is checked against, and errors in OpenAI's shape.
 Errors use OpenAI's shape, `{"error": {"message", "type", "param", "code"}}`:
 
     400  malformed JSON; max_tokens < 1 or above serve.max_tokens_limit; prompt + max_tokens beyond
-         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts; a field
+         the context (code context_length_exceeded); empty prompt; n != 1; a batch of prompts; more than
+         4 stop strings or an empty one; stream_options without stream; a field
          that would change the output and is not served (tools, logprobs, response_format, ...: code
          unsupported_parameter) or that no API here has (code unknown_parameter)
     404  a model other than the served one (code model_not_found); unknown routes
