@@ -160,7 +160,8 @@ class TrainDraftStage(Stage):
             dest = export_path(t.export_dir)
             staged = dest.with_name(f".{dest.name}.{os.getpid()}")
             dest.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copytree(export, staged, dirs_exist_ok=True)
+            shutil.rmtree(staged, ignore_errors=True)  # a killed run's leftover: nothing of it merges in
+            shutil.copytree(export, staged)
             shutil.rmtree(dest, ignore_errors=True)
             staged.rename(dest)
         if env.tracker is not None:
