@@ -124,6 +124,7 @@ def release_device_memory() -> None:
 
     gc.collect()  # graphs, caches and heads held in reference cycles, with their private pools
     if torch.cuda.is_initialized():
+        torch._C._cuda_clearCublasWorkspaces()  # cuBLAS keeps 32 MiB per stream it ran on (each capture's)
         torch.cuda.empty_cache()
 
 
