@@ -41,6 +41,16 @@ def plan_errors(outputs: Path, *overrides: str) -> str:
             ["graph.policy='nope'", "draft.num_steps=0", "eval.batch_size=0"],
         ),
         (["eval.limt=2", "eval.batch_size=0", "seed=-1"], ["eval.limt='2'", "eval.batch_size=0", "seed=-1"]),
+        (
+            [
+                "draft=eagle3",
+                "draft.init=random",
+                "draft.aux_layer_ids=[1,2,3]",
+                "draft.temperature_factor=-1",
+                "eval.batch_size=0",
+            ],
+            ["draft.temperature_factor=-1.0", "eval.batch_size=0"],
+        ),
     ],
 )
 def test_bad_values_of_every_phase_are_reported_together(outputs, overrides, named):

@@ -69,6 +69,31 @@ def saved_head(tmp_path: Path, target, aux_output_of=(0, 1, 2), draft_vocab=200)
     return tmp_path / "eagle3"
 
 
+def test_the_temperature_factor_is_the_key_else_the_heads_config_else_one(tmp_path):
+    """draft.temperature_factor wins; null takes the checkpoint's config.json draft_temperature_factor (the
+    shipped heads carry a measured one), and a head without it drafts at the request's temperature. The
+    plan line says a factor other than 1; a bad one, from either place, is a ConfigError naming where."""
+    _, target = pair()
+    path = saved_head(tmp_path, target)
+    config = json.loads((path / "config.json").read_text())
+
+    def plan(**keys):
+        return plan_draft(draft_config("eagle3", init="checkpoint", path=str(path), **keys), target.args)
+
+    assert plan().temperature_factor == 1.0 and "sampled proposals" not in plan().describe()
+    (path / "config.json").write_text(json.dumps({**config, "draft_temperature_factor": 1.5}))
+    own = plan()
+    assert own.temperature_factor == 1.5 and "sampled proposals at T x 1.5" in own.describe()
+    assert plan(temperature_factor=1.2).temperature_factor == 1.2
+    head = load_head(own, target, 0, torch.device("cpu"), torch.float32)
+    assert make_draft(own, head, target, 1, 3).temperature_factor == 1.5
+    with pytest.raises(ConfigError, match="draft.temperature_factor=0.0"):
+        plan(temperature_factor=0.0)
+    (path / "config.json").write_text(json.dumps({**config, "draft_temperature_factor": "hot"}))
+    with pytest.raises(ConfigError, match="draft_temperature_factor 'hot' is not a positive number"):
+        plan()
+
+
 def test_eagle3_mlp_width_of_a_random_head_round_trips(tmp_path):
     """draft.intermediate_size narrows a random-init head's MLP (room for a larger draft vocabulary in a
     size budget); the export says so in config.json and loads back as a checkpoint of that width."""

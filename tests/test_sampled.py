@@ -36,11 +36,11 @@ def tiny_target(vocab: int = 24, max_seq_len: int = 32) -> LlamaModel:
     return init_normal_(LlamaModel(args, max_seq_len), seed=3, std=0.2)
 
 
-def draft_for(target: LlamaModel, algorithm: str, batch: int, k: int, graphs=None):
+def draft_for(target: LlamaModel, algorithm: str, batch: int, k: int, graphs=None, factor=None):
     """A random draft head (its q unlike p), the EAGLE3 one over a draft vocabulary of 16 of the target's
-    24 tokens (a shuffled d2t): its q is mapped to target ids."""
+    24 tokens (a shuffled d2t): its q is mapped to target ids. factor: draft.temperature_factor."""
     kw = {"draft_vocab_size": 16} if algorithm == "eagle3" else {}
-    cfg = draft_config(algorithm, init="random", num_steps=k, aux_layer_ids=AUX, **kw)
+    cfg = draft_config(algorithm, init="random", num_steps=k, aux_layer_ids=AUX, temperature_factor=factor, **kw)
     plan = plan_draft(cfg, target.args)
     target.set_aux_layers(plan.aux.input_of)
     head = load_head(plan, target, 0, torch.device("cpu"), torch.float32)
@@ -62,15 +62,16 @@ def target_p(target: LlamaModel, ids: list[int]) -> torch.Tensor:
     return torch.where(keep, p, 0) / p[keep].sum()
 
 
-@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
-def test_sampled_rounds_emit_the_targets_distribution(algorithm):
+@pytest.mark.parametrize("algorithm, factor", [("eagle3", None), ("dflash", None), ("eagle3", 1.6)])
+def test_sampled_rounds_emit_the_targets_distribution(algorithm, factor):
     """6000 seeds of one prompt, k = 2: given the prefill's token x_L = v0, a round's first token is
     distributed as p(. | v0); given x_{L+1} = v1 the next one as p(. | v0, v1), both where it came in the
     same round (d_1 accepted) and where it came in the next one after a rejection (reusing the positions
-    the first round drew at): hundreds of rows each. The accepted drafts alone fail the test (its power)."""
+    the first round drew at): hundreds of rows each; also with the draft's q drawn hotter than the request
+    (draft.temperature_factor). The accepted drafts alone fail the test (its power)."""
     torch.manual_seed(0)
     target, n, prompt = tiny_target(), 6000, [1, 2, 3]
-    draft, *_ = draft_for(target, algorithm, n, 2)
+    draft, *_ = draft_for(target, algorithm, n, 2, factor=factor)
     res = Generator(target, n, draft, 2).generate([prompt] * n, SAMPLED, seeds=list(range(n)))
     toks = torch.tensor([r.tokens for r in res])  # [n, 3]: x_L, x_{L+1}, x_{L+2}
     first_a = torch.tensor([r.accepts[0] for r in res])  # round 1's accepted drafts
@@ -82,7 +83,7 @@ def test_sampled_rounds_emit_the_targets_distribution(algorithm):
     cases = ((at0, [v0], 1), (at1 & kept, [v0, v1], 2), (at1 & ~kept, [v0, v1], 2))
     for rows, ctx, pos in cases:
         ok, stat, crit = chi_square_ok(torch.bincount(toks[rows, pos], minlength=24), target_p(target, prompt + ctx))
-        assert ok, (algorithm, pos, int(rows.sum()), stat, crit)
+        assert ok, (algorithm, factor, pos, int(rows.sum()), stat, crit)
     assert int((at0 & kept).sum()) > 500 and int((at0 & ~kept).sum()) > 500  # d_1 accepted / rejected
     assert int((at1 & kept).sum()) > 300 and int((at1 & ~kept).sum()) > 300
     # power: the accepted drafts alone (min(p, q), not p) fail the same test
@@ -236,3 +237,26 @@ def test_a_draft_token_is_kept_as_often_as_rejection_sampling_allows(algorithm):
     want = torch.minimum(target_p(target, prompt + [v0]), q).sum().item()
     margin = 4 * (want * (1 - want) / len(kept)) ** 0.5
     assert abs(kept.mean().item() - want) < margin, (algorithm, kept.mean().item(), want, len(kept))
+
+
+@pytest.mark.parametrize("algorithm", ["eagle3", "dflash"])
+def test_the_temperature_factor_draws_the_heads_q_at_that_multiple_of_t(algorithm):
+    """One seed and prompt at T = 0.7, top-p 1, with draft.temperature_factor 1 and 2: the target's first
+    token is the same (the factor is the draft's alone), and the first proposal's q with factor 2 is q^(1/2)
+    renormalised: the head's logits over 1.4 in place of 0.7, and the rounds read 1.4 from d_temperature."""
+    target, prompt, seed = tiny_target(), [1, 2, 3], 11
+    params = SamplingParams(temperature=T, top_p=1.0, max_new_tokens=1, ignore_eos=True)
+    qs, firsts = [], []
+    for factor in (None, 2.0):
+        draft, *_ = draft_for(target, algorithm, 1, 2, factor=factor)
+        gen = Generator(target, 1, draft, 2)
+        if algorithm == "dflash":  # its q comes with the round's block: one round
+            params = SamplingParams(temperature=T, top_p=1.0, max_new_tokens=2, ignore_eos=True)
+        firsts.append(gen.generate([prompt], params, seeds=[seed])[0].tokens[0])
+        qs.append(draft.buf["d_q"][0, 0].double())  # [Vd]: the first proposal's distribution
+        if factor is not None:  # what the rounds draw at, kept when the row started
+            assert draft.buf["d_temperature"][0].item() == pytest.approx(T * factor)
+    assert firsts[0] == firsts[1]
+    hotter = qs[0].sqrt() / qs[0].sqrt().sum()
+    assert torch.allclose(qs[1], hotter, atol=1e-6), (qs[1], hotter)
+    assert not torch.allclose(qs[0], qs[1], atol=1e-3)  # the factor changed q

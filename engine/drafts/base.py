@@ -153,6 +153,7 @@ class DeviceDraft(Draft):
 
     on_device = True
     draws_at_prefill = True  # a sampled prefill draws d_1 (its q: d_q's first column)
+    temperature_factor = 1.0  # DraftPlan.temperature_factor: the head's q at the request's temperature x this
     head: torch.nn.Module
     batch_size: int
 
@@ -174,14 +175,40 @@ class DeviceDraft(Draft):
     def attention_kernel(self) -> bool:
         return self.head.attention_kernel
 
+    def q_draws(self, draws: Draws) -> Draws:
+        """The draws of the head's proposals: the rows' temperatures x temperature_factor (greedy rows stay
+        greedy). Any q keeps the round lossless, since the verify accepts against the q drawn from; a head
+        less sure than the target drafts better below 1, one surer than it above. A prefill computes them;
+        rounds read them from d_temperature, written when the rows start (keep_temperatures)."""
+        if self.temperature_factor == 1.0:
+            return draws
+        return Draws(draws.temperature * self.temperature_factor, draws.top_p, draws.seed)
+
+    def keep_temperatures(self, temperature: Tensor, rows: slice) -> None:
+        """Starting rows' temperatures [n] -> their q_draws temperatures in d_temperature (once a row, so
+        that a captured round spends no kernel on the factor)."""
+        if self.temperature_factor != 1.0:
+            self.buf["d_temperature"][rows] = temperature * self.temperature_factor
+
+    def round_draws(self, s: RoundState) -> Draws:
+        """A round's draws of the head's proposals: q_draws of the rows' settings (d_temperature)."""
+        if self.temperature_factor == 1.0:
+            return s.draws()
+        return Draws(s.own["d_temperature"], s.top_p, s.seed)
+
     def graph_meta(self) -> dict:
         return self.head.graph_meta()
 
     def state_specs(self, k: int) -> dict:
         """name -> engine.graphs.runner.InputSpec (per row, state) of the draft's buffers: its own, and
-        d_q [K, Vd] fp32 (a sampled round's proposal distributions, read by the verify's accept)."""
+        d_q [K, Vd] fp32 (a sampled round's proposal distributions, read by the verify's accept) and
+        d_temperature [] fp32 (keep_temperatures)."""
         vocab = self.head.lm_head.weight.shape[0]
-        return {**self.own_specs(k), "d_q": InputSpec((k, vocab), torch.float32, None, per_row=True, state=True)}
+        return {
+            **self.own_specs(k),
+            "d_q": InputSpec((k, vocab), torch.float32, None, per_row=True, state=True),
+            "d_temperature": InputSpec((), torch.float32, 0.0, per_row=True, state=True),  # q_draws' temperatures
+        }
 
     def own_specs(self, k: int) -> dict:
         """The algorithm's own state buffers (name -> InputSpec)."""
@@ -207,6 +234,7 @@ class DeviceDraft(Draft):
         n = first.shape[0]
         sl = rows if rows is not None else slice(0, n)
         q = self.buf["d_q"][sl, :1] if draws is not None else None
+        draws = self.q_draws(draws) if draws is not None else None
         out = self.prefill(self.cache.rows(sl), feats, prompt_tokens, valid, input_embeds, first, draws, q)
         self.settle(out, rows)
 
@@ -239,7 +267,7 @@ class DeviceDraft(Draft):
             b = env["first"].shape[0]
             draws = q = None
             if sampled:
-                draws = Draws(env["temperature"], env["top_p"], env["seed"])
+                draws = self.q_draws(Draws(env["temperature"], env["top_p"], env["seed"]))
                 q = torch.empty(b, 1, vocab, dtype=torch.float32, device=env["first"].device)
             feats, tokens, valid, first = env["feats"], env["tokens"], env["valid"], env["first"]
             out = self.prefill(cache, feats, tokens, valid, None, first, draws, q, env["kv_len"])
@@ -359,6 +387,7 @@ class DraftPlan:
     aux: Optional[aux_layers.AuxLayers] = None  # drafts reading aux features: the target layers to capture
     head_config: Optional[dict] = None  # weighted drafts: the head's config.json
     checkpoint: Optional["HeadCheckpoint"] = None
+    temperature_factor: float = 1.0  # sampled rounds: the head's q at the request's temperature x this
     # The algorithm's record; registry.plan_draft sets it (a folder's plan function cannot name its own
     # record, which is built from it).
     spec: Optional["Algorithm"] = field(default=None, repr=False, compare=False)
@@ -384,6 +413,8 @@ class DraftPlan:
         parts += (self.spec.describe if self.spec is not None else vocab_details)(self)
         if self.aux is not None:
             parts.append(f"aux layers {self.aux.describe()}")
+        if self.temperature_factor != 1.0:
+            parts.append(f"sampled proposals at T x {self.temperature_factor:g}")
         return ", ".join(parts)
 
 

@@ -45,3 +45,6 @@ class HeadKeys(DraftKeys):
     init: str = "checkpoint"  # checkpoint (config.json + model.safetensors) | random
     path: Optional[str] = None  # draft.init=checkpoint: the head's folder (conf/draft: the shipped one)
     init_seed: int = 0  # draft.init=random: the seed of the head's weights
+    # sampled rounds draw the head's proposals at the request's temperature x this (lossless at any value >
+    # 0); null: the head's config.json draft_temperature_factor, else 1
+    temperature_factor: Optional[float] = None

@@ -70,6 +70,10 @@ def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
         )
     if cfg.num_steps < 1:
         raise ConfigError("draft.num_steps", cfg.num_steps, "a draft proposes at least one token", ">= 1")
+    if (factor := getattr(cfg, "temperature_factor", None)) is not None and not factor > 0:
+        raise ConfigError(
+            "draft.temperature_factor", factor, "the head's q is drawn at temperature T x this", "> 0, or null"
+        )
     try:
         plan = dataclasses.replace(spec.plan(cfg, target), spec=spec)
         head = None
@@ -89,7 +93,23 @@ def plan_draft(cfg, target: ModelArgs) -> Optional[DraftPlan]:
             raise ConfigError(
                 "draft.path", cfg.path, f"its tensors do not match its config.json: {'; '.join(problems[:6])}"
             )
-    return plan
+    return dataclasses.replace(plan, temperature_factor=temperature_factor(cfg, plan))
+
+
+def temperature_factor(cfg, plan: DraftPlan) -> float:
+    """What sampled rounds multiply the request's temperature by for the head's q: draft.temperature_factor,
+    else the head's config.json `draft_temperature_factor` (measured for the shipped heads), else 1."""
+    if (key := getattr(cfg, "temperature_factor", None)) is not None:  # checked > 0 in plan_draft
+        return float(key)
+    own = (plan.head_config or {}).get("draft_temperature_factor", 1.0) if plan.checkpoint is not None else 1.0
+    if isinstance(own, bool) or not isinstance(own, (int, float)) or not own > 0:
+        raise ConfigError(
+            "draft.path",
+            cfg.path,
+            f"its config.json's draft_temperature_factor {own!r} is not a positive number",
+            "a number > 0 there, or draft.temperature_factor=<x> to override it",
+        )
+    return float(own)
 
 
 def load_head(plan: Optional[DraftPlan], target: LlamaModel, seed: int, device, dtype) -> Optional[torch.nn.Module]:
@@ -122,4 +142,7 @@ def make_draft(
     if graphs is not None and graphs.draft is not None:
         return graphs.draft
     ctx = DraftContext(target, batch_size, k, cfg, references, prompt_lens)
-    return plan.spec.make(plan, head, ctx)
+    draft = plan.spec.make(plan, head, ctx)
+    if draft.on_device:
+        draft.temperature_factor = plan.temperature_factor  # read by its q_draws
+    return draft

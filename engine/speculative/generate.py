@@ -302,6 +302,8 @@ class SpecDecoder:
         n = len(settings.seed)
         sl = rows if rows is not None else slice(0, n)
         settings.write(self.buffers, sl)
+        if self.device_draft is not None:
+            self.device_draft.keep_temperatures(self.buffers["temperature"][sl], sl)
         self.sampled[sl], self.speculating[sl] = settings.sampled, list(settings.speculate)
         if not any(settings.sampled):  # greedy rows: the argmax (one launch)
             first = pre.out.logits[:, -1].argmax(-1)  # [n]

@@ -82,7 +82,7 @@ class FeatureDraft(DeviceDraft):
             a = self.head.attn_inputs((s.lengths + i - 1)[:, None], s.live[:, None], kv_len + i)
             out = self.head(h[:, None], cache, a, tokens=tok[:, None], sampled=sampled)
             if sampled:  # d_{i+1} at position L+i+1, its q kept
-                tok = self._draw(out.logits, s.draws(), s.lengths, i + 1, s.q[:, i : i + 1])[:, 0]
+                tok = self._draw(out.logits, self.round_draws(s), s.lengths, i + 1, s.q[:, i : i + 1])[:, 0]
             else:
                 tok = out.ids[:, 0]  # [b] target ids
             s.draft[:, i].copy_(tok)
@@ -100,7 +100,7 @@ class FeatureDraft(DeviceDraft):
         r = torch.arange(idx.shape[0], device=idx.device)
         s.own["d_hidden"].copy_(out.hidden[r, idx])
         if sampled:  # the next round's d_1, at position L + a + 2
-            nxt = self._draw(out.logits, s.draws(), s.lengths, 2, s.q[:, :1], idx)[:, 0]
+            nxt = self._draw(out.logits, self.round_draws(s), s.lengths, 2, s.q[:, :1], idx)[:, 0]
         else:
             nxt = out.ids[r, idx]
         s.own["d_next"].copy_(nxt)

@@ -56,7 +56,15 @@ class DFlashDraft(DeviceDraft):
         a = self.head.block_inputs(positions, valid, kv_len + B, self.head.embed.weight.dtype)
         out = self.head(tokens, cache, a, k, sampled)
         if sampled:  # d_1..d_k at positions L+1..L+k, each from its own q
-            ids = draw(out.logits, s.draws(), s.lengths, DRAFT, kernels=self.head.fused, offset=1, q_out=s.q[:, :k])
+            ids = draw(
+                out.logits,
+                self.round_draws(s),
+                s.lengths,
+                DRAFT,
+                kernels=self.head.fused,
+                offset=1,
+                q_out=s.q[:, :k],
+            )
         else:
             ids = out.ids
         s.draft[:, :k].copy_(ids)  # [b, k]

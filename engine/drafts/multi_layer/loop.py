@@ -94,7 +94,7 @@ class MultiLayerDraft(DeviceDraft):
             a = self.head.attn_inputs(positions.clamp(min=0), valid, kv_len)
             out = self.head.module_forward(i, s.draft[:, :i], hidden, caches[i], a, lambda x: x[:, -1:], sampled)
             if sampled:  # d_{i+1} at position L+i+1
-                tok = self._draw(out.logits, s.draws(), s.lengths, i + 1, s.q[:, i : i + 1])
+                tok = self._draw(out.logits, self.round_draws(s), s.lengths, i + 1, s.q[:, i : i + 1])
             else:
                 tok = out.ids[:, -1]
             s.draft[:, i].copy_(tok)
@@ -120,7 +120,7 @@ class MultiLayerDraft(DeviceDraft):
             outs.append(self.head.module_forward(i, v.emitted, hidden, caches[i], a, pick, sampled and i == 0))
         s.own["d_pool"][:, :k].copy_(torch.stack([out.hidden[r, idx] for out in outs], 1))
         if sampled:  # the next round's d_1, at position L + a + 2
-            nxt = self._draw(outs[0].logits, s.draws(), s.lengths + idx, 2, s.q[:, :1])
+            nxt = self._draw(outs[0].logits, self.round_draws(s), s.lengths + idx, 2, s.q[:, :1])
         else:
             nxt = outs[0].ids[:, 0]
         s.own["d_next"].copy_(nxt)
