@@ -123,7 +123,7 @@ def bench(model: str, ms: list[int], bw: float, l2_bytes: int = 200 * 2**20) -> 
                     "proj": p.name,
                     "N x K": f"{p.n}x{p.k}",
                     "M": m,
-                    "rows": row_tile(m),
+                    "rows": row_tile(m, p.n),
                     "ours_us": ours * 1e6,
                     "cublas_us": cublas * 1e6,
                     "floor_us": floor * 1e6,

@@ -36,11 +36,14 @@ from kernels.runtime import triton
 if triton is not None:
     import triton.language as tl
 
-ROW_TILES = (16, 64)  # rows of one program: 16 up to 16 rows (decode, a verify), else 64 and more row tiles
+ROW_TILES = (16, 64, 128)  # rows of one program: 16 up to 16 rows (decode, a verify), 64, 128 (`row_tile`)
 FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
+ONE_TILE_M = 64  # calls of up to this many rows run one row tile; larger ones several
 _PROGRAMS = 96  # up to FUSED_M rows: the widest column tile that still gives this many programs (else 16)
 _STAGES = {16: 5, 32: 5, 64: 3, 128: 3}  # chunks in flight per column tile width, up to FUSED_M rows
 BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
+WIDE_BLOCK_K = 64  # columns of a short chunk, past ONE_TILE_M rows (the norm is a pre-pass there: no lanes)
+_WIDE_STAGES = 6  # short chunks in flight at most
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
 _PLAIN, _RMSNORM = 0, 1  # prologues
 GLU_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # the references
@@ -469,9 +472,12 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def row_tile(m: int) -> int:
-    """The row tile of a call of M rows: the smallest of ROW_TILES that holds them (the largest above)."""
-    return next((r for r in ROW_TILES if r >= m), ROW_TILES[-1])
+def row_tile(m: int, n: int = 0) -> int:
+    """The row tile of a call of M rows and N columns: 16 up to 16 rows, 64 up to 64, then 128 for a wide
+    weight (N > 8192) or past two 64-row tiles on one of N > 1024; else 64 (more programs on the rest)."""
+    if m <= ONE_TILE_M:
+        return next(r for r in ROW_TILES if r >= m)
+    return 128 if n > 8192 or (n > 1024 and m > 2 * ONE_TILE_M) else ONE_TILE_M
 
 
 def gemv_config(
@@ -493,24 +499,31 @@ def gemv_config(
 
     Up to FUSED_M rows a call streams its weight once: the widest column tile with at least _PROGRAMS
     programs, and few chunks in flight a program (_STAGES), so several programs share an SM and the
-    last wave is short. Above, wider tiles as N grows (the activations re-read less; past one row tile
-    of 64, sooner), and as many chunks in flight as the shared-memory budget holds. The rules come from
-    a sweep of tile, warps and stages at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
-    rows = rows or row_tile(m)
+    last wave is short. Up to one row tile of 64, wider tiles as N grows and as many chunks in flight
+    as the shared-memory budget holds; past it, 64-row tiles the same way (chunks of 64 columns on
+    SmolLM2's qkv and o shapes), or where `row_tile` gives 128 rows, 64- or 256-wide column tiles over
+    chunks of 64 columns, up to _WIDE_STAGES in flight. The rules come from sweeps of rows, tile, warps,
+    stages and chunk at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
+    rows = rows or row_tile(m, n)
+    bk = BLOCK_K
     if m <= FUSED_M:  # the widest tile that keeps the SMs busy, few chunks in flight
         bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
         warps = 8 if bn >= 64 else 4
-    elif m <= ROW_TILES[-1]:  # one row tile of 64: wider as N grows
+    elif m <= ONE_TILE_M:  # one row tile of 64: wider as N grows
         bn = 32 if n <= 4096 else 64 if n <= 8192 else 128
         warps = 8 if bn >= 64 else 4
-    else:  # several row tiles: wider sooner, the activations re-read less
+    elif rows == ONE_TILE_M:  # several row tiles of 64: wider sooner, the activations re-read less
         bn = 32 if n <= 1024 else 64 if n <= 4096 else 128
         warps = 8 if bn == 128 else 4
+        bk = WIDE_BLOCK_K if n <= 1024 and k <= 1024 else BLOCK_K
+    else:  # row tiles of 128 over short chunks: the activations re-read less, more chunks in flight
+        bn = 64 if n <= 8192 else 256
+        warps = 8
+        bk = WIDE_BLOCK_K
     bn, warps = block_n or bn, num_warps or warps
-    in_flight = _STAGES.get(bn) if m <= FUSED_M else None
+    in_flight = _STAGES.get(bn) if m <= FUSED_M else _WIDE_STAGES if bk == WIDE_BLOCK_K else None
     assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"
     assert rows in ROW_TILES, f"rows must be one of {ROW_TILES}, got {rows}"
-    bk = BLOCK_K
     if num_stages is None:  # chunks in flight: as many as the shared-memory budget holds, or in_flight
         chunks = triton.cdiv(k, bk)
         per_stage = (bk * bn + act_tiles * rows * bk) * itemsize  # a weight chunk and the activation tiles
@@ -574,6 +587,8 @@ def _launch(
         prologue, x1, x2, index1, zero1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, None, a
     act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
     cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
+    if interpret:  # its dot sums a whole chunk at once (numpy), the GPU's in MMA k-steps: BLOCK_K at every M
+        cfg = cfg._replace(block_k=BLOCK_K)
     n_tiles = triton.cdiv(n, cfg.block_n)
     if argmax:
         assert offsets is None or (offsets.dtype == torch.int64 and offsets.is_contiguous())

@@ -216,6 +216,25 @@ def test_row_is_independent_of_batch(device, dtype, kind):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind, n", [("gemv", 8448), ("add_rmsnorm", 1056), ("swiglu", 1056), ("cat_index", 1056)])
+def test_wide_weights_past_one_row_tile(device, kind, n):
+    """N > 1024 past two 64-row tiles: 128-row tiles (64-wide column tiles, 256-wide past N = 8192), the
+    epilogues over them: the reference's outputs, and each row (and its argmax) bitwise the same at M = 1, 65
+    and 130."""
+    case = _case(kind, 130, 96, n, torch.bfloat16, device, bias=False, seed=7)
+    assert G.gemv_config(n, 96, 130).rows == 128 and G.gemv_config(n, 96, 130).block_n == (256 if n > 8192 else 64)
+    full = case.run()
+    _check(case, full, torch.bfloat16)
+    ids = case.run(argmax=True)[-1] if kind in ARGMAX_KINDS else None
+    for m in (1, 65):
+        sub = case.sub(slice(130 - m, 130))
+        for a, b in zip(sub.run(), full):
+            assert torch.equal(a, b[130 - m :]), (kind, m)
+        if ids is not None:
+            assert torch.equal(sub.run(argmax=True)[-1], ids[130 - m :]), (kind, m)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("m", [3, 100], ids=["fused", "rows_first"])
 def test_norm_scale_is_the_references_bit_for_bit(device, m):
     """w selects one column per output (an exact product), so y = round(x_k * norm_w_k * rstd): equal to the
@@ -368,16 +387,21 @@ def test_rejects_what_it_does_not_handle(device):
 
 def test_config_fits_shared_memory_and_fills_the_gpu():
     """Every SmolLM2-135M / EAGLE3 / 8B projection at M = 1..256: a row tile that holds M (ROW_TILES, then
-    more row tiles), chunks of 64 or 128 columns (the norm's lanes), pipelined buffers within the
-    shared-memory budget, and (up to FUSED_M rows) the widest column tiles that give _PROGRAMS programs."""
-    assert [G.row_tile(m) for m in (1, 16, 17, 48, 64, 65, 192, 1000)] == [16, 16, 64, 64, 64, 64, 64, 64]
+    more row tiles), chunks of 128 columns (the norm's lanes) up to one row tile and of 64 past it,
+    pipelined buffers within the shared-memory budget, and (up to FUSED_M rows) the widest column tiles
+    that give _PROGRAMS programs."""
+    ms = (1, 16, 17, 48, 64, 65, 128, 129, 1000)
+    assert [G.row_tile(m, 10240) for m in ms] == [16, 16, 64, 64, 64, 128, 128, 128, 128]
+    assert [G.row_tile(m, 4096) for m in ms] == [16, 16, 64, 64, 64, 64, 64, 128, 128]
+    assert [G.row_tile(m, 1024) for m in ms] == [16, 16, 64, 64, 64, 64, 64, 64, 64]
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (960, 1152), (10240, 576)]
     shapes += [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     for n, k in shapes:
         for m in (1, 6, 17, 48, 192, 256):
             for act_tiles in (1, 2):
                 c = G.gemv_config(n, k, m, act_tiles=act_tiles)
-                assert c.rows == G.row_tile(m) and c.block_k == G.BLOCK_K and c.num_stages >= 1
+                assert c.rows == G.row_tile(m, n) and c.num_stages >= 1
+                assert c.block_k in (G.BLOCK_K, G.WIDE_BLOCK_K) and (c.block_k == G.BLOCK_K or m > G.ONE_TILE_M)
                 if c.num_stages > 2:
                     assert c.num_stages * (c.block_k * c.block_n + act_tiles * c.rows * c.block_k) * 2 <= G._SMEM_BUDGET
                 programs = -(-n // c.block_n) * -(-m // c.rows)

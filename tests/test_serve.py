@@ -702,7 +702,7 @@ def test_warm_up_joins_prompts_of_every_projection_launch_rule():
     from engine.drafts.registry import draft_config
     from engine.serve.scheduler import Scheduler
     from engine.speculative.generate import SpecDecoder
-    from kernels.gemv import FUSED_M, ROW_TILES
+    from kernels.gemv import FUSED_M, ONE_TILE_M
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=2, prefill_rows=1)
     draft = make_draft(plan, head, target, 2, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
@@ -715,7 +715,7 @@ def test_warm_up_joins_prompts_of_every_projection_launch_rule():
 
     sched.dec.prefill = recording
     sched.warm_up()
-    rules = {(n <= FUSED_M, n <= ROW_TILES[-1]) for n in joined}
+    rules = {(n <= FUSED_M, n <= ONE_TILE_M) for n in joined}
     assert rules == {(True, True), (False, True), (False, False)}
     assert sched.stats.rounds == 0 and not any(sched.state.live)
 
