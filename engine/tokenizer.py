@@ -46,6 +46,7 @@ class HFTokenizer:
         self.tok = tok
         eos = {tok.eos_token_id} if tok.eos_token_id is not None else set()
         self.eos_token_ids = frozenset(eos | set(extra_eos))
+        self.plain_decode = _plain_decode(tok)
 
     @classmethod
     def from_dir(cls, path: str, extra_eos: tuple[int, ...] = ()) -> "HFTokenizer":
@@ -59,6 +60,8 @@ class HFTokenizer:
         return self.tok.encode(text, add_special_tokens=True)
 
     def decode(self, ids: list[int]) -> str:
+        if self.plain_decode:  # the same text without transformers' wrapping: the server's streams decode often
+            return self.tok.backend_tokenizer.decode(ids, skip_special_tokens=True)
         return self.tok.decode(ids, skip_special_tokens=True)
 
     def encode_chat(self, user: str, system: Optional[str] = None) -> list[int]:
@@ -78,6 +81,21 @@ class HFTokenizer:
         prefix, suffix = text.split(sentinel, 1)
         end = self.tok.encode(suffix, add_special_tokens=False)[:1]  # e.g. <|im_end|>
         return self.tok.encode(prefix, add_special_tokens=False), frozenset(end) | self.eos_token_ids
+
+
+def _plain_decode(tok) -> bool:
+    """Whether transformers' decode of `tok` is the tokenizers library's (a fast tokenizer that overrides
+    neither decode step and does not clean up spaces): its argument handling costs several times the
+    decode of the token or two a stream decodes at a time."""
+    from transformers import PreTrainedTokenizerFast
+
+    base, cls = PreTrainedTokenizerFast, type(tok)
+    return (
+        isinstance(tok, base)
+        and cls.decode is base.decode
+        and cls._decode is base._decode
+        and not tok.clean_up_tokenization_spaces
+    )
 
 
 class ByteTokenizer:

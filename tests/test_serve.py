@@ -626,6 +626,25 @@ def test_text_stream_holds_partial_characters_and_stop_strings():
     assert "".join(plain.push([i]) for i in ids) + plain.finish() == "héllo wörld END tail"
 
 
+def test_a_fast_tokenizer_decodes_as_transformers_does_without_its_wrapping(tmp_path):
+    """The tokenizers library's decode, where transformers' adds nothing to it, gives transformers' text
+    (special tokens skipped); a tokenizer that cleans up spaces keeps transformers' decode."""
+    from helpers.models import save_byte_tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from engine.tokenizer import HFTokenizer
+
+    save_byte_tokenizer(tmp_path)
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    assert tok.plain_decode
+    ids = [256, *b'a "b" \\ c\n d', 257, *b" e"]
+    for a in range(len(ids)):
+        for b in range(a, len(ids) + 1):
+            assert tok.decode(ids[a:b]) == tok.tok.decode(ids[a:b], skip_special_tokens=True)
+    cleaning = PreTrainedTokenizerFast.from_pretrained(str(tmp_path), clean_up_tokenization_spaces=True)
+    assert not HFTokenizer(cleaning).plain_decode
+
+
 def test_mixed_batch_greedy_rows_stay_greedy_and_seeded_rows_draw_their_own():
     import torch
 
@@ -840,6 +859,83 @@ def test_a_request_whose_events_overtake_its_answer_still_gets_them_all():
 
     same, items, in_flight = asyncio.run(main())
     assert same and items == [([5], None, (0, 0, 0)), ([6, 7], "length", (1, 2, 1))] and in_flight == 0
+
+
+@pytest.mark.parametrize("kind", ["chat", "completion"])
+def test_streamed_chunks_are_the_chunk_dicts_of_each_event(kind):
+    """The front's SSE stream over a fake engine: each event's text delta (quotes, backslashes, newlines,
+    control and multi-byte characters split across events; several passes' events read in one wake-up)
+    is one chunk, and every chunk (chat's first with the role, the finish, the usage) is the JSON of the
+    dict OpenAI's shape gives, byte for byte."""
+    import multiprocessing
+
+    from engine.serve.link import RemoteEngine
+    from engine.serve.openai_server import OpenAIApp
+    from engine.serve.protocol import ApiLimits
+    from engine.serve.scheduler import TokenEvent
+
+    text = 'He said "hi" \\ back\\slash\n\ttab \x01 caf\u00e9 \u65e5\u672c \U0001f642 \u2028 </script> end'
+    data = text.encode()
+    cuts = [0, 1, 4, 5, 9, 12, 20, 27, 28, 29, 31, 36, 40, 41, 43, 47, 52, len(data)]
+    tokens = [list(data[a:b]) for a, b in zip(cuts, cuts[1:])]
+    n = len(tokens)
+    events = [TokenEvent(t, "length" if i == n - 1 else None) for i, t in enumerate(tokens)]
+    counts = [(i, 3 * i, 2 * i) for i in range(n)]
+
+    def engine_side(conn):
+        kind_, rid, sub = conn.recv()
+        assert kind_ == "submit"
+        conn.send(("submitted", rid, None))
+        batch = [(rid, ev, c) for ev, c in zip(events, counts)]
+        conn.send(("events", batch[:3]))  # one pass with three of them, then two passes sent together
+        conn.send(("events", batch[3:5]))
+        conn.send(("events", batch[5:7]))
+        for item in batch[7:]:
+            time.sleep(0.005)
+            conn.send(("events", [item]))
+
+    async def main():
+        front, engine = multiprocessing.Pipe()
+        threading.Thread(target=engine_side, args=(engine,), daemon=True).start()
+        tok = ByteTokenizer()
+        remote = RemoteEngine(front)
+        remote.attach(asyncio.get_running_loop())
+        api = OpenAIApp(remote, tok, ApiLimits("m", tok.vocab_size, 256, 0, 64, 64, 0.0))
+        body = {"model": "m", "max_tokens": 64, "stream": True, "stream_options": {"include_usage": True}}
+        body |= {"messages": [{"role": "user", "content": "hi"}]} if kind == "chat" else {"prompt": "hi"}
+        transport = httpx.ASGITransport(app=api.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+            url = "/v1/chat/completions" if kind == "chat" else "/v1/completions"
+            r = await client.post(url, json=body)
+        return r.status_code, r.text
+
+    status, raw = asyncio.run(main())
+    assert status == 200
+    assert raw.endswith("data: [DONE]\n\n")
+    sent = [e[len("data: ") :] for e in raw.split("\n\n")[:-2]]
+    first = json.loads(sent[0])
+    head = {"id": first["id"], "object": first["object"], "created": first["created"], "model": "m"}
+    assert head["object"] == ("chat.completion.chunk" if kind == "chat" else "text_completion")
+
+    def chunk(delta, finish, role=False):
+        if kind == "chat":
+            d = {"role": "assistant", "content": delta} if role else ({"content": delta} if delta else {})
+            return {**head, "choices": [{"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}]}
+        return {**head, "choices": [{"index": 0, "text": delta or "", "logprobs": None, "finish_reason": finish}]}
+
+    ts = TextStream(ByteTokenizer())
+    deltas = [d for d in (ts.push(t) for t in tokens) if d]
+    assert "".join(deltas) == text and len(deltas) < n  # a split character waits for the rest of it
+    speculation = {"verify_rounds": n - 1, "draft_tokens": 3 * (n - 1), "accepted_tokens": 2 * (n - 1)}
+    speculation |= {"accept_length": 3.0, "mean_k": 3.0}
+    tok = ByteTokenizer()
+    prompt = len(tok.encode_messages([{"role": "user", "content": "hi"}]) if kind == "chat" else tok.encode("hi"))
+    usage = {"prompt_tokens": prompt, "completion_tokens": len(data), "total_tokens": prompt + len(data)}
+    expected = [chunk("", None, role=True)] if kind == "chat" else []
+    expected += [chunk(d, None) for d in deltas] + [chunk(None, "length")]
+    expected.append({**head, "choices": [], "usage": {**usage, "speculation": speculation}})
+    assert [json.loads(e) for e in sent] == expected
+    assert sent == [json.dumps(e, separators=(",", ":")) for e in expected]
 
 
 def test_the_http_front_is_a_process_of_its_own_and_its_death_stops_the_engine(tmp_path):

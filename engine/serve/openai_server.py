@@ -27,6 +27,7 @@ import json
 import logging
 import time
 import uuid
+from collections import deque
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable, Optional
 
@@ -50,7 +51,7 @@ from engine.serve.protocol import (
     extra_field_error,
     shutting_down_error,
 )
-from engine.serve.requests import QueueFull, ShuttingDown
+from engine.serve.requests import QueueFull, ShuttingDown, TokenEvent
 from engine.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -174,8 +175,10 @@ class _Flight:
 
     async def deltas(
         self, disconnected: Optional[Callable[[], Awaitable[bool]]] = None
-    ) -> AsyncIterator[tuple[str, Optional[str]]]:
-        """(text delta, None) while generating, then (last delta, "stop" | "length").
+    ) -> AsyncIterator[list[tuple[str, Optional[str]]]]:
+        """Per wake-up, the text deltas of every event that arrived: [(text delta, None), ...] while
+        generating; the last list ends with (last delta, "stop" | "length"). A front that falls behind
+        the engine finds several passes' events queued and hands them on together (one write).
 
         disconnected: polled every DISCONNECT_POLL_S for a client that went away (a non-streaming
         response has no write to fail on); the request is then cancelled."""
@@ -195,41 +198,62 @@ class _Flight:
                             return
                     if item is None:
                         continue
-                ev, self.counts = item
-                self.finished = ev.finish_reason is not None
-                if ev.finish_reason in ("error", "abort"):
-                    raise ApiError(
-                        500 if ev.finish_reason == "error" else 503,
-                        ev.error or "the request was aborted (server shutting down)",
-                        type_="server_error",
-                        code=ev.finish_reason,
-                    )
-                self.completion_tokens += len(ev.tokens)
-                self.t_first = self.t_first or time.perf_counter()
-                delta = self.text.push(ev.tokens)
-                if ev.finish_reason is not None and not self.text.stopped:
-                    delta += self.text.finish()  # the held-back tail: a stop string may end in it
-                if self.text.stopped:  # a stop string: the engine may stop now, or may have ended it already
-                    ended = ev.finish_reason
-                    while ended is None and self.rid not in self.engine.queues:  # its last event is queued
-                        ended = self.events.get_nowait()[0].finish_reason
-                    self.engine.stop(self.rid, ended)
-                    self.finished = True
-                    yield delta, "stop"
-                    return
-                if ev.finish_reason is not None:
-                    yield delta, ev.finish_reason
-                    return
-                if delta:
-                    yield delta, None
+                pending = deque([item])
+                while not self.events.empty():
+                    pending.append(self.events.get_nowait())
+                out = []
+                while pending:
+                    ev, self.counts = pending.popleft()
+                    try:
+                        delta, finish = self._text(ev, pending)
+                    except ApiError:
+                        if out:  # what came before the error goes out first
+                            yield out
+                        raise
+                    if finish is not None:
+                        out.append((delta, finish))
+                        yield out
+                        return
+                    if delta:
+                        out.append((delta, None))
+                if out:
+                    yield out
         finally:  # finished, or the client is gone (the response task was cancelled)
             if not self.finished:
                 self.engine.cancel(self.rid)
+
+    def _text(self, ev: TokenEvent, pending: deque) -> tuple[str, Optional[str]]:
+        """One event's text delta and finish reason ("stop" for a stop string). pending: the events
+        taken from the queue after it, read for the engine's own finish when a stop string ends it."""
+        self.finished = ev.finish_reason is not None
+        if ev.finish_reason in ("error", "abort"):
+            raise ApiError(
+                500 if ev.finish_reason == "error" else 503,
+                ev.error or "the request was aborted (server shutting down)",
+                type_="server_error",
+                code=ev.finish_reason,
+            )
+        self.completion_tokens += len(ev.tokens)
+        self.t_first = self.t_first or time.perf_counter()
+        delta = self.text.push(ev.tokens)
+        if ev.finish_reason is not None and not self.text.stopped:
+            delta += self.text.finish()  # the held-back tail: a stop string may end in it
+        if self.text.stopped:  # a stop string: the engine may stop now, or may have ended it already
+            ended = ev.finish_reason
+            while ended is None and self.rid not in self.engine.queues:  # its last event is queued
+                ended = (pending.popleft() if pending else self.events.get_nowait())[0].finish_reason
+            self.engine.stop(self.rid, ended)
+            self.finished = True
+            return delta, "stop"
+        return delta, ev.finish_reason
 
 
 # ------------------------------------------------------------------------------------------ the app
 def _sse(obj: Any) -> str:
     return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n"
+
+
+_MARK = "\0"  # stands for the delta in a stream's rendered text event (`OpenAIApp._stream`)
 
 
 class OpenAIApp:
@@ -351,8 +375,9 @@ class OpenAIApp:
                 headers={"Cache-Control": "no-cache"},
             )
         parts, finish = [], None
-        async for delta, finish in flight.deltas(request.is_disconnected):  # noqa: B007  (read after the loop)
-            parts.append(delta)
+        async for batch in flight.deltas(request.is_disconnected):
+            parts += [delta for delta, _ in batch]
+            finish = batch[-1][1]
         if finish is None:  # the client went away: nobody to answer
             return Response(status_code=499)
         self._observe(flight)
@@ -381,13 +406,14 @@ class OpenAIApp:
         try:
             if kind == "chat":
                 yield _sse(self._chunk(head, kind, "", None, first=True))
-            async for delta, finish in flight.deltas():
-                if finish is None:
-                    yield _sse(self._chunk(head, kind, delta, None))
-                else:
-                    if delta:
-                        yield _sse(self._chunk(head, kind, delta, None))
-                    yield _sse(self._chunk(head, kind, None, finish))
+            # a text delta's event, rendered once around a mark: an event is then its delta's JSON string
+            # between the two halves (what `_sse(self._chunk(head, kind, delta, None))` writes, for less)
+            before, _, after = _sse(self._chunk(head, kind, _MARK, None)).rpartition(json.dumps(_MARK))
+            async for batch in flight.deltas():  # one write per wake-up
+                parts = [before + json.dumps(delta) + after for delta, _ in batch if delta]
+                if (finish := batch[-1][1]) is not None:
+                    parts.append(_sse(self._chunk(head, kind, None, finish)))
+                yield "".join(parts)
             self._observe(flight)
             if usage:
                 yield _sse({**head, "choices": [], "usage": flight.usage})
