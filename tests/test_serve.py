@@ -758,6 +758,23 @@ def test_profile_joins_times_each_pass_and_both_phases(tmp_path):
     assert set(ops) == {"prefill", "start"} and all(float(v) > 0 for v in ops.values())
 
 
+def test_front_benchmark_streams_the_stand_in_engines_tokens():
+    """`benchmarks/front.py`: the real front process over the stand-in engine, 1 and 3 clients: every
+    response carries its max_tokens (the bench checks each), and each row reports the tokens the clients
+    got (no more than the stand-in emits: 2 a request every 2 ms) and the front's CPU."""
+    import subprocess
+
+    cmd = [sys.executable, str(REPO / "benchmarks" / "front.py"), "--clients", "1", "3", "--warmup", "0.5"]
+    cmd += ["--duration", "1.5", "--max-tokens", "16", "--tokens", "2", "--pass-ms", "2"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert p.returncode == 0, p.stderr[-2000:]
+    rows = [line.split() for line in p.stdout.splitlines()[1:]]
+    assert [int(r[0]) for r in rows] == [1, 3]
+    for r in rows:
+        tokens_s, cpu_s, ms_per_1k = float(r[2]), float(r[3]), float(r[4])
+        assert 0 < tokens_s <= int(r[0]) * 2 / 2e-3 and cpu_s > 0 and ms_per_1k > 0, r
+
+
 def test_max_queue_counts_requests_beyond_the_free_slots():
     from helpers.models import pair
 
