@@ -443,6 +443,22 @@ def test_a_request_turns_speculation_off_and_its_usage_and_metrics_say_so(server
 
 
 # ------------------------------------------------------------------------------------------ load
+def test_load_test_spreads_a_levels_clients_over_processes(servers, tmp_path):
+    """`load_test.py --procs 2`: two forked client processes, each with half the clients and half of
+    `--requests`, their rows merged (requests, tokens, streams' first tokens and speculation)."""
+    import subprocess
+
+    s, rows = servers("eagle3_debug"), tmp_path / "rows.json"
+    cmd = [sys.executable, str(REPO / "benchmarks" / "load_test.py"), "--url", s.root, "--clients", "4"]
+    cmd += ["--procs", "2", "--requests", "10", "--duration", "60", "--max-tokens", "8", "--ignore-eos"]
+    cmd += ["--stream", "--chat", "--json", str(rows)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    (row,) = json.loads(rows.read_text())
+    assert row["clients"] == 4 and row["requests"] == 10 and row["failures"] == 0, row
+    assert row["tokens_per_s"] > 0 and row["ttft_p50_s"] > 0 and row["accept_length"] >= 1.0, row
+
+
 def test_bounded_load_has_no_failed_request(servers):
     import asyncio
 
