@@ -472,12 +472,12 @@ class GemvConfig(NamedTuple):
     num_stages: int
 
 
-def row_tile(m: int, n: int = 0) -> int:
+def row_tile(m: int, n: int) -> int:
     """The row tile of a call of M rows and N columns: 16 up to 16 rows, 64 up to 64, then 128 for a wide
     weight (N > 8192) or past two 64-row tiles on one of N > 1024; else 64 (more programs on the rest)."""
     if m <= ONE_TILE_M:
         return next(r for r in ROW_TILES if r >= m)
-    return 128 if n > 8192 or (n > 1024 and m > 2 * ONE_TILE_M) else ONE_TILE_M
+    return ROW_TILES[-1] if n > 8192 or (n > 1024 and m > 2 * ONE_TILE_M) else ONE_TILE_M
 
 
 def gemv_config(
