@@ -197,7 +197,7 @@ def profile_joins(cfg, plan, context, n: int, kernels: int) -> str:
             req = GenerationRequest(p, 4, lambda ev: None, temperature, 1.0, seed=1)
             sync()
             t0 = time.perf_counter()
-            sched._join([req], 0)
+            sched._join([req], [0])
             sync()
             walls.append(1e3 * (time.perf_counter() - t0))
             sched._release(0, req, "abort")

@@ -252,6 +252,17 @@ class StaticKVCache:
         self.k[:, :, :, :width].copy_(src.k[:, :b, :, :width])  # [layers, b, kv_heads, width, head_dim]
         self.v[:, :, :, :width].copy_(src.v[:, :b, :, :width])
 
+    def put(self, src: "StaticKVCache", rows: list[int], width: int) -> None:
+        """Slots 0..width-1 of src's rows 0..n-1 into rows `rows` of this cache, in any order (a joint
+        prefill staged elsewhere, its prompts joining at free slots wherever they are)."""
+        n = len(rows)
+        if rows == list(range(rows[0], rows[0] + n)):
+            self.rows(slice(rows[0], rows[0] + n)).take(src, width)
+            return
+        idx = torch.tensor(rows, device=self.k.device)
+        self.k[:, idx, :, :width] = src.k[:, :n, :, :width]  # one scatter per tensor
+        self.v[:, idx, :, :width] = src.v[:, :n, :, :width]
+
 
 # --------------------------------------------------------------------------------------------- layers
 class RMSNorm(nn.Module):

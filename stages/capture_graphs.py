@@ -44,10 +44,13 @@ def prefill_buckets(cfg) -> list[int]:
     return [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]
 
 
+JOIN_ROWS = 4  # prompts a server prefills in one graph replay (where they fit the largest prefill bucket)
+
+
 def prefill_rows(cfg) -> int | None:
-    """Rows of the staging caches the prefill graphs write: a server's joins go through one; None: the
+    """Rows of the staging caches the prefill graphs write: a server's joins go through them; None: the
     graphs write the batch's own cache."""
-    return 1 if cfg.task == "serve" else None
+    return min(JOIN_ROWS, cfg.serve.max_batch_size) if cfg.task == "serve" else None
 
 
 def samples(cfg) -> bool:

@@ -276,6 +276,44 @@ def test_prefill_graphs_under_every_policy_and_into_any_row(policy, staging):
         assert torch.equal(dec.cache.k[:, others, :, :-1], before[:, others, :, :-1])
 
 
+@pytest.mark.parametrize("policy", ["debug"] + (["full"] if CUDA else []))
+def test_prompts_prefill_together_into_any_rows(policy):
+    """Two staging rows: prompts that fit the joint buckets (2 x 8) prefill in one replay into any rows,
+    in any order; more prompts than the staging rows go through them in groups; a prompt past the joint
+    buckets goes alone. Logits and each row's KV equal an eager prefill of the prompt alone; rows no
+    prompt names are untouched."""
+    target, device = target_for(policy)
+    gs = GraphSet(target, None, 4, 0, policy, "none", [1, 2, 4], [8, 16], features=True, prefill_rows=2).capture()
+    runner = gs.get("prefill")
+    assert sorted(runner.buckets) == [(1, 8), (1, 16), (2, 8)]
+    dec = Generator(target, 4, graphs=gs)
+    short, longer = [[5, 7, 11], [3, 1, 4, 1, 5, 9], [2, 7, 1, 8]], [list(range(1, 13))]
+    for prompts, rows, replays in [
+        (short[:2], [3, 0], 1),  # out of order, not contiguous: one replay
+        (short, [0, 2, 3], 2),  # three prompts: a group of two, then one
+        (short[:1] + longer, [1, 2], 2),  # the 12-token prompt only fits a one-row bucket: each alone
+    ]:
+        dec.cache.k.fill_(0.5)
+        before, seen = dec.cache.k.clone(), runner.stats.replays
+        pre = dec.prefill(prompts, None, rows)
+        assert runner.stats.replays - seen == replays and runner.stats.fallbacks == 0
+        for j, (p, row) in enumerate(zip(prompts, rows)):
+            ref_cache = target.new_cache(1)
+            tokens = torch.tensor([p], device=device)
+            ref = target(
+                tokens,
+                torch.arange(len(p), device=device)[None],
+                ref_cache,
+                kv_len=len(p),
+                logits_index=torch.tensor([len(p) - 1], device=device),
+            )
+            assert torch.allclose(pre.out.logits[j], ref.logits[0], atol=1e-4)
+            assert pre.valid[j].sum() == len(p) and pre.tokens[j, : len(p)].tolist() == p
+            assert torch.allclose(dec.cache.k[:, row, :, : len(p)], ref_cache.k[:, 0, :, : len(p)], atol=1e-4)
+        others = [r for r in range(4) if r not in rows]
+        assert torch.equal(dec.cache.k[:, others], before[:, others])
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 def test_hazard_9_sampling_inside_a_graph_draws_anew(policy):
     device = torch.device("cuda" if policy != "debug" else "cpu")

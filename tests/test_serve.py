@@ -728,6 +728,59 @@ def test_slots_beyond_the_largest_capture_size_run_eagerly_and_are_counted():
     assert verify_stats.fallbacks > 0 and verify_stats.fallbacks + verify_stats.replays == sched.stats.rounds
 
 
+def test_requests_join_together_at_free_slots_wherever_they_are():
+    """With two staging rows, requests waiting together prefill in one graph replay, at the lowest free
+    slots even where those are not contiguous (here 1 and 3, around two running requests); each run of
+    slots then starts on its own. Every greedy output equals the eager generator's, and a seeded sampled
+    request that joined with another draws what it draws joining alone."""
+    import torch
+    from helpers.models import random_prompts
+    from helpers.spec import build, setup
+
+    from engine.drafts.registry import draft_config
+    from engine.serve.scheduler import GenerationRequest, Scheduler
+    from engine.speculative.generate import SpecDecoder
+
+    target, plan, head, gs, k = setup("eagle3", sizes=(1, 2, 4), batch=4, prefill=(32, 64), prefill_rows=2)
+    assert (2, 32) in gs.get("prefill").buckets and (2, 64) not in gs.get("prefill").buckets
+    draft = make_draft(plan, head, target, 4, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
+    sched = Scheduler(SpecDecoder(target, 4, draft, k, graphs=gs), 4, 8)
+    prompts = random_prompts(6, seed=41)
+    lengths = [40, 6, 40, 6, 12, 12]  # the two short ones leave slots 1 and 3 free together
+    reqs = [GenerationRequest(p, n, lambda e: None) for p, n in zip(prompts, lengths)]
+    reqs[5].temperature, reqs[5].seed = 0.8, 7
+    prefill = gs.get("prefill").stats
+
+    def admit(batch: list) -> int:
+        """Queue `batch`, admit it: -> the prefill graph replays it took."""
+        replays = prefill.replays
+        sched.waiting.extend(batch)
+        sched._admit()
+        return prefill.replays - replays
+
+    with torch.inference_mode():
+        assert admit(reqs[:2]) == 1 and admit(reqs[2:4]) == 1  # two prompts each: one replay each
+        assert [r.slot for r in reqs[:4]] == [0, 1, 2, 3]
+        while reqs[1].finish_reason is None or reqs[3].finish_reason is None:
+            sched._step()
+        assert sched.slots[1] is sched.slots[3] is None and None not in (sched.slots[0], sched.slots[2])
+        assert admit(reqs[4:]) == 1 and (reqs[4].slot, reqs[5].slot) == (1, 3)
+        while sched.running:
+            sched._step()
+        alone = GenerationRequest(prompts[5], 12, lambda e: None, 0.8, seed=7)
+        assert admit([alone]) == 1 and alone.slot == 0
+        while sched.running:
+            sched._step()
+    assert prefill.fallbacks == 0
+    eager = build(target, "eagle3", 1, SamplingParams())
+    want = [
+        eager.generate([p], SamplingParams(max_new_tokens=n, ignore_eos=True))[0].tokens
+        for p, n in zip(prompts[:5], lengths)
+    ]
+    assert [r.output for r in reqs[:5]] == want
+    assert reqs[5].output == alone.output and len(alone.output) == 12
+
+
 def test_warm_up_joins_prompts_of_every_projection_launch_rule():
     """Each launch rule of the projections (kernels/gemv.py: up to 16 rows, one 64-row tile, several) is
     its own compiled kernel: the warm-up joins a prompt of each, greedy and sampled, so no client's first

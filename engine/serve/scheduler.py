@@ -2,13 +2,13 @@
 
     slots    n = serve.max_batch_size rows of the target's static KV cache, of the draft's and of the
              graphs' buffers; a request holds one slot from its prefill to its last token
-    join     the target prefills the prompt into its slot row (`SpecDecoder.prefill(rows=slice(i, i + 1))`:
-             through the prefill graphs over the graph set's staging row, its KV then copied into the
-             slot), then `SpecDecoder.start` writes the request's sampling into the slot's state buffers,
-             draws the first token and runs the draft's prefill (its prefill graphs over a staging row,
-             the KV then copied into the slot), which leaves every other row's draft state. Requests
-             waiting together join together over a run of contiguous free slots (`rows=slice(i, i + m)`,
-             up to `max_prefill_tokens` padded tokens), each prompt through the staging row in turn
+    join     the waiting requests (as many as there are free slots and `max_prefill_tokens` padded tokens
+             allow) take the lowest free slots, wherever they are. The target prefills their prompts at
+             once (`SpecDecoder.prefill(rows=slots)`: the prefill graphs over the graph set's staging rows,
+             up to 4 prompts a replay where they fit, their KV then copied into the slots); then each run
+             of contiguous slots starts (`SpecDecoder.start`: the requests' sampling into the slots' state
+             buffers, the first tokens drawn, the draft's prefill over its staging rows, KV into the slots),
+             leaving every other row's draft state
     step     one `SpecDecoder.round` over the slots up to the last occupied one: propose -> verify ->
              commit, the same code eval runs; free slots among them ride along as invalid rows (they write
              to the cache's dummy slot and are never read); then finished and cancelled requests leave and
@@ -54,7 +54,7 @@ from engine.serve.requests import (  # noqa: F401  (the scheduler's types, impor
     ShuttingDown,
     TokenEvent,
 )
-from engine.speculative.generate import SpecDecoder
+from engine.speculative.generate import SpecDecoder, runs
 
 log = logging.getLogger(__name__)
 
@@ -268,18 +268,15 @@ class Scheduler:
                 self._release(i, req, req.cancelled)
 
     def _admit(self) -> None:
-        """Fill free slots from the queue: waiting requests that fit a run of contiguous free slots
-        (and the prefill token budget) prefill together, as one right-padded batch."""
+        """Fill free slots from the queue: waiting requests, as many as there are free slots (the lowest
+        first, wherever they are) and the prefill token budget allows, prefill together."""
         while True:
             free = [i for i, r in enumerate(self.slots) if r is None]
             if not free:
                 return
-            start = end = free[0]
-            while end + 1 < self.n and self.slots[end + 1] is None:
-                end += 1
             batch: list[GenerationRequest] = []
             with self._cv:
-                while self.waiting and len(batch) < end - start + 1:
+                while self.waiting and len(batch) < len(free):
                     req = self.waiting[0]
                     width = max([len(r.prompt) for r in batch] + [len(req.prompt)])
                     if batch and width * (len(batch) + 1) > self.max_prefill_tokens:
@@ -294,11 +291,10 @@ class Scheduler:
                     return
                 continue
             try:
-                self._join(batch, start)
+                self._join(batch, free[: len(batch)])
             except Exception as e:  # these requests' prefill failed: they alone fail, their rows stay free
                 log.exception("prefill failed")
-                for j, req in enumerate(batch):
-                    i = start + j
+                for req, i in zip(batch, free):
                     if self.slots[i] is req:
                         self._release(i, req, "error", str(e))
                     elif req.finish_reason is None:
@@ -306,37 +302,39 @@ class Scheduler:
                         self._live_changed = True
                         self._finish(req, "error", str(e))
 
-    def _join(self, reqs: list[GenerationRequest], start: int) -> None:
-        """Prefill `reqs` into slots start..start+m-1 (target, then draft), and emit their first tokens."""
-        t0, m, st, clock = time.perf_counter(), len(reqs), self.state, self.dec.clock
-        rows = slice(start, start + m)
+    def _join(self, reqs: list[GenerationRequest], slots: list[int]) -> None:
+        """Prefill `reqs` into `slots` (ascending; the target's prefill at once, then each run of
+        contiguous slots starts: settings, first token, the draft's prefill), and emit their first tokens."""
+        t0, st, clock = time.perf_counter(), self.state, self.dec.clock
         marks = [clock.mark()]
-        pre = self.dec.prefill([r.prompt for r in reqs], None, rows)
+        pre = self.dec.prefill([r.prompt for r in reqs], None, slots)
         marks.append(clock.mark())
         unseeded = [r.seed is None and r.temperature > 0 for r in reqs]  # greedy rows draw nothing
         drawn = iter(seeds_from(self.generator, sum(unseeded)))
-        settings = RowSettings(
-            [r.temperature for r in reqs],
-            [r.top_p for r in reqs],
-            [next(drawn) if u else as_seed(r.seed or 0) for r, u in zip(reqs, unseeded)],
-            [r.speculative for r in reqs],
-        )
-        for j, req in enumerate(reqs):
-            st.history[start + j], st.lengths[start + j], st.live[start + j] = list(req.prompt), len(req.prompt), True
-        first = self.dec.start(st, pre, settings, rows=rows)  # [m]: the slots' settings, round state, draft prefill
+        seeds = [next(drawn) if u else as_seed(r.seed or 0) for r, u in zip(reqs, unseeded)]
+        for req, i in zip(reqs, slots):
+            st.history[i], st.lengths[i], st.live[i] = list(req.prompt), len(req.prompt), True
+        first, j = [], 0
+        for i, n in runs(slots):  # [n] first tokens of slots i..i+n-1 (on the device)
+            part = reqs[j : j + n]
+            settings = RowSettings(
+                [r.temperature for r in part], [r.top_p for r in part], seeds[j : j + n], [r.speculative for r in part]
+            )
+            first.append(self.dec.start(st, pre.part(j, j + n), settings, rows=slice(i, i + n)))
+            j += n
         marks.append(clock.mark())
-        toks = first.tolist()  # the join's one sync
+        toks = torch.cat(first).tolist()  # the join's one sync
         clock.span("join_target", marks[0], marks[1])  # stream time: the target's prefill
-        clock.span("join_draft", marks[1], marks[2])  # the first draw and the draft's prefill
+        clock.span("join_draft", marks[1], marks[2])  # the first draws and the draft's prefills
         clock.settle()
-        for j, (req, tok) in enumerate(zip(reqs, toks)):
-            st.history[start + j].append(tok)
-            self.slots[start + j], req.slot = req, start + j
+        for req, i, tok in zip(reqs, slots, toks):
+            st.history[i].append(tok)
+            self.slots[i], req.slot = req, i
         self.stats.prefill_s += time.perf_counter() - t0
         self.stats.prefills += 1
         now = time.perf_counter()
-        for j, (req, tok) in enumerate(zip(reqs, toks)):
-            self._emit(start + j, req, [tok], now)
+        for req, i, tok in zip(reqs, slots, toks):
+            self._emit(i, req, [tok], now)
 
     def _round_rows(self) -> int:
         """Rows a round spans: up to the last occupied slot (requests take the lowest free slots, so

@@ -80,8 +80,12 @@ def check_capacity(prompt_lens: list[int], max_new_tokens: int, max_seq_len: int
         )
 
 
-def _runs(rows: list[int]) -> list[tuple[int, int]]:
-    """Sorted rows -> (first, count) of each run of consecutive ones."""
+def _rows(rows: slice | list[int]) -> list[int]:
+    return list(range(rows.start, rows.stop)) if isinstance(rows, slice) else list(rows)
+
+
+def runs(rows: list[int]) -> list[tuple[int, int]]:
+    """Rows -> (first, count) of each run of consecutive ones, in order."""
     out: list[tuple[int, int]] = []
     for r in rows:
         if out and out[-1][0] + out[-1][1] == r:
@@ -109,19 +113,28 @@ class Prefill:
     valid: Tensor  # [b, T] bool
     embeds: Optional[Tensor]  # [b, T, hidden] when the prompts came as embeddings, else None
 
+    def part(self, i: int, j: int) -> "Prefill":
+        """Prompts i..j-1 alone (views)."""
+        o, cut = self.out, lambda x: None if x is None else x[i:j]  # noqa: E731
+        out = ForwardOutput(*(cut(x) for x in (o.logits, o.hidden_states, o.aux_hidden_states, o.input_embeds, o.ids)))
+        return Prefill(out, self.tokens[i:j], self.valid[i:j], cut(self.embeds))
+
 
 def _pad_rows(parts: list[Optional[Tensor]], width: int) -> Optional[Tensor]:
-    """[1, t_i, ...] per prompt -> [n, width, ...], zero beyond each prompt (None when the parts are)."""
+    """[n_i, t_i, ...] per group of prompts -> [sum n_i, width, ...], zero (False) beyond each group's t_i
+    (None when the parts are)."""
     if parts[0] is None:
         return None
-    out = parts[0].new_zeros(len(parts), width, *parts[0].shape[2:])
-    for i, x in enumerate(parts):
-        out[i, : x.shape[1]] = x[0]
+    out = parts[0].new_zeros(sum(x.shape[0] for x in parts), width, *parts[0].shape[2:])
+    r = 0
+    for x in parts:
+        out[r : r + x.shape[0], : x.shape[1]] = x
+        r += x.shape[0]
     return out
 
 
 def _stack_outputs(outs: list[ForwardOutput], width: int) -> ForwardOutput:
-    """One prompt's prefill each -> the joint prefill's output (logits at each prompt's last position)."""
+    """Each group's prefill -> the joint prefill's output (logits at each prompt's last position)."""
     return ForwardOutput(
         torch.cat([o.logits for o in outs]),  # [n, 1, vocab]
         _pad_rows([o.hidden_states for o in outs], width),
@@ -236,32 +249,32 @@ class SpecDecoder:
         self.ks_used.clear()
         self.clock.reset()
 
-    def prefill(self, prompts: list[list[int]], prompt_embeds, rows: Optional[slice] = None) -> Prefill:
-        """The target's prefill of `prompts` into cache rows `rows` (None: rows 0..b-1). Through the
-        prefill graphs where a bucket holds them: over the round cache's first rows, or over the graph
-        set's staging cache, whose KV then goes into `rows` (a server's join at any slot; a group the
-        staging rows do not hold goes through them one prompt at a time); else eagerly (counted as a
-        fallback when the graphs write the round cache)."""
+    def prefill(self, prompts: list[list[int]], prompt_embeds, rows: Optional[slice | list[int]] = None) -> Prefill:
+        """The target's prefill of `prompts` into cache rows `rows` (None: rows 0..b-1; else a slice, or any
+        rows, in the prompts' order). Through the prefill graphs where a bucket holds them: over the round
+        cache's first rows, or over the graph set's staging cache, whose KV then goes into `rows` (a
+        server's joins, at whichever slots are free; more prompts than the staging rows hold at their
+        length go through them in groups, one at a time at worst); else eagerly, a run of contiguous rows
+        at a time (counted as a fallback when the graphs write the round cache)."""
         b, dev = len(prompts), self.device
-        sl = rows if rows is not None else slice(0, b)
-        lens = [len(p) for p in prompts]
-        width = max(lens)
-        tokens = torch.zeros(b, width, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            tokens[i, : len(p)] = torch.tensor(p)
-        tokens = tokens.to(dev)
-        positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
-        valid = positions < torch.tensor(lens, device=dev)[:, None]
+        slots = list(range(b)) if rows is None else _rows(rows)
+        width = max(len(p) for p in prompts)
         runner, staged = self.prefill_runner, self.prefill_cache not in (None, self.cache)
-        if runner is not None and staged and b > 1 and runner.bucket_for(b, width) is None:
-            if all(runner.bucket_for(1, n) is not None for n in lens):
-                one = []
-                for i, p in enumerate(prompts):  # each prompt alone into its own row
-                    embeds_i = None if prompt_embeds is None else [prompt_embeds[i]]
-                    one.append(self.prefill([p], embeds_i, slice(sl.start + i, sl.start + i + 1)))
-                return Prefill(_stack_outputs([x.out for x in one], width), tokens, valid, _stack_embeds(one, width))
-        if runner is not None and (staged and runner.bucket_for(b, width) is None or not staged and sl.start):
-            runner = None  # the staging rows do not hold it / the graphs write rows 0..b-1 of the round cache
+        if runner is not None and staged:
+            at_once = max((n for n, t in runner.buckets if t >= width), default=0)  # staging rows at this width
+            if 0 < at_once < b:
+                return self._prefill_parts(prompts, prompt_embeds, slots, [at_once] * (b // at_once) + [b % at_once])
+            if not at_once:
+                runner = None  # no bucket holds these prompts
+        elif runner is not None and slots[0]:
+            runner = None  # the graphs write rows 0..b-1 of the round cache
+        if runner is None and len(runs(slots)) > 1:  # an eager prefill writes contiguous rows
+            return self._prefill_parts(prompts, prompt_embeds, slots, [n for _, n in runs(slots)])
+        ids = [t for p in prompts for t in (*p, *[0] * (width - len(p)))] + [len(p) for p in prompts]
+        flat = torch.tensor(ids).to(dev)  # the right-padded ids, then the lengths: one copy
+        tokens, lens = flat[: b * width].view(b, width), flat[b * width :]  # [b, width], [b]
+        positions = torch.arange(width, device=dev).expand(b, width)  # [b, width]
+        valid = positions < lens[:, None]
         given = prompt_embeds is not None and any(e is not None for e in prompt_embeds)
         embeds = None
         if given or runner is not None:  # the prefill graphs take embeddings
@@ -274,14 +287,13 @@ class SpecDecoder:
             "positions": positions,
             "valid": valid,
             "input_embeds": embeds,
-            "logits_index": torch.tensor(lens, device=dev) - 1,
+            "logits_index": lens - 1,
         }
-        cache = self.cache.rows(sl)
         if runner is None:
             out = self.model(
                 tokens,
                 positions,
-                cache,
+                self.cache.rows(slice(slots[0], slots[0] + b)),
                 valid=valid,
                 kv_len=width,
                 input_embeds=embeds,
@@ -291,9 +303,24 @@ class SpecDecoder:
         else:
             got, _ = runner(live, width, self.mode)
             out = ForwardOutput(got["logits"], got.get("hidden"), got.get("aux"), got.get("embeds"))
-            if staged:  # the staged KV into the request's rows
-                cache.take(self.prefill_cache, width)
+            if staged:  # the staged KV into the requests' rows
+                self.cache.put(self.prefill_cache, slots, width)
         return Prefill(out, tokens, valid, embeds if given else None)
+
+    def _prefill_parts(self, prompts, prompt_embeds, slots: list[int], sizes: list[int]) -> Prefill:
+        """`prefill` of consecutive groups of `sizes` prompts, one call each, stacked into one Prefill."""
+        parts, i = [], 0
+        for n in filter(None, sizes):
+            embeds = None if prompt_embeds is None else prompt_embeds[i : i + n]
+            parts.append(self.prefill(prompts[i : i + n], embeds, slots[i : i + n]))
+            i += n
+        width = max(len(p) for p in prompts)
+        return Prefill(
+            _stack_outputs([x.out for x in parts], width),
+            _pad_rows([x.tokens for x in parts], width),
+            _pad_rows([x.valid for x in parts], width),
+            _stack_embeds(parts, width),
+        )
 
     def start(self, state: SpecState, pre: Prefill, settings: RowSettings, rows: Optional[slice] = None) -> Tensor:
         """After the target's prefill: the rows' settings into the round's state buffers, their first token
@@ -388,7 +415,7 @@ class SpecDecoder:
         before a drafting round (their draft then stands at the prompt's end: behind, if a round ran since)."""
         for owned, sl, (st, feats, tokens, valid, embeds, first, draws) in self._put_off:
             rows = [r for r in range(sl.start, sl.stop) if r in owned and state.live[r]]
-            for i, n in _runs(rows):  # each run of contiguous rows in one prefill: [i, i + n)
+            for i, n in runs(rows):  # each run of contiguous rows in one prefill: [i, i + n)
                 j = slice(i - sl.start, i - sl.start + n)
                 part = None if draws is None else draws.rows(j)
                 row_embeds = embeds[j] if embeds is not None else None

@@ -12,8 +12,9 @@ Phases (bucket = (rows, tokens per row)):
                         policy: one graph with the Triton attention, else captured segments between
                         SDPA attention breaks (piecewise); debug under debug; FULL for drafts that
                         read features. R = max_batch over the round cache (a batch prefills rows
-                        0..b-1), or `prefill_rows` over a staging cache of its own (a server: a
-                        request joins at any slot; its KV is copied there)
+                        0..b-1), or over a staging cache of `prefill_rows` rows (a server: requests
+                        join at any free slots; their KV is copied there): R = 1 at every T, and
+                        R = prefill_rows where R x T fits the largest bucket (prompts joining together)
     draft_prefill       a device draft's prefill (`DeviceDraft.prefill_program`) over the same buckets
                         and rows, into its cache or a staging one, under the draft's policy; its state
                         rows come out for the caller to write; `_sampled` draws d_1 (sampled runs)
@@ -74,6 +75,15 @@ class GraphSet:
     round_ks: Optional[list[int]] = None  # the k of each captured round (None: num_steps alone)
     prefill_rows: Optional[int] = None  # prefill graphs over a staging cache of this many rows (None: the round cache)
     runners: dict[str, GraphRunner] = field(default_factory=dict)
+
+    @property
+    def prefill_shapes(self) -> list[tuple[int, int]]:
+        """(rows, tokens) of the prefill graphs: the batch at every bucket, or over a staging cache one
+        prompt at every bucket and `prefill_rows` prompts where they fit the largest bucket's tokens."""
+        if self.prefill_rows is None:
+            return [(self.batch_size, n) for n in self.prefill_buckets]
+        top, r = max(self.prefill_buckets), self.prefill_rows
+        return [(1, n) for n in self.prefill_buckets] + [(r, n) for n in self.prefill_buckets if r > 1 and r * n <= top]
 
     def __post_init__(self):
         t, device = self.target, self.target.lm_head.weight.device
@@ -149,7 +159,7 @@ class GraphSet:
                 inputs,
                 TARGET_OUT,
                 full,
-                [(rows, n) for n in self.prefill_buckets],
+                self.prefill_shapes,
                 device,
                 t.max_seq_len,
                 lambda: {"aux_layer_ids": t.aux_layer_ids},
@@ -169,7 +179,7 @@ class GraphSet:
                     {**token_inputs(), **d.prefill_specs()},
                     {m: outs for m in M},
                     M.NULL,
-                    [(rows, n) for n in self.prefill_buckets],
+                    self.prefill_shapes,
                     device,
                     t.max_seq_len,
                     d.graph_meta,
