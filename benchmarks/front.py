@@ -30,6 +30,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from engine.loading import describe_model, load_tokenizer  # noqa: E402
 from engine.serve.http import FrontSpec, front_main  # noqa: E402
+from engine.serve.link import wire_event  # noqa: E402
 from engine.serve.protocol import ApiLimits  # noqa: E402
 from engine.serve.requests import TokenEvent  # noqa: E402
 from pipeline.config import compose_run_config  # noqa: E402
@@ -72,7 +73,7 @@ class StandInEngine(threading.Thread):
                 done = st[0] >= st[1]
                 if done:
                     del self.live[rid]
-                batch.append((rid, TokenEvent(toks, "length" if done else None), (0, 0, 0)))  # no speculation
+                batch.append(wire_event(rid, TokenEvent(toks, "length" if done else None), (0, 0, 0)))  # no draft
             if batch:
                 self.conn.send(("events", batch))
             wait = self.pass_s - (time.perf_counter() - t0)

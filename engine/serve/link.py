@@ -7,7 +7,8 @@ so the front's HTTP work never holds up a round's launches. Messages are tuples:
     front -> engine   ("submit", rid, Submission)   ("cancel", rid, reason)   ("abort",)   ("snapshot", ask)
                       ("recount", reason, "stop")   a stop string in a request the engine ended as reason
     engine -> front   ("submitted", rid, None | (refusal, message))   ("snapshot", ask, EngineSnapshot)
-                      ("events", [(rid, TokenEvent, counts), ...])   one message per engine pass
+                      ("events", [(rid, tokens, finish_reason, error, counts), ...])   one message per
+                      engine pass (a TokenEvent's fields as plain values: they pickle several times faster)
                       ("stop", now)   what Ctrl-C does (now: a second one)
     front lifecycle   ("ready", port)   ("failed", message)   ("done", FrontResult)
 
@@ -65,6 +66,11 @@ class FrontResult:
     cpu_s: float  # the front process's CPU time: HTTP, tokens to text, SSE
 
 
+def wire_event(rid: int, ev: TokenEvent, n: tuple[int, int, int]) -> tuple:
+    """A request's event as an "events" message carries it: (rid, tokens, finish_reason, error, counts)."""
+    return rid, ev.tokens, ev.finish_reason, ev.error, n
+
+
 def counts(req: GenerationRequest) -> tuple[int, int, int]:
     """(verify rounds, draft tokens proposed, draft tokens accepted) of a request so far."""
     return len(req.accepts), req.draft_tokens, req.accepted_tokens
@@ -112,7 +118,7 @@ class EngineLink:
     def put(self, rid: int, ev: TokenEvent) -> None:
         req = self.requests.pop(rid) if ev.finish_reason is not None else self.requests[rid]
         with self.lock:
-            self.events.append((rid, ev, counts(req)))
+            self.events.append(wire_event(rid, ev, counts(req)))
 
     def flush(self) -> None:
         with self.lock:
@@ -260,14 +266,14 @@ class RemoteEngine:
     def _handle(self, msg: tuple) -> None:
         kind = msg[0]
         if kind == "events":
-            for rid, ev, n in msg[1]:
+            for rid, tokens, finish, error, n in msg[1]:
                 if (q := self.queues.get(rid)) is not None:
-                    q.put_nowait((ev, n))
-                    if ev.finish_reason is not None:
+                    q.put_nowait((TokenEvent(tokens, finish, error), n))
+                    if finish is not None:
                         del self.queues[rid]
                         if rid in self.stopping:
                             self.stopping.discard(rid)
-                            self.stop(rid, ev.finish_reason)
+                            self.stop(rid, finish)
         elif kind in ("submitted", "snapshot"):
             if (fut := self.waiting.pop(msg[1], None)) is not None and not fut.done():
                 fut.set_result(msg[2])
