@@ -48,6 +48,13 @@ class HFTokenizer:
         self.eos_token_ids = frozenset(eos | set(extra_eos))
         self.plain_decode = _plain_decode(tok)
 
+    @functools.cached_property
+    def byte_pieces(self) -> Optional[list[bytes]]:
+        """Each id's bytes, where `decode(ids)` is always their concatenation decoded as UTF-8 with
+        replacement (a byte-level BPE: GPT-2's, Llama 3's, Qwen's), else None: what lets a stream
+        detokenize a token at a time (engine/serve/detokenize.py)."""
+        return _byte_level_pieces(self.tok) if self.plain_decode else None
+
     @classmethod
     def from_dir(cls, path: str, extra_eos: tuple[int, ...] = ()) -> "HFTokenizer":
         """The tokenizer saved in `path`. One of the generic backend (what the GGUF conversion writes) loads
@@ -98,9 +105,36 @@ def _plain_decode(tok) -> bool:
     )
 
 
+def _gpt2_byte_chars() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the printable character that stands for each byte in a token's text."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + n): b for n, b in enumerate(moved)}
+
+
+def _byte_level_pieces(tok) -> Optional[list[bytes]]:
+    """The bytes of every id under the tokenizers library's ByteLevel decoder (a token whose characters
+    are all in the byte alphabet: their bytes; else its text's UTF-8; a special token: none, as decode
+    skips it), checked id by id against the library's decode. None for another decoder, or a mismatch."""
+    backend = tok.backend_tokenizer
+    if type(backend.decoder).__name__ != "ByteLevel":
+        return None
+    chars, special = _gpt2_byte_chars(), {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    pieces = []
+    for i in range(backend.get_vocab_size(with_added_tokens=True)):
+        text = backend.id_to_token(i) or ""
+        mapped = [chars.get(c) for c in text]
+        pieces.append(b"" if i in special else bytes(mapped) if None not in mapped else text.encode())
+    alone = backend.decode_batch([[i] for i in range(len(pieces))], skip_special_tokens=True)
+    if any(p.decode("utf-8", "replace") != a for p, a in zip(pieces, alone)):
+        return None
+    return pieces
+
+
 class ByteTokenizer:
     BOS, EOS, PAD = 256, 257, 258
     vocab_size = 259
+    byte_pieces = [bytes([i]) for i in range(256)] + [b""] * 3  # decode drops bos, eos and pad
 
     def __init__(self):
         self.eos_token_ids = frozenset({self.EOS})

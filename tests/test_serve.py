@@ -632,8 +632,12 @@ def _state(pid: int) -> str:
 
 
 # ------------------------------------------------------------------------------------------ units
-def test_text_stream_holds_partial_characters_and_stop_strings():
+@pytest.mark.parametrize("by_bytes", [True, False])
+def test_text_stream_holds_partial_characters_and_stop_strings(by_bytes):
+    """A token at a time through the byte pieces, or re-reading a window through decode: the same text."""
     tok = ByteTokenizer()
+    if not by_bytes:
+        tok.byte_pieces = None
     ids = list("héllo wörld END tail".encode())
     ts = TextStream(tok, stop=["END"])
     sent = [ts.push([i]) for i in ids]
@@ -642,6 +646,34 @@ def test_text_stream_holds_partial_characters_and_stop_strings():
     assert "END" not in "".join(sent)
     plain = TextStream(tok)
     assert "".join(plain.push([i]) for i in ids) + plain.finish() == "héllo wörld END tail"
+
+
+@pytest.mark.slow
+def test_a_byte_level_tokenizer_streams_a_token_at_a_time_as_decode_reads_it_all(outputs, tmp_path):
+    """SmolLM2's byte-level BPE has byte pieces: any ids (multi-byte characters split across tokens, bytes
+    that are no UTF-8, special tokens, ids past the vocabulary), pushed a few at a time, stream exactly
+    the tokenizer's decode of them all. A tokenizer with another decoder has none (its streams re-read)."""
+    import random
+
+    from helpers.models import save_byte_tokenizer
+
+    from engine.loading import convert_gguf, packaged_smollm2_gguf
+    from engine.tokenizer import HFTokenizer
+
+    tok = HFTokenizer.from_dir(str(convert_gguf(packaged_smollm2_gguf(), outputs / "weights")))
+    assert tok.byte_pieces is not None and len(tok.byte_pieces) == 49152
+    rng, text = random.Random(0), 'Ünïcödé 你好 🙂 café "q" \\ tab\t<|im_end|> end'
+    known = tok.encode(text)
+    for _ in range(200):
+        ids = [rng.randrange(49160) if rng.random() < 0.4 else rng.choice(known) for _ in range(rng.randint(1, 30))]
+        stream, i, sent = TextStream(tok), 0, []
+        while i < len(ids):
+            n = rng.randint(1, 3)
+            sent.append(stream.push(ids[i : i + n]))
+            i += n
+        assert "".join(sent) + stream.finish() == tok.decode(ids)
+    save_byte_tokenizer(tmp_path)
+    assert HFTokenizer.from_dir(str(tmp_path)).byte_pieces is None  # WordLevel, no byte-level decoder
 
 
 def test_a_fast_tokenizer_decodes_as_transformers_does_without_its_wrapping(tmp_path):

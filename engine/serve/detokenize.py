@@ -6,16 +6,20 @@
     ts.stopped               # a stop string appeared: the text is cut before it, generation should end
     delta = ts.finish()      # the rest, once generation ended
 
-Decoding re-reads a small window (the previous push's tokens as context, then the new ones), as
+A byte-level tokenizer (`byte_pieces`: each id's bytes, decode being their UTF-8) decodes a token at
+a time through an incremental UTF-8 decoder, which holds an incomplete character for the next token.
+Any other re-reads a small window (the previous push's tokens as context, then the new ones), as
 vLLM does, so a tokenizer whose pieces depend on their neighbours (leading spaces, byte fallback)
 decodes the same as decoding everything at once, without the quadratic cost. Text ending in U+FFFD
-is an incomplete UTF-8 sequence: it waits for the next token. With stop strings the last
+is an incomplete UTF-8 sequence: it waits for the next token. Either way the text sent is the decode
+of every id at once. With stop strings the last
 `max(len(stop)) - 1` characters are held back, since they may be the start of one; the text sent
 never contains a stop string.
 """
 
 from __future__ import annotations
 
+import codecs
 from typing import Sequence
 
 from engine.tokenizer import Tokenizer
@@ -32,8 +36,14 @@ class TextStream:
         self.sent = 0  # characters of `text` handed out
         self.stopped = False
         self._prefix = self._read = 0  # window: ids[_prefix:_read] is context already in `text`
+        self._pieces = getattr(tokenizer, "byte_pieces", None)
+        self._utf8 = codecs.getincrementaldecoder("utf-8")("replace") if self._pieces is not None else None
 
     def _decode_new(self) -> str:
+        if self._utf8 is not None:  # the new ids' bytes, an incomplete character held for the next
+            new, pieces, n = self.ids[self._read :], self._pieces, len(self._pieces)
+            self._read = len(self.ids)
+            return self._utf8.decode(b"".join([pieces[i] if i < n else b"" for i in new]))  # unknown ids: none
         context = self.tok.decode(self.ids[self._prefix : self._read])
         full = self.tok.decode(self.ids[self._prefix :])
         if full.endswith(REPLACEMENT) or not full.startswith(context):
@@ -62,9 +72,11 @@ class TextStream:
         """Everything not sent yet: the held-back tail and any incomplete character, decoded as is."""
         if not self.stopped:
             start = len(self.text)
-            tail = self.tok.decode(self.ids[self._prefix :])[
-                len(self.tok.decode(self.ids[self._prefix : self._read])) :
-            ]
+            if self._utf8 is not None:
+                tail = self._utf8.decode(b"", final=True)
+            else:
+                context = self.tok.decode(self.ids[self._prefix : self._read])
+                tail = self.tok.decode(self.ids[self._prefix :])[len(context) :]
             self.text += tail
             self._prefix = self._read = len(self.ids)
             self._check_stop(start)

@@ -107,6 +107,7 @@ class _Front:
         self.conn, self.spec = conn, spec
         guard.MAX_CONNECTIONS, guard.HEAD_TIMEOUT_S = spec.max_connections, spec.head_timeout_s
         self.engine = RemoteEngine(conn)
+        getattr(spec.tokenizer, "byte_pieces", None)  # a byte-level tokenizer's table, before the first stream
         self.api = OpenAIApp(self.engine, spec.tokenizer, spec.limits, api_key=spec.api_key, loopback=spec.loopback)
         metrics = self.api.metrics
         protocol = type(  # this server's bounds and counter (engine/serve/guard.py)
