@@ -77,7 +77,7 @@ class MultiLayerDraft(DeviceDraft):
             pick = (lambda x, last=last: x[r, last][:, None]) if i == 0 else None
             out = self.head.module_forward(i, seq[:, i + 1 : i + 1 + t], hidden, caches[i], a, pick, sampled)
             hidden = out.hidden  # [n, t, H]
-            pool.append(hidden[r, last])
+            pool.append(torch.where((lens > i)[:, None], hidden[r, last], 0))  # none for a prompt of <= i tokens
             if i == 0:
                 nxt = self._draw(out.logits, draws, lens, 1, q) if sampled else out.ids[:, 0]
         return {"d_pool": torch.stack(pool, 1), "d_next": nxt}  # [n, k, H], [n]
