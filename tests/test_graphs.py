@@ -436,13 +436,14 @@ def test_hazard_12_a_replay_after_a_fallback_reads_what_the_fallback_wrote(algor
 
 @pytest.mark.parametrize("policy", ["debug", *(pytest.param(p, marks=pytest.mark.gpu) for p in ("full", "breakable"))])
 @pytest.mark.parametrize("algorithm", ["eagle3", "eagle", "multi_layer_eagle", "dflash"])
-@pytest.mark.parametrize("staging", [None, 1])
+@pytest.mark.parametrize("staging", [None, 1, 2])
 def test_draft_prefill_graphs_equal_an_eager_begin_in_any_row(policy, algorithm, staging):
     """A device draft's prefill replays its graphs (greedy, and `_sampled` for a row that samples): into
-    rows 0..b-1 of its cache (an eval batch) or, with a staging row (a server), at any slot, the KV copied
-    there. The draft's state rows (its buffers, d_q's first column) and cache rows equal an eager `begin`
-    of the same draft on the same features, other rows stay untouched, and a prompt no bucket holds (or a
-    row the graphs cannot write) runs eagerly."""
+    rows 0..b-1 of its cache (an eval batch) or, with staging rows (a server), at any slot, the KV copied
+    there, as many prompts a replay as the staging rows hold at their width. The draft's state rows (its
+    buffers, d_q's first column) and cache rows equal an eager `begin` of the same draft on the same
+    features, other rows stay untouched, and a prompt no bucket holds (or a row the graphs cannot write)
+    runs eagerly."""
     if policy != "debug" and not CUDA:
         pytest.skip("needs CUDA")
     target, plan, head, gs, k = setup(
@@ -466,6 +467,7 @@ def test_draft_prefill_graphs_equal_an_eager_begin_in_any_row(policy, algorithm,
         ([[5, 7, 11, 13, 17, 19, 23, 29]], slice(2, 3) if staging else None, greedy, 1),  # the bucket's width
         ([[3, 1, 4, 1, 5]], slice(1, 2) if staging else None, temp, 1),
         ([[3, 1, 4, 1, 5, 9, 2, 6, 5, 3], [2, 7, 1]], None, greedy, 2 if staging else 1),  # staged: one at a time
+        ([[3, 1, 4], [2, 7, 1, 8], [9, 9]], None, temp, {None: 1, 1: 3, 2: 2}[staging]),  # staged: two, then one
         ([[2, 7, 1, 8, 2]], slice(1, 2), greedy, int(bool(staging))),  # not rows 0..b-1 of the draft's own cache
         ([list(range(1, 20))], slice(0, 1), greedy, 0),  # longer than every bucket
     ]:

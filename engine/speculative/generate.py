@@ -376,8 +376,8 @@ class SpecDecoder:
 
     def _draft_begin(self, state, feats, tokens, valid, embeds, first, rows: Optional[slice], draws) -> None:
         """The draft's prefill: through its prefill graphs where a bucket holds the prompts (over the
-        draft's cache rows 0..n-1, or its staging rows, whose KV then goes into `rows`; a group the
-        staging rows do not hold goes through them one prompt at a time), else eagerly."""
+        draft's cache rows 0..n-1, or its staging rows, whose KV then goes into `rows`; more prompts than
+        the staging rows hold at their width go through them in groups), else eagerly."""
         n, width = tokens.shape
         sl = rows if rows is not None else slice(0, n)
         d = self.device_draft
@@ -385,15 +385,15 @@ class SpecDecoder:
         runner = self.draft_prefills.get(sampled)
         staged = runner is not None and self.draft_prefill_cache is not d.cache
         fits = runner is not None and runner.bucket_for(n, width) is not None
-        one_by_one = not fits and staged and n > 1 and runner.bucket_for(1, width) is not None
+        at_once = max((r for r, t in runner.buckets if t >= width), default=0) if staged and not fits else 0
         # eager: no graph, prompts as embeddings, rows past 0 without a staging row (the graphs write
         # rows 0..b-1), or no bucket that holds the prompts even one at a time
-        if embeds is not None or not staged and sl.start or not (fits or one_by_one):
+        if embeds is not None or not staged and sl.start or not (fits or at_once):
             self.draft.begin(state, feats, tokens, valid, embeds, first, rows=rows, draws=draws)
             return
-        if one_by_one:
-            for i in range(n):  # each prompt alone through the staging row
-                j, row = slice(i, i + 1), slice(sl.start + i, sl.start + i + 1)
+        if at_once:
+            for i in range(0, n, at_once):  # a group the staging rows hold at a time
+                j, row = slice(i, min(i + at_once, n)), slice(sl.start + i, sl.start + min(i + at_once, n))
                 part = None if draws is None else draws.rows(j)
                 self._draft_begin(state, feats[j], tokens[j], valid[j], None, first[j], row, part)
             return
