@@ -287,10 +287,11 @@ def available_memory(device: torch.device) -> tuple[int, str]:
 
 def memory_sum(plan: "Plan") -> str:
     """'weights 15.0 GiB + KV cache ... = 17.3 GiB': the estimate's parts and total, as the plan prints them."""
-    mem, rows = plan.memory_estimate(), memory_rows(plan.cfg)[1]
+    mem, rows, staging = plan.memory_estimate(), memory_rows(plan.cfg)[1], plan.staging_rows()[0]
+    rows_shown = f"({rows} + {staging} staging)" if staging else f"{rows}"
     parts = [
         ("weights", mem["weights_mb"]),
-        (f"KV cache ({rows} x {plan.cfg.model.max_seq_len + 1} slots)", mem["kv_cache_mb"]),
+        (f"KV cache ({rows_shown} x {plan.cfg.model.max_seq_len + 1} slots)", mem["kv_cache_mb"]),
         ("draft KV cache", mem["draft_kv_cache_mb"]),
         ("activations", mem["activations_mb"]),
         ("graph pool", mem["graph_pool_mb"]),

@@ -156,6 +156,9 @@ class ServeConfig:
     adaptive_k: bool = True
     max_queue: int = 64  # requests waiting for a slot (beyond the free ones); one more answers 429
     max_prefill_tokens: int = 8192  # requests joining together prefill as one batch of up to this many padded tokens
+    # Prompts one prefill graph replay takes (where join_rows x the bucket fits the largest bucket): each is
+    # a staging row of the KV cache at model.max_seq_len (Llama-3.1-8B at 8K context: 1 GiB a row).
+    join_rows: int = 4
     # Tokens a request's stream gathers before the engine hands them over (sglang's --stream-interval):
     # fewer, larger chunks cost the event loop and the engine's hand-over less; the first token and the
     # last go at once.

@@ -44,13 +44,10 @@ def prefill_buckets(cfg) -> list[int]:
     return [n for n in cfg.graph.prefill_buckets if n <= cfg.model.max_seq_len]
 
 
-JOIN_ROWS = 4  # prompts a server prefills in one graph replay (where they fit the largest prefill bucket)
-
-
 def prefill_rows(cfg) -> int | None:
-    """Rows of the staging caches the prefill graphs write: a server's joins go through them; None: the
-    graphs write the batch's own cache."""
-    return min(JOIN_ROWS, cfg.serve.max_batch_size) if cfg.task == "serve" else None
+    """Rows of the staging caches the prefill graphs write: a server's joins go through them (serve.join_rows,
+    at most its slots); None: the graphs write the batch's own cache."""
+    return min(cfg.serve.join_rows, cfg.serve.max_batch_size) if cfg.task == "serve" else None
 
 
 def samples(cfg) -> bool:
@@ -130,7 +127,10 @@ class CaptureGraphsStage(Stage):
         )
         if cfg.graph.target != "none" and cfg.graph.prefill_buckets:
             line += f"; prefill buckets {list(cfg.graph.prefill_buckets)} tokens" + (
-                " (one request at a time, into a staging row)" if cfg.task == "serve" else ""
+                f" (joins: up to {prefill_rows(cfg)} prompt{'s' if prefill_rows(cfg) > 1 else ''} a replay, "
+                "into staging rows)"
+                if cfg.task == "serve"
+                else ""
             )
         return line
 

@@ -156,6 +156,7 @@ class ServeStage(Stage):
                 ("serve.max_batch_size", s.max_batch_size, s.max_batch_size >= 1, ">= 1"),
                 ("serve.max_queue", s.max_queue, s.max_queue >= 0, ">= 0"),
                 ("serve.max_prefill_tokens", s.max_prefill_tokens, s.max_prefill_tokens >= 1, ">= 1"),
+                ("serve.join_rows", s.join_rows, s.join_rows >= 1, ">= 1 (prompts a prefill replay takes)"),
                 ("serve.stream_interval", s.stream_interval, s.stream_interval >= 1, ">= 1 (tokens a chunk)"),
                 ("serve.max_tokens_limit", s.max_tokens_limit, s.max_tokens_limit >= 1, ">= 1"),
                 (

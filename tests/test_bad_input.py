@@ -259,6 +259,8 @@ def test_a_port_in_use_or_a_host_to_listen_on_is_named_at_plan_time(outputs):
     assert "serve.model_name='': empty (valid: a name, or null (model.name))" in text, text
     text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.port=0", "serve.stream_interval=0")
     assert "serve.stream_interval=0" in text and ">= 1 (tokens a chunk)" in text, text
+    text = plan_errors(outputs, "+experiment=serve", *TINY, "serve.port=0", "serve.join_rows=0")
+    assert "serve.join_rows=0" in text and ">= 1 (prompts a prefill replay takes)" in text, text
 
 
 def test_the_memory_plan_refuses_what_the_host_cannot_hold(outputs):
