@@ -5,7 +5,7 @@
     join     the waiting requests (as many as there are free slots and `max_prefill_tokens` padded tokens
              allow) take the lowest free slots, wherever they are. The target prefills their prompts at
              once (`SpecDecoder.prefill(rows=slots)`: the prefill graphs over the graph set's staging rows,
-             up to 4 prompts a replay where they fit, their KV then copied into the slots); then each run
+             serve.join_rows prompts a replay where they fit, their KV then copied into the slots); then each run
              of contiguous slots starts (`SpecDecoder.start`: the requests' sampling into the slots' state
              buffers, the first tokens drawn, the draft's prefill over its staging rows, KV into the slots),
              leaving every other row's draft state
