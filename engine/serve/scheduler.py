@@ -354,38 +354,43 @@ class Scheduler:
         stats.prefill_s += r.put_off_s  # a put-off draft prefill is the join's
         stats.rounds_by_k[r.k] = stats.rounds_by_k.get(r.k, 0) + 1
         stats.last_k = r.k
+        speculated, kept = 0, [0] * (r.k + 1)  # rows that took the round's k drafts; rows by drafts accepted
         for i, req in enumerate(self.slots[:rows]):
             if req is None:
                 continue
-            a, k = r.accepted[i], r.k if req.speculative else 0
+            a = r.accepted[i]
             req.accepts.append(a)
             req.accepted_tokens += a
-            req.draft_tokens += k
-            stats.row_rounds += 1
-            stats.draft_tokens += k
-            stats.accepted_tokens += a
-            for p in range(k):
-                stats.drafted_at[p] += 1
-            for p in range(a):
-                stats.accepted_at[p] += 1
+            kept[a] += 1
+            if req.speculative:
+                req.draft_tokens += r.k
+                speculated += 1
             if req.cancelled:
                 self._release(i, req, req.cancelled)
             else:
                 self._emit(i, req, r.emitted[i], r.time)
+        stats.row_rounds += sum(kept)
+        stats.draft_tokens += speculated * r.k
+        for p in range(r.k):  # position p: drafted in every speculating row, kept in rows that accepted more
+            stats.drafted_at[p] += speculated
+            stats.accepted_at[p] += sum(kept[p + 1 :])
+            stats.accepted_tokens += sum(kept[p + 1 :])
         stats.emit_s += time.perf_counter() - t1
 
     def _emit(self, i: int, req: GenerationRequest, tokens: list[int], now: float) -> None:
         """Hand a slot's new tokens to its request, cut at a stop token or max_tokens: the first at once,
         then every `stream_interval` tokens, the rest with the finish."""
-        out, finish = [], None
-        for tok in tokens:
-            out.append(tok)
-            if tok in req.stop_ids:
-                finish = "stop"
-                break
-            if len(req.output) + len(out) >= req.max_tokens:
-                finish = "length"
-                break
+        out, finish = tokens, None
+        if len(req.output) + len(tokens) >= req.max_tokens or not req.stop_ids.isdisjoint(tokens):
+            out = []  # the end is among these tokens: cut there
+            for tok in tokens:
+                out.append(tok)
+                if tok in req.stop_ids:
+                    finish = "stop"
+                    break
+                if len(req.output) + len(out) >= req.max_tokens:
+                    finish = "length"
+                    break
         first = not req.output
         req.output += out
         req.unsent += out
