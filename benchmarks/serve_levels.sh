@@ -10,7 +10,8 @@
 # Rows go to $OUT/serve_levels/NAME/{draft,none}_n<N>_t<T>.json with each server's log beside them
 # (server_{draft,none}_n<N>.log: runs side by side on one host, under other NAMEs or OUTs, keep theirs
 # apart), and the tables to $OUT/serve_levels.log; the ratio table covers every level in that folder, so
-# a run split over calls (LEVELS="1 8", then "32 64") ends with the whole table. Needs only what the server needs, and httpx (the offline GPU host's wheels).
+# a run split over calls (LEVELS="1 8", then "32 64") ends with the whole table. Needs only what the
+# server needs, and httpx (the offline GPU host's wheels).
 set -u
 name=$1; shift
 py=${PYTHON:-python3}; port=${PORT:-8100}

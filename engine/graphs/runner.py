@@ -151,6 +151,10 @@ class GraphRunner:
         fits = [bt for bt in self.buckets if bt[0] >= b and bt[1] >= t]
         return min(fits, key=lambda bt: (bt[0] * bt[1], bt)) if fits else None
 
+    def rows_for(self, t: int) -> int:
+        """The most rows one replay takes at t tokens a row (0: no bucket holds t)."""
+        return max((b for b, bt in self.buckets if bt >= t), default=0)
+
     def _reset(self, b: int, t: int, live_b: int, live_t: int) -> None:
         """Padding rows [live_b:b] and columns [live_t:t] to inert values (no launch when none)."""
         for k, buf in self.buffers.items():

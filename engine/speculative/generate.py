@@ -261,7 +261,7 @@ class SpecDecoder:
         width = max(len(p) for p in prompts)
         runner, staged = self.prefill_runner, self.prefill_cache not in (None, self.cache)
         if runner is not None and staged:
-            at_once = max((n for n, t in runner.buckets if t >= width), default=0)  # staging rows at this width
+            at_once = runner.rows_for(width)  # staging rows at this width
             if 0 < at_once < b:
                 return self._prefill_parts(prompts, prompt_embeds, slots, [at_once] * (b // at_once) + [b % at_once])
             if not at_once:
@@ -385,7 +385,7 @@ class SpecDecoder:
         runner = self.draft_prefills.get(sampled)
         staged = runner is not None and self.draft_prefill_cache is not d.cache
         fits = runner is not None and runner.bucket_for(n, width) is not None
-        at_once = max((r for r, t in runner.buckets if t >= width), default=0) if staged and not fits else 0
+        at_once = runner.rows_for(width) if staged and not fits else 0
         # eager: no graph, prompts as embeddings, rows past 0 without a staging row (the graphs write
         # rows 0..b-1), or no bucket that holds the prompts even one at a time
         if embeds is not None or not staged and sl.start or not (fits or at_once):
