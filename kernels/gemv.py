@@ -153,15 +153,20 @@ if triton is not None:
         return tl.div_rn(1.0, tl.sqrt_rn(tl.reshape(ss, (ss.shape[0],)) / n_cols + eps))
 
     @triton.jit
+    def _add_chunk(x, d, HAS_DELTA: tl.constexpr, RNE: tl.constexpr):
+        """A loaded chunk of one source's rows x, d [R, BLOCK_K] -> h = round(x + d) in fp32 (x without a delta)."""
+        h = x.to(tl.float32)
+        if HAS_DELTA:
+            h = _round(h + d.to(tl.float32), x.dtype, RNE)
+        return h
+
+    @triton.jit
     def _norm_chunk(x, d, nw, ss, HAS_DELTA: tl.constexpr, RNE: tl.constexpr):
         """A loaded chunk of one source's rows x, d [R, BLOCK_K] and its norm weight nw [BLOCK_K] ->
         (h = round(x + d) (x without a delta), a = round(h * nw), ss + h^2 by lane)."""
-        DT = x.dtype
-        h = x.to(tl.float32)
-        if HAS_DELTA:
-            h = _round(h + d.to(tl.float32), DT, RNE)
+        h = _add_chunk(x, d, HAS_DELTA, RNE)
         ss += h * h
-        return h, _round(h * nw.to(tl.float32)[None, :], DT, RNE), ss
+        return h, _round(h * nw.to(tl.float32)[None, :], x.dtype, RNE), ss
 
     @triton.jit
     def _product(
@@ -379,27 +384,36 @@ if triton is not None:
         NW,
         A_row,
         eps,
-        x_cols,
+        x_live,
         K_S: tl.constexpr,
+        K_P: tl.constexpr,
         BLOCK_K: tl.constexpr,
+        HAS_ZERO: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         RNE: tl.constexpr,
     ):
-        """One row of one source [K_S]: a = round(h * norm_w) to A_row (h to H_row), -> its rstd [1]; x's
-        columns from x_cols on read as zeros (0: a zeroed row). The chunk loop is unrolled, so every chunk's
-        loads are issued before the first sum needs them."""
+        """One row of one source [K_S] (K_P: a power of two >= K_S): a = round(h * norm_w) to A_row (h to
+        H_row), -> its rstd [1]; with HAS_ZERO, x reads as zeros where x_live is false (a zeroed row; a
+        row-wide flag keeps the loads vectorised). Every load comes before the first store, so all are in
+        flight at once (a store ahead of a load holds the load behind it: one memory latency a chunk)."""
         DT = X_row.dtype.element_ty
         offs_k = tl.arange(0, BLOCK_K)[None, :]  # [1, BLOCK_K]
         ss = tl.full([1, BLOCK_K], 0.0, tl.float32)
-        for k0 in tl.static_range(0, K_S, BLOCK_K):
+        for k0 in tl.static_range(0, K_S, BLOCK_K):  # the sum of squares: each lane's chunks in order
             kk = k0 + offs_k
-            km = kk < K_S
-            x = tl.load(X_row + kk, mask=kk < x_cols, other=0.0)
-            d = tl.load(D_row + kk, mask=km, other=0.0) if HAS_DELTA else x
-            h, a, ss = _norm_chunk(x, d, tl.load(NW + kk, mask=km, other=0.0).reshape(BLOCK_K), ss, HAS_DELTA, RNE)
-            if HAS_DELTA:
-                tl.store(H_row + kk, h.to(DT), mask=km)
-            tl.store(A_row + kk, a.to(DT), mask=km)
+            x = tl.load(X_row + kk, mask=(kk < K_S) & x_live if HAS_ZERO else kk < K_S, other=0.0)
+            d = tl.load(D_row + kk, mask=kk < K_S, other=0.0) if HAS_DELTA else x
+            h = _add_chunk(x, d, HAS_DELTA, RNE)
+            ss += h * h
+        kk = tl.arange(0, K_P)  # [K_P] h and a, elementwise over the row at once
+        km = kk < K_S
+        x = tl.load(X_row + kk, mask=km & x_live if HAS_ZERO else km, other=0.0)
+        d = tl.load(D_row + kk, mask=km, other=0.0) if HAS_DELTA else x
+        h = _add_chunk(x, d, HAS_DELTA, RNE)
+        nw = tl.load(NW + kk, mask=km, other=0.0).to(tl.float32)
+        if HAS_DELTA:
+            tl.store(H_row + kk, h.to(DT), mask=km)
+        tl.store(A_row + kk, _round(h * nw, DT, RNE).to(DT), mask=km)
         return _rstd(ss, K_S, eps)
 
     @triton.jit
@@ -420,6 +434,7 @@ if triton is not None:
         eps,
         K: tl.constexpr,
         K1: tl.constexpr,
+        K_P: tl.constexpr,  # a power of two >= each source's columns
         BLOCK_K: tl.constexpr,
         HAS_INDEX: tl.constexpr,
         HAS_ZERO1: tl.constexpr,
@@ -431,14 +446,14 @@ if triton is not None:
         then reads A (PROLOGUE 2)."""
         m = tl.program_id(0)
         row1 = tl.load(IDX1 + m) if HAS_INDEX else m
-        cols1 = tl.where(tl.load(ZERO1 + m) != 0, 0, K1) if HAS_ZERO1 else K1  # x1's columns read (0: zeros)
         one = tl.arange(0, 1)
-        r1 = _norm_source(X1 + row1 * stride_x1, D + m * stride_d, H + m * K1, NW1, A + m * K, eps, cols1, K1,
-                          BLOCK_K, HAS_DELTA, RNE)  # fmt: skip
+        live1 = tl.load(ZERO1 + m + one) == 0 if HAS_ZERO1 else False  # [1] (HAS_ZERO1) False: x1 reads as zeros
+        r1 = _norm_source(X1 + row1 * stride_x1, D + m * stride_d, H + m * K1, NW1, A + m * K, eps, live1, K1, K_P,
+                          BLOCK_K, HAS_ZERO1, HAS_DELTA, RNE)  # fmt: skip
         tl.store(RSTD + m * 2 + one, r1)
         if K1 < K:
-            r2 = _norm_source(X2 + m * stride_x2, X2, X2, NW2, A + m * K + K1, eps, K - K1, K - K1, BLOCK_K,
-                              False, RNE)  # fmt: skip
+            r2 = _norm_source(X2 + m * stride_x2, X2, X2, NW2, A + m * K + K1, eps, False, K - K1,
+                              K_P, BLOCK_K, False, False, RNE)  # fmt: skip
             tl.store(RSTD + m * 2 + 1 + one, r2)
 
     @triton.jit
@@ -579,9 +594,9 @@ def _launch(
             x1, x1.stride(0), index1 if index1 is not None else x1, zero1 if zero1 is not None else x1, norm_w1,
             x2, x2.stride(0), norm_w2 if norm_w2 is not None else norm_w1, d, d.stride(0),
             h if h is not None else x2, a, rstd, eps,
-            K=k, K1=k1, BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None, HAS_ZERO1=zero1 is not None,
-            HAS_DELTA=delta is not None, RNE=rne,
-            num_warps=1,
+            K=k, K1=k1, K_P=triton.next_power_of_2(max(k1, k - k1)), BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None,
+            HAS_ZERO1=zero1 is not None, HAS_DELTA=delta is not None, RNE=rne,
+            num_warps=4,
             enable_fp_fusion=False,
         )  # fmt: skip
         prologue, x1, x2, index1, zero1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, None, a
