@@ -17,7 +17,8 @@ M rows); w [N, K] (unit last stride); y [..., N] in x's dtype; ids [...] int64. 
 Invariants: a row's outputs are bitwise the same whatever M is and wherever the row sits (MMA k-steps in
 one order over K, the norm's sum of squares in fixed lanes and a fixed tree, no FMA contraction), and the
 norm is applied after the product: y = rstd * (round(h * norm_w) @ w^T). Up to FUSED_M rows the norm is
-fused into the product's prologue; above, a pre-pass normalises each row once. docs/architecture.md says
+fused into the product's prologue (where K <= FUSED_K or the epilogue is gated); otherwise a pre-pass
+normalises each row once (`norm_first`). docs/architecture.md says
 why and how; the `*_reference` functions are the definitions (rounding points included).
 """
 
@@ -38,6 +39,7 @@ if triton is not None:
 
 ROW_TILES = (16, 64, 128)  # rows of one program: 16 up to 16 rows (decode, a verify), 64, 128 (`row_tile`)
 FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
+FUSED_K = 2048  # ... where K is at most this, or the epilogue is gated (`norm_first`)
 ONE_TILE_M = 64  # calls of up to this many rows run one row tile; larger ones several
 _PROGRAMS = 96  # up to FUSED_M rows: the widest column tile that still gives this many programs (else 16)
 _STAGES = {16: 5, 32: 5, 64: 3, 128: 3}  # chunks in flight per column tile width, up to FUSED_M rows
@@ -495,11 +497,21 @@ def row_tile(m: int, n: int) -> int:
     return ROW_TILES[-1] if n > 8192 or (n > 1024 and m > 2 * ONE_TILE_M) else ONE_TILE_M
 
 
+def norm_first(m: int, k: int, glu: str | None = None) -> bool:
+    """Whether a norm + product call normalises its rows in a pre-pass, then runs a plain product, rather
+    than in the product's prologue: past FUSED_M rows, and at any M for K > FUSED_K (32 chunks at the 8B
+    hidden size, whose activations the prologue loads a chunk ahead of their use) but a gated epilogue.
+    Measured on an H200 at M = 1..16: the 8B qkv 23.5 -> 20.7 us, lm_head 250.7 -> 246.4; gate_up slower
+    (58.4 -> 62.3); SmolLM2's K = 576 slower for every projection (docs/performance.md)."""
+    return m > FUSED_M or (k > FUSED_K and glu is None)
+
+
 def gemv_config(
     n: int,
     k: int,
     m: int,
     *,
+    prepass: bool = False,
     rows: int | None = None,
     block_n: int | None = None,
     num_warps: int | None = None,
@@ -508,9 +520,9 @@ def gemv_config(
     act_tiles: int = 1,
 ) -> GemvConfig:
     """The launch configuration for an [N, K] weight and M rows (act_tiles: activation tiles read per
-    chunk). Any choice here may follow M: none changes a row's arithmetic on the GPU (MMA k-steps in
-    order over K, the norm's lanes of BLOCK_K columns), as the GPU tests check at every M. Any field can
-    be overridden (tests, tuning).
+    chunk; prepass: the product after the norm's pre-pass, which takes the rule of 64 rows at any M). Any choice
+    here may follow M: none changes a row's arithmetic on the GPU (MMA k-steps in order over K, the norm's
+    lanes of BLOCK_K columns), as the GPU tests check at every M. Any field can be overridden (tests, tuning).
 
     Up to FUSED_M rows a call streams its weight once: the widest column tile with at least _PROGRAMS
     programs, and few chunks in flight a program (_STAGES), so several programs share an SM and the
@@ -521,7 +533,8 @@ def gemv_config(
     stages and chunk at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
     rows = rows or row_tile(m, n)
     bk = BLOCK_K
-    if m <= FUSED_M:  # the widest tile that keeps the SMs busy, few chunks in flight
+    few = m <= FUSED_M and not prepass
+    if few:  # the widest tile that keeps the SMs busy, few chunks in flight
         bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
         warps = 8 if bn >= 64 else 4
     elif m <= ONE_TILE_M:  # one row tile of 64: wider as N grows
@@ -536,7 +549,7 @@ def gemv_config(
         warps = 8
         bk = WIDE_BLOCK_K
     bn, warps = block_n or bn, num_warps or warps
-    in_flight = _STAGES.get(bn) if m <= FUSED_M else _WIDE_STAGES if bk == WIDE_BLOCK_K else None
+    in_flight = _STAGES.get(bn) if few else _WIDE_STAGES if bk == WIDE_BLOCK_K else None
     assert bn >= 16 and bn & (bn - 1) == 0, f"block_n must be a power of two >= 16 (tl.dot), got {bn}"
     assert rows in ROW_TILES, f"rows must be one of {ROW_TILES}, got {rows}"
     if num_stages is None:  # chunks in flight: as many as the shared-memory budget holds, or in_flight
@@ -587,7 +600,8 @@ def _launch(
     rne = dtype == torch.bfloat16 and interpret
     d = delta if delta is not None else x2
     rstd = x2  # unused placeholder
-    if prologue == _RMSNORM and m > FUSED_M:  # normalise the rows once, then a plain product
+    prepass = prologue == _RMSNORM and norm_first(m, k, glu)
+    if prepass:  # normalise the rows once, then a plain product
         a = torch.empty(m, k, dtype=dtype, device=device)
         rstd = torch.empty(m, 2, dtype=torch.float32, device=device)
         _norm_rows_kernel[(m,)](
@@ -601,7 +615,7 @@ def _launch(
         )  # fmt: skip
         prologue, x1, x2, index1, zero1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, None, a
     act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
-    cfg = gemv_config(n, k, m, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
+    cfg = gemv_config(n, k, m, prepass=prepass, itemsize=dtype.itemsize, act_tiles=act_tiles, **tuning)
     if interpret:  # its dot sums a whole chunk at once (numpy), the GPU's in MMA k-steps: BLOCK_K at every M
         cfg = cfg._replace(block_k=BLOCK_K)
     n_tiles = triton.cdiv(n, cfg.block_n)
