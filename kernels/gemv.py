@@ -41,6 +41,8 @@ ROW_TILES = (16, 64, 128)  # rows of one program: 16 up to 16 rows (decode, a ve
 FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
 FUSED_K = 2048  # ... where K is at most this, or the epilogue is gated (`norm_first`)
 ONE_TILE_M = 64  # calls of up to this many rows run one row tile; larger ones several
+NARROW_N = 1024  # ... but a weight of at most this many columns: 16-row tiles up to ONE_TILE_M rows (more programs)
+_SMS = 132  # an H100 / H200's SMs: narrow weights take the most programs that fit one wave
 _PROGRAMS = 96  # up to FUSED_M rows: the widest column tile that still gives this many programs (else 16)
 _STAGES = {16: 5, 32: 5, 64: 3, 128: 3}  # chunks in flight per column tile width, up to FUSED_M rows
 BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
@@ -490,11 +492,12 @@ class GemvConfig(NamedTuple):
 
 
 def row_tile(m: int, n: int) -> int:
-    """The row tile of a call of M rows and N columns: 16 up to 16 rows, 64 up to 64, then 128 for a wide
-    weight (N > 8192) or past two 64-row tiles on one of N > 1024; else 64 (more programs on the rest)."""
+    """The row tile of a call of M rows and N columns: 16 up to 16 rows, and up to 64 on a narrow weight
+    (N <= NARROW_N); 64 up to 64, then 128 for a wide weight (N > 8192) or past two 64-row tiles on one of
+    N > NARROW_N; else 64 (more programs on the rest)."""
     if m <= ONE_TILE_M:
-        return next(r for r in ROW_TILES if r >= m)
-    return ROW_TILES[-1] if n > 8192 or (n > 1024 and m > 2 * ONE_TILE_M) else ONE_TILE_M
+        return ROW_TILES[0] if n <= NARROW_N else next(r for r in ROW_TILES if r >= m)
+    return ROW_TILES[-1] if n > 8192 or (n > NARROW_N and m > 2 * ONE_TILE_M) else ONE_TILE_M
 
 
 def norm_first(m: int, k: int, glu: str | None = None) -> bool:
@@ -520,22 +523,28 @@ def gemv_config(
     act_tiles: int = 1,
 ) -> GemvConfig:
     """The launch configuration for an [N, K] weight and M rows (act_tiles: activation tiles read per
-    chunk; prepass: the product after the norm's pre-pass, which takes the rule of 64 rows at any M). Any choice
-    here may follow M: none changes a row's arithmetic on the GPU (MMA k-steps in order over K, the norm's
-    lanes of BLOCK_K columns), as the GPU tests check at every M. Any field can be overridden (tests, tuning).
+    chunk; prepass: the product after the norm's pre-pass, which takes the rules past FUSED_M rows at any
+    M). Any choice here may follow M: none changes a row's arithmetic on the GPU (MMA k-steps in order over
+    K, the norm's lanes of BLOCK_K columns), as the GPU tests check at every M. Any field can be
+    overridden (tests, tuning).
 
     Up to FUSED_M rows a call streams its weight once: the widest column tile with at least _PROGRAMS
     programs, and few chunks in flight a program (_STAGES), so several programs share an SM and the
-    last wave is short. Up to one row tile of 64, wider tiles as N grows and as many chunks in flight
-    as the shared-memory budget holds; past it, 64-row tiles the same way (chunks of 64 columns on
-    SmolLM2's qkv and o shapes), or where `row_tile` gives 128 rows, 64- or 256-wide column tiles over
-    chunks of 64 columns, up to _WIDE_STAGES in flight. The rules come from sweeps of rows, tile, warps,
-    stages and chunk at the SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
+    last wave is short. Up to 64 rows, a narrow weight (N <= NARROW_N: SmolLM2's qkv, o and down) runs
+    16-row tiles on the narrowest column tile that fits one wave (_SMS programs), others one row tile of
+    64 with wider column tiles as N grows, both with as many chunks in flight as the shared-memory budget
+    holds; past 64 rows, 64-row tiles the same way (chunks of 64 columns on SmolLM2's qkv and o shapes),
+    or where `row_tile` gives 128 rows, 64- or 256-wide column tiles over chunks of 64 columns, up to
+    _WIDE_STAGES in flight. The rules come from sweeps of rows, tile, warps, stages and chunk at the
+    SmolLM2 and Llama-3.1-8B shapes (docs/performance.md)."""
     rows = rows or row_tile(m, n)
     bk = BLOCK_K
     few = m <= FUSED_M and not prepass
     if few:  # the widest tile that keeps the SMs busy, few chunks in flight
         bn = next((b for b in (128, 64, 32) if triton.cdiv(n, b) >= _PROGRAMS), 16)
+        warps = 8 if bn >= 64 else 4
+    elif m <= ONE_TILE_M and n <= NARROW_N and rows == ROW_TILES[0]:  # 16-row tiles: the most programs in a wave
+        bn = next((b for b in (16, 32) if triton.cdiv(n, b) * triton.cdiv(m, rows) <= _SMS), 64)
         warps = 8 if bn >= 64 else 4
     elif m <= ONE_TILE_M:  # one row tile of 64: wider as N grows
         bn = 32 if n <= 4096 else 64 if n <= 8192 else 128

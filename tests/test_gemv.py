@@ -388,12 +388,12 @@ def test_rejects_what_it_does_not_handle(device):
 def test_config_fits_shared_memory_and_fills_the_gpu():
     """Every SmolLM2-135M / EAGLE3 / 8B projection at M = 1..256: a row tile that holds M (ROW_TILES, then
     more row tiles), chunks of 128 columns (the norm's lanes) up to one row tile and of 64 past it,
-    pipelined buffers within the shared-memory budget, and (up to FUSED_M rows) the widest column tiles
-    that give _PROGRAMS programs."""
+    pipelined buffers within the shared-memory budget, (up to FUSED_M rows) the widest column tiles
+    that give _PROGRAMS programs, and (narrow weights up to 64 rows) 16-row tiles in one wave."""
     ms = (1, 16, 17, 48, 64, 65, 128, 129, 1000)
     assert [G.row_tile(m, 10240) for m in ms] == [16, 16, 64, 64, 64, 128, 128, 128, 128]
     assert [G.row_tile(m, 4096) for m in ms] == [16, 16, 64, 64, 64, 64, 64, 128, 128]
-    assert [G.row_tile(m, 1024) for m in ms] == [16, 16, 64, 64, 64, 64, 64, 64, 64]
+    assert [G.row_tile(m, 1024) for m in ms] == [16, 16, 16, 16, 16, 64, 64, 64, 64]
     shapes = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576), (960, 1152), (10240, 576)]
     shapes += [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (128256, 4096)]
     for n, k in shapes:
@@ -406,6 +406,8 @@ def test_config_fits_shared_memory_and_fills_the_gpu():
                     assert c.num_stages * (c.block_k * c.block_n + act_tiles * c.rows * c.block_k) * 2 <= G._SMEM_BUDGET
                 programs = -(-n // c.block_n) * -(-m // c.rows)
                 assert m > G.FUSED_M or programs >= G._PROGRAMS or c.block_n == 16, (n, k, m, c)
+                if G.FUSED_M < m <= G.ONE_TILE_M and n <= G.NARROW_N:  # 16-row tiles, one wave
+                    assert c.rows == 16 and (programs <= G._SMS or c.block_n == 64), (n, k, m, c)
     c = G.gemv_config(576, 576, 1, block_n=32, num_warps=8, num_stages=2)
     assert c == G.GemvConfig(16, 32, G.BLOCK_K, 8, 2)
 
