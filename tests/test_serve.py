@@ -816,15 +816,15 @@ def test_requests_join_together_at_free_slots_wherever_they_are():
 
 
 def test_warm_up_joins_prompts_of_every_projection_launch_rule():
-    """Each launch rule of the projections (kernels/gemv.py: up to 16 rows, one 64-row tile, several) is
-    its own compiled kernel: the warm-up joins a prompt of each, greedy and sampled, so no client's first
-    long prompt waits for a compile."""
+    """Each launch rule of the projections (kernels/gemv.py: up to 16 rows; up to 64, one 64-row tile or a
+    narrow weight's 16-row tiles of either width; several) is its own compiled kernel: the warm-up joins a
+    prompt of each, greedy and sampled, so no client's first long prompt waits for a compile."""
     from helpers.spec import setup
 
     from engine.drafts.registry import draft_config
     from engine.serve.scheduler import Scheduler
     from engine.speculative.generate import SpecDecoder
-    from kernels.gemv import FUSED_M, ONE_TILE_M
+    from kernels.gemv import FUSED_M, ONE_TILE_M, gemv_config
 
     target, plan, head, gs, k = setup("eagle3", sizes=(1, 2), batch=2, prefill_rows=1)
     draft = make_draft(plan, head, target, 2, draft_config("eagle3").num_steps, cfg=draft_config("eagle3"), graphs=gs)
@@ -839,6 +839,8 @@ def test_warm_up_joins_prompts_of_every_projection_launch_rule():
     sched.warm_up()
     rules = {(n <= FUSED_M, n <= ONE_TILE_M) for n in joined}
     assert rules == {(True, True), (False, True), (False, False)}
+    for n_out in (576, 960):  # SmolLM2's o and qkv weights: both widths of their 16-row tiles
+        assert {gemv_config(n_out, 576, n).block_n for n in joined if FUSED_M < n <= ONE_TILE_M} == {16, 32}
     assert sched.stats.rounds == 0 and not any(sched.state.live)
 
 

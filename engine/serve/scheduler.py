@@ -168,12 +168,15 @@ class Scheduler:
             raise RuntimeError("warm_up runs before start")
         t0, policy = time.perf_counter(), copy.deepcopy(self.dec.adaptive)
         n_max = self.dec.model.max_seq_len
-        # prompts of each projection launch rule (kernels/gemv.py): <= 16 rows, one 64-row tile, several
+        # prompts of each projection launch rule (kernels/gemv.py): <= 16 rows; up to 64, one 64-row tile or
+        # (narrow weights) 16-row tiles 16 or 32 columns wide by row count; several row tiles
         short, mid, long = 5, min(40, n_max // 4), min(100, n_max // 2 + 1)
+        narrow = [(min(n, n_max // 2), 0.0) for n in (20, 60)]
         groups = [
             [(short, 0.0)],
             [(mid, 1.0), (short, 0.7)],
             [(mid, 0.0), (short, 1.0), (mid, 0.0)],
+            narrow,
             [(long, 0.0)],
             [(long, 0.7)],
         ]
