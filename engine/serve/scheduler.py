@@ -374,10 +374,12 @@ class Scheduler:
                 self._emit(i, req, r.emitted[i], r.time)
         stats.row_rounds += sum(kept)
         stats.draft_tokens += speculated * r.k
+        beyond = sum(kept[1:])  # rows that accepted more than p drafts
         for p in range(r.k):  # position p: drafted in every speculating row, kept in rows that accepted more
             stats.drafted_at[p] += speculated
-            stats.accepted_at[p] += sum(kept[p + 1 :])
-            stats.accepted_tokens += sum(kept[p + 1 :])
+            stats.accepted_at[p] += beyond
+            stats.accepted_tokens += beyond
+            beyond -= kept[p + 1]
         stats.emit_s += time.perf_counter() - t1
 
     def _emit(self, i: int, req: GenerationRequest, tokens: list[int], now: float) -> None:
