@@ -503,9 +503,8 @@ def row_tile(m: int, n: int) -> int:
 def norm_first(m: int, k: int, glu: str | None = None) -> bool:
     """Whether a norm + product call normalises its rows in a pre-pass, then runs a plain product, rather
     than in the product's prologue: past FUSED_M rows, and at any M for K > FUSED_K (32 chunks at the 8B
-    hidden size, whose activations the prologue loads a chunk ahead of their use) but a gated epilogue.
-    Measured on an H200 at M = 1..16: the 8B qkv 23.5 -> 20.7 us, lm_head 250.7 -> 246.4; gate_up slower
-    (58.4 -> 62.3); SmolLM2's K = 576 slower for every projection (docs/performance.md)."""
+    hidden size, whose activations the prologue loads a chunk ahead of their use) but a gated epilogue,
+    which the pre-pass made slower; so did K = 576 (docs/performance.md has the timings)."""
     return m > FUSED_M or (k > FUSED_K and glu is None)
 
 
