@@ -28,6 +28,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels.gemv import add_rmsnorm_gemv, gemv, row_tile  # noqa: E402
+from kernels.runtime import set_pdl  # noqa: E402
 
 # hidden, intermediate, heads, kv heads, head dim, vocab (the public configs)
 MODELS = {
@@ -155,10 +156,12 @@ def main() -> None:
     ap.add_argument("--models", default="smollm2,llama3-8b,qwen3-8b")
     ap.add_argument("--m", default="1,6,48,192,256", help="row counts")
     ap.add_argument("--out", type=Path, default=None, help="write the Markdown table here")
+    ap.add_argument("--pdl", action="store_true", help="our kernels with programmatic dependent launch (model.pdl)")
     args = ap.parse_args()
+    set_pdl(args.pdl)
     torch.manual_seed(0)
     bw = read_bandwidth()
-    print(f"{torch.cuda.get_device_name()}: measured read bandwidth {bw / 1e12:.2f} TB/s")
+    print(f"{torch.cuda.get_device_name()}: measured read bandwidth {bw / 1e12:.2f} TB/s, pdl {args.pdl}")
     print(HEADER + "\n" + "|---" * 10 + "|")
     rows = []
     for model in args.models.split(","):

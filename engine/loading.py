@@ -35,6 +35,7 @@ from engine.drafts.multi_layer.public import mtp_module
 from engine.errors import ConfigError, check_values
 from engine.model import LlamaModel, ModelArgs, init_normal_
 from engine.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+from kernels.runtime import pdl_pays, set_pdl, supports_pdl
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral", "qwen3", "gemma3_text", "mimo")  # mimo: Qwen2 + MTP layers
 WINDOWED_MODEL_TYPES = ("gemma3_text",)  # whose sliding_attention layers the target implements
@@ -494,6 +495,7 @@ def load_model(cfg, weights_dir: Path, device: torch.device, dtype: torch.dtype)
     loaded.model.attention_kernel, fused = resolve_kernels(cfg, device)
     if fused:
         loaded.model.use_fused_kernels()
+    set_pdl(resolve_pdl(cfg, device, loaded.model.args, dtype))
     return loaded
 
 
@@ -517,3 +519,23 @@ def resolve_kernels(cfg, device: torch.device) -> tuple[bool, bool]:
         raise ConfigError("model.fused", cfg.fused, where, "false, or null")
     attention = cfg.attention == "triton" or (cfg.attention == "auto" and runnable and device.type == "cuda")
     return attention, attention if cfg.fused is None else bool(cfg.fused)
+
+
+def resolve_pdl(cfg, device: torch.device, args: ModelArgs, dtype: torch.dtype) -> bool:
+    """model.pdl on this device: whether the fused kernels launch with programmatic dependent launch
+    (null: where it pays for this target's layer sizes, kernels/runtime.py pdl_pays)."""
+    fused = resolve_kernels(cfg, device)[1]
+    unseen = device.type == "cuda" and not torch.cuda.is_available()  # a GPU run planned on a CPU host
+    if cfg.pdl and not (fused and (supports_pdl(device) or unseen)):
+        where = f"run device: {device}" + ("" if fused else ", model.fused off")
+        problem = f"needs the fused kernels on a Hopper or later GPU ({where})"
+        raise ConfigError("model.pdl", cfg.pdl, problem, "false, or null (on where it pays)")
+    if cfg.pdl is not None or not fused:
+        return bool(cfg.pdl) and fused
+    return pdl_pays(largest_projection(args) * torch.tensor([], dtype=dtype).element_size(), device)
+
+
+def largest_projection(args: ModelArgs) -> int:
+    """Elements of a layer's largest fused weight: q/k/v, o or gate/up."""
+    qkv = (args.num_heads + 2 * args.num_kv_heads) * args.head_dim * args.hidden_size
+    return max(qkv, args.num_heads * args.head_dim * args.hidden_size, 2 * args.intermediate_size * args.hidden_size)

@@ -73,10 +73,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.runtime import triton
+from kernels.runtime import pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from kernels.runtime import await_prior
 
 MAX_SPLITS = 32
 TARGET_PROGRAMS = 2048  # split programs in all above which a program computes several splits (programs_for)
@@ -208,7 +210,9 @@ if triton is not None:
         BLOCK_N: tl.constexpr,
         DOT_DTYPE: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):
+        await_prior(USE_GDC)
         b, pid, program = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         kvh, rb = pid // ROW_BLOCKS, pid % ROW_BLOCKS
         r = rb * ROWS + tl.arange(0, ROWS)  # row r of this kv head: query head kvh * GROUP + r // T, token r % T
@@ -260,7 +264,9 @@ if triton is not None:
         SPLITS_P2: tl.constexpr,
         HEAD_DIM: tl.constexpr,
         LAZY: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):
+        await_prior(USE_GDC)
         b, h, i = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         sp = tl.arange(0, SPLITS_P2)
         d = tl.arange(0, HEAD_DIM)
@@ -336,6 +342,7 @@ def decode_attention(
     if programs is None:
         programs = programs_for(b * kv_heads * row_blocks, num_splits)
     lazy = programs < num_splits  # a grid this large is bound by its traffic, not its latency
+    gdc = pdl(q.device)
     _split_kernel[(b, kv_heads * row_blocks, programs)](
         q,
         k,
@@ -375,7 +382,9 @@ def decode_attention(
         BLOCK_N=block_n,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",
+        USE_GDC=gdc,
         num_warps=4,
+        launch_pdl=gdc,
     )
     if not direct:
         _combine_kernel[(b, heads, t)](
@@ -390,6 +399,8 @@ def decode_attention(
             SPLITS_P2=triton.next_power_of_2(num_splits),
             HEAD_DIM=d,
             LAZY=lazy,
+            USE_GDC=gdc,
             num_warps=1,
+            launch_pdl=gdc,
         )
     return out

@@ -21,10 +21,12 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from kernels.runtime import triton
+from kernels.runtime import pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from kernels.runtime import await_prior
 
 
 # ------------------------------------------------------------------------------------- references
@@ -70,7 +72,10 @@ def rope_cache_write_reference(
 if triton is not None:
 
     @triton.jit
-    def _add_rmsnorm_kernel(X, D, W, H, Y, eps, n_cols, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+    def _add_rmsnorm_kernel(
+        X, D, W, H, Y, eps, n_cols, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr, USE_GDC: tl.constexpr
+    ):  # fmt: skip
+        await_prior(USE_GDC)
         row = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         m = cols < n_cols
@@ -115,7 +120,9 @@ if triton is not None:
         NH: tl.constexpr,
         NKV: tl.constexpr,
         QK_NORM: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):
+        await_prior(USE_GDC)
         # one program per token: its q and k heads as one [NH, D/2] tile (NH: heads + kv_heads, padded
         # to a power of two), its v heads as one [NKV, D] tile
         b, t = tl.program_id(0), tl.program_id(1)
@@ -162,9 +169,11 @@ def add_rmsnorm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> 
     d2 = delta.reshape(-1, n).contiguous() if delta is not None else x2
     h = torch.empty_like(x2) if delta is not None else x2
     y = torch.empty_like(x2)
+    gdc = pdl(x2.device)
     _add_rmsnorm_kernel[(x2.shape[0],)](
-        x2, d2, weight, h, y, eps, n, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n)
-    )
+        x2, d2, weight, h, y, eps, n, HAS_DELTA=delta is not None, BLOCK=triton.next_power_of_2(n), USE_GDC=gdc,
+        launch_pdl=gdc,
+    )  # fmt: skip
     return h.view(shape), y.view(shape)
 
 
@@ -226,5 +235,7 @@ def rope_cache_write(
         NH=triton.next_power_of_2(heads + kv_heads),
         NKV=triton.next_power_of_2(kv_heads),
         QK_NORM=k_norm is not None,
+        USE_GDC=pdl(qkv.device),
+        launch_pdl=pdl(qkv.device),
     )
     return q

@@ -32,10 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from kernels.runtime import triton
+from kernels.runtime import pdl, triton
 
 if triton is not None:
     import triton.language as tl
+
+    from kernels.runtime import await_prior
 
 ROW_TILES = (16, 64, 128)  # rows of one program: 16 up to 16 rows (decode, a verify), 64, 128 (`row_tile`)
 FUSED_M = 16  # calls of up to this many rows fuse the norm into the product; larger ones normalise rows first
@@ -49,6 +51,7 @@ BLOCK_K = 128  # columns of a chunk of K, and lanes of the norm's sum of squares
 WIDE_BLOCK_K = 64  # columns of a short chunk, past ONE_TILE_M rows (the norm is a pre-pass there: no lanes)
 _WIDE_STAGES = 6  # short chunks in flight at most
 _SMEM_BUDGET = 192 * 1024  # bytes of pipelined load buffers a program may hold (H100 / H200: 227 KB in all)
+PREFETCH_K = 256  # under programmatic dependent launch: columns of each weight row prefetched before the wait
 _PLAIN, _RMSNORM = 0, 1  # prologues
 GLU_ACTS = {"silu": F.silu, "gelu_pytorch_tanh": functools.partial(F.gelu, approximate="tanh")}  # the references
 GLU_EPILOGUES = {"silu": 1, "gelu_pytorch_tanh": 2}  # the kernel's GLU constexpr (0: no gated epilogue)
@@ -155,6 +158,14 @@ if triton is not None:
             a, b = tl.split(tl.reshape(ss, (ss.shape[0], ss.shape[1] // 2, 2)))
             ss = a + b
         return tl.div_rn(1.0, tl.sqrt_rn(tl.reshape(ss, (ss.shape[0],)) / n_cols + eps))
+
+    @triton.jit
+    def _prefetch_l2(ptrs, mask, base):
+        """A hint: the 128-byte lines at ptrs (where mask; base elsewhere) into L2, nothing returned."""
+        tl.inline_asm_elementwise(
+            "prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [tl.where(mask, ptrs, base)], dtype=tl.int32,
+            is_pure=False, pack=1,
+        )  # fmt: skip
 
     @triton.jit
     def _add_chunk(x, d, HAS_DELTA: tl.constexpr, RNE: tl.constexpr):
@@ -271,6 +282,9 @@ if triton is not None:
         RNE: tl.constexpr,  # round fp32 -> bf16 by hand (the interpreter, bf16 only)
         DOT_DTYPE: tl.constexpr,  # the dot's operand type: the activations' (fp32 under the interpreter)
         DOT_PRECISION: tl.constexpr,  # "ieee" for fp32 operands: exact products, no TF32
+        USE_GDC: tl.constexpr,  # programmatic dependent launch (kernels/runtime.py)
+        PF_LINES: tl.constexpr,  # with it: 128-byte lines of each weight row prefetched before the wait,
+        PF_STEP: tl.constexpr,  # of this many elements each
     ):
         DT = X2.dtype.element_ty  # the activations' dtype: every rounding point rounds to it
         TWO: tl.constexpr = K1 < K  # columns [K1, K) come from x2
@@ -282,6 +296,10 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N] output features
         mmask, nmask = offs_m < M, offs_n < N
         w_cols = W + offs_n[None, :] * stride_w  # [1, BLOCK_N]: the columns of w^T
+        if USE_GDC:  # the weight is no kernel's output: its first chunks into L2 while the kernel before ends
+            line = tl.arange(0, PF_LINES) * PF_STEP  # [PF_LINES] each line's first column
+            _prefetch_l2(w_cols + line[:, None], (line < K)[:, None] & nmask[None, :], W)
+        await_prior(USE_GDC)
         rows1, mmask1 = offs_m, mmask
         if HAS_INDEX:
             rows1 = tl.load(IDX1 + offs_m, mask=mmask, other=0)  # [ROWS] table rows (an embedding lookup)
@@ -444,10 +462,12 @@ if triton is not None:
         HAS_ZERO1: tl.constexpr,
         HAS_DELTA: tl.constexpr,
         RNE: tl.constexpr,
+        USE_GDC: tl.constexpr,
     ):
         """The norm of large calls, once per row (a program per row): h (stored with a delta), a =
         [round(h1 * nw1) | round(x2 * nw2)] -> A [M, K], each source's rstd -> RSTD [M, 2]; the product
         then reads A (PROLOGUE 2)."""
+        await_prior(USE_GDC)
         m = tl.program_id(0)
         row1 = tl.load(IDX1 + m) if HAS_INDEX else m
         one = tl.arange(0, 1)
@@ -462,10 +482,12 @@ if triton is not None:
 
     @triton.jit
     def _argmax_reduce_kernel(
-        PMAX, PIDX, OFFSETS, IDS, M, n_tiles, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_OFFSETS: tl.constexpr
-    ):
+        PMAX, PIDX, OFFSETS, IDS, M, n_tiles, ROWS: tl.constexpr, BLOCK_T: tl.constexpr, HAS_OFFSETS: tl.constexpr,
+        USE_GDC: tl.constexpr,
+    ):  # fmt: skip
         """ids[m] = the index of row m's largest tile maximum, the lowest tile on ties (+ offsets[id]);
         ROWS rows per program. Exact: the result does not depend on how rows are grouped."""
+        await_prior(USE_GDC)
         offs_m = tl.program_id(0) * ROWS + tl.arange(0, ROWS)  # [ROWS]
         t = tl.arange(0, BLOCK_T)
         mmask = offs_m < M
@@ -606,6 +628,7 @@ def _launch(
     h = torch.empty(m, k1, dtype=dtype, device=device) if delta is not None else None
     interpret = _interpreting()
     rne = dtype == torch.bfloat16 and interpret
+    gdc = pdl(device)
     d = delta if delta is not None else x2
     rstd = x2  # unused placeholder
     prepass = prologue == _RMSNORM and norm_first(m, k, glu)
@@ -617,9 +640,10 @@ def _launch(
             x2, x2.stride(0), norm_w2 if norm_w2 is not None else norm_w1, d, d.stride(0),
             h if h is not None else x2, a, rstd, eps,
             K=k, K1=k1, K_P=triton.next_power_of_2(max(k1, k - k1)), BLOCK_K=BLOCK_K, HAS_INDEX=index1 is not None,
-            HAS_ZERO1=zero1 is not None, HAS_DELTA=delta is not None, RNE=rne,
+            HAS_ZERO1=zero1 is not None, HAS_DELTA=delta is not None, RNE=rne, USE_GDC=gdc,
             num_warps=4,
             enable_fp_fusion=False,
+            launch_pdl=gdc,
         )  # fmt: skip
         prologue, x1, x2, index1, zero1, delta, d = 2, a[:, :k1], (a[:, k1:] if k1 < k else a), None, None, None, a
     act_tiles = 1 + (delta is not None)  # activation tiles loaded per K chunk
@@ -680,9 +704,13 @@ def _launch(
         RNE=rne,
         DOT_DTYPE=dot_dtype,
         DOT_PRECISION="ieee" if dot_dtype == tl.float32 else "tf32",  # (tf32: ignored for 16-bit operands)
+        USE_GDC=gdc,
+        PF_LINES=triton.next_power_of_2(triton.cdiv(min(k, PREFETCH_K) * w.element_size(), 128)) if gdc else 1,
+        PF_STEP=128 // w.element_size(),
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
         enable_fp_fusion=False,  # every multiply and add rounded as written, in every kernel (batch invariance)
+        launch_pdl=gdc,
     )
     if argmax:
         block_t = triton.next_power_of_2(n_tiles)
@@ -697,7 +725,9 @@ def _launch(
             ROWS=rows_r,
             BLOCK_T=block_t,
             HAS_OFFSETS=offsets is not None,
+            USE_GDC=gdc,
             num_warps=4,
+            launch_pdl=gdc,
         )
     return h, out
 

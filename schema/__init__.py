@@ -89,6 +89,10 @@ class ModelConfig:
     # for decode, verify and draft steps (<= 16 tokens per row, any batch). null: on exactly when the
     # attention kernel is.
     fused: Optional[bool] = None
+    # Programmatic dependent launch of the fused kernels (Hopper or later): each launches while the one
+    # before drains, and prefetches its weight's first lines into L2. Bitwise the same outputs. null: on
+    # where a layer's largest projection fits in half the L2 (SmolLM2-135M yes, 8B targets no).
+    pdl: Optional[bool] = None
     random: RandomArchConfig = field(default_factory=RandomArchConfig)
 
 

@@ -12,7 +12,7 @@ import time
 
 from engine.drafts.registry import load_head
 from engine.errors import ConfigError
-from engine.loading import load_model, resolve_kernels
+from engine.loading import load_model, resolve_kernels, resolve_pdl
 from stages.base import Stage, StageEnv, register_stage
 
 
@@ -25,6 +25,7 @@ class LoadStage(Stage):
         if cfg.model.max_seq_len < 2:
             raise ConfigError("model.max_seq_len", cfg.model.max_seq_len, "too small", ">= 2")
         resolve_kernels(cfg.model, env.device)
+        resolve_pdl(cfg.model, env.device, env.target_args, env.dtype)
 
     def describe(self, cfg, env: StageEnv) -> str:
         a = env.target_args
@@ -34,6 +35,8 @@ class LoadStage(Stage):
             f"heads {a.num_heads}/{a.num_kv_heads} (q/kv), vocab {a.vocab_size}, "
             f"rope_theta {a.rope_theta:g}, tied={a.tie_word_embeddings}, {a.num_params() / 1e6:.1f}M params"
         )
+        if env.device.type == "cuda":  # what model.pdl resolved to (null: by the layer sizes)
+            line += f", pdl {'on' if resolve_pdl(cfg.model, env.device, a, env.dtype) else 'off'}"
         if env.draft_plan is not None:
             line += f"\n     draft: {env.draft_plan.describe()}, k={cfg.draft.k}"
         return line

@@ -283,3 +283,10 @@ def test_the_memory_plan_refuses_what_the_host_cannot_hold(outputs):
 def test_an_empty_outputs_variable_is_one_clear_error(tmp_path):
     run = cli(*TINY, "dry_run=true", outputs=tmp_path, env={"SPECPIPE_OUTPUTS": ""}, timeout=120)
     assert run.returncode == 2 and "SPECPIPE_OUTPUTS='': set but empty" in run.stderr, run.stderr[-2000:]
+
+
+def test_dependent_launches_without_a_gpu_that_has_them_are_a_plan_error(outputs):
+    text = plan_errors(outputs, *TINY, "model.pdl=true")
+    assert "model.pdl=True: needs the fused kernels on a Hopper or later GPU (run device: cpu, model.fused off)" in text
+    assert "(valid: false, or null (on where it pays))" in text, text
+    build_plan(to_run_config(compose_cfg(*TINY, "model.pdl=false")), outputs)

@@ -172,3 +172,22 @@ def test_a_random_target_takes_any_supported_architecture(outputs):
     bad = to_run_config(compose_cfg("model=tiny", "model.random.model_type=gpt2")).model
     with pytest.raises(Exception, match="model.random.model_type"):
         describe_model(bad, outputs / "weights")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_the_launch_rule_sizes_a_layer_by_its_largest_fused_weight(arch):
+    """model.pdl's default reads a layer's largest projection from the config: it is the largest weight
+    the fused layer holds (q/k/v, o, gate/up, down); off the GPU nothing launches dependently."""
+    from helpers.models import pair, qwen3_pair
+
+    from engine.loading import largest_projection, resolve_pdl
+    from kernels.runtime import pdl
+
+    _, target = pair() if arch == "llama" else qwen3_pair()
+    target.use_fused_kernels()
+    layer = target.model.layers[0]
+    held = (layer.qkv_weight, layer.self_attn.o_proj.weight, layer.gate_up_weight, layer.mlp.down_proj.weight)
+    assert largest_projection(target.args) == max(w.numel() for w in held)
+    cfg = to_run_config(compose_cfg("model=tiny", "device=cpu")).model
+    assert not resolve_pdl(cfg, torch.device("cpu"), target.args, torch.float32)
+    assert not pdl(torch.device("cpu"))
