@@ -13,6 +13,7 @@ import time
 from engine.drafts.registry import load_head
 from engine.errors import ConfigError
 from engine.loading import load_model, resolve_kernels, resolve_pdl
+from kernels.runtime import pdl
 from stages.base import Stage, StageEnv, register_stage
 
 
@@ -48,5 +49,6 @@ class LoadStage(Stage):
         head = load_head(env.draft_plan, loaded.model, seed, env.device, env.dtype)
         if env.tracker is not None:
             env.tracker.log_metrics({"load_s": time.perf_counter() - t0})
+            env.tracker.log_params({"model.pdl.on": pdl(env.device)})  # what model.pdl resolved to
         print(f"[load] {loaded.checkpoint} -> {env.device} {env.dtype} in {time.perf_counter() - t0:.1f}s", flush=True)
         return {"target": loaded, "draft_head": head}

@@ -258,6 +258,7 @@ def test_eagle3_job_is_tracked_with_draft_metrics(outputs, capsys):
     assert r.data.params["aux_layer_ids.input_of"] == "[1, 2, 3]"
     assert r.data.params["aux_layer_ids.output_of"] == "[0, 1, 2]"
     assert r.data.params["aux_layer_ids.source"] == "config"
+    assert r.data.params["model.pdl.on"] == "False"  # resolved: no dependent launches on a CPU
     line = json.loads(download_text(outputs, r.info.run_id, "results.jsonl").splitlines()[0])
     assert line["accept_length"] >= 1.0
 
