@@ -532,7 +532,7 @@ def resolve_pdl(cfg, device: torch.device, args: ModelArgs, dtype: torch.dtype) 
         raise ConfigError("model.pdl", cfg.pdl, problem, "false, or null (on where it pays)")
     if cfg.pdl is not None or not fused:
         return bool(cfg.pdl) and fused
-    return pdl_pays(largest_projection(args) * torch.tensor([], dtype=dtype).element_size(), device)
+    return pdl_pays(largest_projection(args) * dtype.itemsize, device)
 
 
 def largest_projection(args: ModelArgs) -> int:

@@ -206,6 +206,7 @@ def rope_cache_write(
     assert (q_norm is None) == (k_norm is None) or heads == 0, "q and k norms come together"
     k_w = k_norm if k_norm is not None else cos  # a placeholder pointer when QK_NORM is off
     q_w = q_norm if q_norm is not None else k_w  # heads = 0 (k and v only): no q norm is read
+    gdc = pdl(qkv.device)
     _rope_cache_kernel[(b, t)](
         qkv,
         cos,
@@ -235,7 +236,7 @@ def rope_cache_write(
         NH=triton.next_power_of_2(heads + kv_heads),
         NKV=triton.next_power_of_2(kv_heads),
         QK_NORM=k_norm is not None,
-        USE_GDC=pdl(qkv.device),
-        launch_pdl=pdl(qkv.device),
+        USE_GDC=gdc,
+        launch_pdl=gdc,
     )
     return q
